@@ -1,0 +1,367 @@
+"""One ingest run: capture files → deduplicated, redacted ShareGPT rows in the warehouse.
+
+Files are processed independently (in a pool of worker processes when there is
+enough input); the parent deduplicates by content hash across files and runs,
+writes Parquet per day, and commits checkpoints to the catalog. Every line read is
+accounted for: ``read = normalized + duplicates + quarantined + skipped``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from capture.formats import to_conversation
+from capture.records import Reject, decode_line
+from capture.redact import Redactor
+from capture.sources import ObjectMissing, SourceObject, iter_lines, list_objects, parse_when, s3_client
+from capture.warehouse import SCHEMA, TURN, Warehouse
+
+log = logging.getLogger("capture.ingest")
+
+EXCERPT_BYTES = 1024
+# Below this much input a pool's start-up costs more than it saves.
+POOL_MIN_BYTES = 8 << 20
+CHECKPOINT_BYTES = 512 << 20
+PART_ROWS = 250_000
+
+
+@dataclass
+class IngestResult:
+    """Counts of one run. ``read = normalized + duplicates + quarantined + skipped``."""
+
+    run_id: str
+    read: int = 0
+    normalized: int = 0
+    duplicates: int = 0
+    quarantined: int = 0
+    skipped: int = 0
+    redactions: dict[str, int] = field(default_factory=dict)
+    objects: int = 0
+    missing_objects: int = 0
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    quarantine_reasons: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """Exactly the keys ``adapt ingest --json`` prints."""
+        return {
+            "read": self.read,
+            "normalized": self.normalized,
+            "duplicates": self.duplicates,
+            "quarantined": self.quarantined,
+            "skipped": self.skipped,
+            "redactions": dict(sorted(self.redactions.items())),
+            "run_id": self.run_id,
+        }
+
+
+@dataclass
+class FileResult:
+    """What one worker made of one capture file."""
+
+    obj: SourceObject
+    missing: bool = False
+    read: int = 0
+    table: pa.Table | None = None
+    row_redactions: list[tuple[int, dict[str, int]]] = field(default_factory=list)
+    quarantine: list[dict] = field(default_factory=list)
+    skips: Counter = field(default_factory=Counter)
+
+
+def content_hash(turns: list[tuple[str, str]]) -> str:
+    """Hash of the conversation text only (roles and values), so replays of one exchange collide."""
+    h = hashlib.blake2b(digest_size=16)
+    for frm, value in turns:
+        h.update(frm.encode())
+        h.update(b"\x1f")
+        h.update(value.encode("utf-8", "surrogatepass"))
+        h.update(b"\x1e")
+    return h.hexdigest()
+
+
+def _excerpt(line: bytes) -> str:
+    s = line[:EXCERPT_BYTES].decode("utf-8", "replace").replace("\x00", "\\x00")
+    return s + ("…" if len(line) > EXCERPT_BYTES else "")
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(s3_cfg: Any, redact: bool, max_line_bytes: int) -> None:
+    _WORKER.update(s3=s3_cfg, redact=redact, max_line_bytes=max_line_bytes, client=None)
+
+
+def _client() -> Any:
+    if _WORKER.get("client") is None:
+        _WORKER["client"] = s3_client(_WORKER["s3"])
+    return _WORKER["client"]
+
+
+def process_file(obj: SourceObject) -> FileResult:
+    """Decode, normalize and redact every line of one capture file (runs in a worker)."""
+    redact: bool = _WORKER["redact"]
+    max_line: int = _WORKER["max_line_bytes"]
+    res = FileResult(obj=obj)
+    cols: dict[str, list] = {k: [] for k in ("id", "event_id", "inference_id", "inference_time", "line_no", "format",
+                                             "raw", "model", "temperature", "top_p", "max_tokens", "content_hash", "dt")}
+    offsets = [0]
+    t_from: list[str] = []
+    t_value: list[str] = []
+    client = _client() if obj.uri.startswith("s3://") else None
+    line_no = 0
+    try:
+        for line in iter_lines(obj.uri, client=client):
+            line_no += 1
+            try:
+                if len(line) > max_line:
+                    raise Reject("quarantine", "line_too_large", f"{len(line)} bytes > {max_line}")
+                rec = decode_line(line)
+                conv = to_conversation(rec.request, rec.response)
+                when = rec.inference_time or obj.hour
+                if when is None:
+                    raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")
+                turns = conv.turns
+                if redact:
+                    r = Redactor()
+                    turns = [(frm, r.redact(v)) for frm, v in turns]
+                    if r.counts:
+                        res.row_redactions.append((len(cols["id"]), r.counts))
+            except Reject as rej:
+                if rej.kind == "skip":
+                    res.skips[rej.reason] += 1
+                else:
+                    res.quarantine.append(
+                        {"source_uri": obj.uri, "line_no": line_no, "reason": rej.reason, "detail": rej.detail[:500],
+                         "excerpt": _excerpt(line), "event_id": None}
+                    )
+                continue
+            except Exception as exc:  # a decoder bug must not lose the rest of the file
+                res.quarantine.append(
+                    {"source_uri": obj.uri, "line_no": line_no, "reason": "internal_error",
+                     "detail": f"{type(exc).__name__}: {exc}"[:500], "excerpt": _excerpt(line), "event_id": None}
+                )
+                continue
+            h = content_hash(turns)
+            for frm, v in turns:
+                t_from.append(frm)
+                t_value.append(v)
+            offsets.append(len(t_from))
+            cols["id"].append(h)
+            cols["event_id"].append(rec.event_id)
+            cols["inference_id"].append(rec.inference_id)
+            cols["inference_time"].append(when)
+            cols["line_no"].append(line_no)
+            cols["format"].append(conv.format)
+            cols["raw"].append(conv.raw)
+            cols["model"].append(conv.model)
+            cols["temperature"].append(conv.temperature)
+            cols["top_p"].append(conv.top_p)
+            cols["max_tokens"].append(conv.max_tokens)
+            cols["content_hash"].append(h)
+            cols["dt"].append(when.date())
+    except ObjectMissing:
+        res.missing = True
+        return res
+    res.read = line_no
+    n = len(cols["id"])
+    convs = pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()),
+        pa.StructArray.from_arrays([pa.array(t_from, pa.string()), pa.array(t_value, pa.string())], fields=list(TURN)),
+    )
+    arrays = []
+    for f in SCHEMA:
+        if f.name == "conversations":
+            arrays.append(convs)
+        elif f.name in ("endpoint", "variant", "source_uri"):
+            v = {"endpoint": obj.endpoint, "variant": obj.variant, "source_uri": obj.uri}[f.name]
+            arrays.append(pa.array([v] * n, f.type))
+        elif f.name == "run_id":
+            arrays.append(pa.nulls(n, f.type))
+        else:
+            arrays.append(pa.array(cols[f.name], f.type))
+    res.table = pa.Table.from_arrays(arrays, schema=SCHEMA)
+    return res
+
+
+class _Run:
+    """Parent-side state of a run: dedupe, Parquet buffers, checkpoints."""
+
+    def __init__(self, wh: Warehouse, run_id: str, seen: set[str], result: IngestResult) -> None:
+        self.wh, self.run_id, self.seen, self.result = wh, run_id, seen, result
+        self.buffers: dict[date, list[pa.Table]] = {}
+        self.buffered_rows = 0
+        self.seq = 0
+        self.pending_manifest: list[dict] = []
+        self.pending_quarantine: list[dict] = []
+        self.pending_skips: list[dict] = []
+        self.pending_hashes: list[str] = []
+        self.pending_files: list[dict] = []
+        self.pending_bytes = 0
+
+    def add(self, fr: FileResult) -> None:
+        r = self.result
+        if fr.missing:
+            log.warning("capture object vanished between list and read: %s", fr.obj.uri)
+            r.missing_objects += 1
+            return
+        r.objects += 1
+        r.read += fr.read
+        n_q = len(fr.quarantine)
+        n_s = sum(fr.skips.values())
+        r.quarantined += n_q
+        r.skipped += n_s
+        for q in fr.quarantine:
+            r.quarantine_reasons[q["reason"]] = r.quarantine_reasons.get(q["reason"], 0) + 1
+        for reason, c in fr.skips.items():
+            r.skip_reasons[reason] = r.skip_reasons.get(reason, 0) + c
+            self.pending_skips.append({"source_uri": fr.obj.uri, "reason": reason, "count": c})
+        self.pending_quarantine.extend(fr.quarantine)
+        kept = 0
+        t = fr.table
+        if t is not None and t.num_rows:
+            hashes = t.column("content_hash").to_pylist()
+            mask = []
+            seen = self.seen
+            for h in hashes:
+                if h in seen:
+                    mask.append(False)
+                else:
+                    seen.add(h)
+                    mask.append(True)
+            kept = sum(mask)
+            if kept < len(mask):
+                t = t.filter(pa.array(mask))
+            for i, counts in fr.row_redactions:
+                if mask[i]:
+                    for k, c in counts.items():
+                        r.redactions[k] = r.redactions.get(k, 0) + c
+            if kept:
+                t = t.set_column(SCHEMA.get_field_index("run_id"), "run_id", pa.array([self.run_id] * kept, pa.string()))
+                self.pending_hashes.extend(t.column("content_hash").to_pylist())
+                self._buffer(t)
+        dups = (fr.table.num_rows if fr.table is not None else 0) - kept
+        r.normalized += kept
+        r.duplicates += dups
+        if fr.read != kept + dups + n_q + n_s:
+            raise RuntimeError(f"line accounting broke for {fr.obj.uri}: {fr.read} != {kept}+{dups}+{n_q}+{n_s}")
+        self.pending_manifest.append(
+            {"source_uri": fr.obj.uri, "etag": fr.obj.etag, "size": fr.obj.size, "read": fr.read, "normalized": kept,
+             "duplicates": dups, "quarantined": n_q, "skipped": n_s}
+        )
+        self.pending_bytes += fr.obj.size
+
+    def _buffer(self, t: pa.Table) -> None:
+        dts = pc.unique(t.column("dt")).to_pylist()
+        for d in dts:
+            part = t if len(dts) == 1 else t.filter(pc.equal(t.column("dt"), pa.scalar(d, pa.date32())))
+            self.buffers.setdefault(d, []).append(part)
+            self.buffered_rows += part.num_rows
+            if sum(x.num_rows for x in self.buffers[d]) >= PART_ROWS:
+                self._flush_day(d)
+
+    def _flush_day(self, d: date) -> None:
+        tables = self.buffers.pop(d, [])
+        if not tables:
+            return
+        t = pa.concat_tables(tables)
+        self.buffered_rows -= t.num_rows
+        self.seq += 1
+        path, size = self.wh.write_part(t, d, self.run_id, self.seq)
+        self.pending_files.append({"path": path, "dt": d, "rows": t.num_rows, "bytes": size})
+
+    def checkpoint(self, final: bool) -> None:
+        """Flush every buffer and commit everything pending in one transaction."""
+        for d in list(self.buffers):
+            self._flush_day(d)
+        r = self.result
+        totals = {k: getattr(r, k) for k in ("objects", "missing_objects", "read", "normalized", "duplicates",
+                                             "quarantined", "skipped")}
+        totals["redactions"] = r.redactions
+        con = self.wh.connect()
+        try:
+            self.wh.commit(
+                con, self.run_id, manifest=self.pending_manifest, quarantine=self.pending_quarantine,
+                skipped=self.pending_skips, hashes=self.pending_hashes, files=self.pending_files, totals=totals,
+                final=final,
+            )
+        finally:
+            con.close()
+        self.pending_manifest, self.pending_quarantine, self.pending_skips = [], [], []
+        self.pending_hashes, self.pending_files = [], []
+        self.pending_bytes = 0
+
+
+def _workers(cfg: Any, objs: list[SourceObject]) -> int:
+    want = cfg.capture.workers or min(2, os.cpu_count() or 1)
+    if len(objs) < 2 or sum(o.size for o in objs) < POOL_MIN_BYTES:
+        return 1
+    return max(1, min(want, len(objs)))
+
+
+def ingest(
+    cfg: Any,
+    source: str | None = None,
+    since: str | datetime | None = None,
+    until: str | datetime | None = None,
+    endpoint: str | None = None,
+    workers: int | None = None,
+) -> IngestResult:
+    """Ingest new capture files from ``source`` (default ``config.capture.source``) into the warehouse.
+
+    ``since`` (inclusive) and ``until`` (exclusive) select layout hours; ``endpoint``
+    defaults to ``config.capture.endpoint`` ("" = all). Files already in the manifest
+    with the same ETag are not read again.
+    """
+    source = source or cfg.capture.source
+    t_since, t_until = parse_when(since), parse_when(until)
+    endpoint = cfg.capture.endpoint if endpoint is None else endpoint
+    wh = Warehouse(cfg)
+    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
+    result = IngestResult(run_id=run_id)
+    with wh.lock():
+        con = wh.connect()
+        try:
+            orphans = wh.clean_orphans(con)
+            if orphans:
+                log.warning("removed %d uncommitted Parquet files from an interrupted run", len(orphans))
+            done = wh.processed(con)
+            seen = wh.known_hashes(con)
+            client = s3_client(cfg.s3) if source.startswith("s3://") else None
+            objs = [
+                o for o in list_objects(source, endpoint=endpoint, variant=cfg.capture.variant if endpoint else "",
+                                        since=t_since, until=t_until, client=client)
+                if (o.uri, o.etag) not in done
+            ]
+            wh.start_run(con, run_id, source, t_since, t_until)
+        finally:
+            con.close()
+        run = _Run(wh, run_id, seen, result)
+        init = (cfg.s3, cfg.capture.redact, cfg.capture.max_line_bytes)
+        n = workers if workers is not None else _workers(cfg, objs)
+        if n <= 1:
+            _init_worker(*init)
+            if client is not None:
+                _WORKER["client"] = client
+            for o in objs:
+                run.add(process_file(o))
+                if run.pending_bytes >= CHECKPOINT_BYTES:
+                    run.checkpoint(final=False)
+        else:
+            # spawn, not fork: the parent has pyarrow/duckdb threads that fork would copy mid-state.
+            with mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init) as pool:
+                for fr in pool.imap(process_file, objs, chunksize=1):
+                    run.add(fr)
+                    if run.pending_bytes >= CHECKPOINT_BYTES:
+                        run.checkpoint(final=False)
+        run.checkpoint(final=True)
+    return result

@@ -1,0 +1,133 @@
+"""PII and secret redaction: typed placeholders, counted per type.
+
+Each detector is gated by a cheap substring test so that the common case (text
+with nothing to redact) costs a few ``in`` scans rather than a regex pass per type.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+PLACEHOLDER = "[REDACTED_{}]"
+
+_EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}")
+_AWS_KEY_PREFIXES = ("AKIA", "ASIA", "AGPA", "AIDA", "AROA", "AIPA", "ANPA", "ANVA", "ABIA", "ACCA")
+_AWS_KEY = re.compile(r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|AIPA|ANPA|ANVA|ABIA|ACCA)[A-Z0-9]{16}\b")
+# A secret access key is 40 base64 characters; alone that also matches hashes and
+# identifiers, so either a nearby label or a mix of cases, digits and / or + is required.
+_AWS_SECRET_LABELLED = re.compile(
+    r"(?i)(aws_?secret_?(?:access_?)?key|secret_?access_?key)(\"?\s*[:=]\s*[\"']?)([A-Za-z0-9/+]{40})(?![A-Za-z0-9/+=])"
+)
+_AWS_SECRET_BARE = re.compile(r"(?<![A-Za-z0-9/+=])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])")
+_BEARER = re.compile(r"(?i)\b(bearer)(\s+)[A-Za-z0-9\-._~+/]{8,}=*")
+_API_KEY = re.compile(
+    r"\b(?:sk-(?:proj-|ant-(?:api\d\d-)?)?[A-Za-z0-9_\-]{20,}"
+    r"|gh[pousr]_[A-Za-z0-9]{30,}"
+    r"|github_pat_[A-Za-z0-9_]{30,}"
+    r"|xox[abposr]-[A-Za-z0-9\-]{10,}"
+    r"|AIza[0-9A-Za-z\-_]{35}"
+    r"|hf_[A-Za-z0-9]{30,})"
+)
+_API_KEY_PREFIXES = ("sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox", "AIza", "hf_")
+_API_KEY_LABELLED = re.compile(r"(?i)\b(api[_\-]?key|x-api-key|access[_\-]?token)(\"?\s*[:=]\s*[\"']?)([A-Za-z0-9\-_.]{16,})")
+_CARD = re.compile(r"(?<![\d\-])\d(?:[ \-]?\d){12,18}(?![\d\-])")
+_PHONE = re.compile(
+    r"(?<![\w+])(?:"
+    r"\+\d{1,3}[ .\-]?(?:\(\d{1,4}\)[ .\-]?)?\d{1,4}(?:[ .\-]?\d{2,4}){2,4}"  # international, leading +
+    r"|(?:1[ .\-])?\(\d{3}\)[ .\-]?\d{3}[ .\-]\d{4}"  # (555) 123-4567
+    r"|(?:1[ .\-])?\d{3}[.\-]\d{3}[.\-]\d{4}"  # 555-123-4567, 555.123.4567
+    r")(?![\w])"
+)
+_DIGIT_RUN = re.compile(r"\d{3}")
+_HAS_UPPER = re.compile(r"[A-Z]")
+_HAS_LOWER = re.compile(r"[a-z]")
+_HAS_DIGIT = re.compile(r"\d")
+
+
+def luhn_ok(digits: str) -> bool:
+    """Luhn checksum of a string of digits."""
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ord(ch) - 48
+        if i % 2:
+            d *= 2
+            if d > 9:
+                d -= 9
+        total += d
+    return total % 10 == 0
+
+
+class Redactor:
+    """Replace PII/secrets with ``[REDACTED_<TYPE>]``; ``counts`` accumulates per type."""
+
+    TYPES = ("EMAIL", "PHONE", "CARD", "AWS_ACCESS_KEY", "AWS_SECRET_KEY", "BEARER_TOKEN", "API_KEY")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def _bump(self, kind: str, n: int = 1) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + n
+
+    def redact(self, text: str) -> str:
+        """Return ``text`` with every detected item replaced by its placeholder."""
+        if "@" in text:
+            text = self._simple(_EMAIL, text, "EMAIL")
+        if "A" in text and any(p in text for p in _AWS_KEY_PREFIXES):
+            text = self._simple(_AWS_KEY, text, "AWS_ACCESS_KEY")
+        if "earer" in text or "EARER" in text:
+            text = _BEARER.sub(self._bearer, text)
+        if any(p in text for p in _API_KEY_PREFIXES):
+            text = self._simple(_API_KEY, text, "API_KEY")
+        if "ey" in text or "EY" in text or "oken" in text or "OKEN" in text:
+            lowered = text.lower()
+            if "key" in lowered or "token" in lowered:
+                text = _API_KEY_LABELLED.sub(self._labelled("API_KEY"), text)
+                if "secret" in lowered:
+                    text = _AWS_SECRET_LABELLED.sub(self._labelled("AWS_SECRET_KEY"), text)
+        if len(text) >= 40:
+            text = _AWS_SECRET_BARE.sub(self._bare_secret, text)
+        if _DIGIT_RUN.search(text):
+            text = _CARD.sub(self._card, text)
+            text = self._simple(_PHONE, text, "PHONE")
+        return text
+
+    def _simple(self, pattern: re.Pattern[str], text: str, kind: str) -> str:
+        out, n = pattern.subn(PLACEHOLDER.format(kind), text)
+        if n:
+            self._bump(kind, n)
+        return out
+
+    def _bearer(self, m: re.Match[str]) -> str:
+        self._bump("BEARER_TOKEN")
+        return f"{m.group(1)}{m.group(2)}{PLACEHOLDER.format('BEARER_TOKEN')}"
+
+    def _labelled(self, kind: str) -> Callable[[re.Match[str]], str]:
+        def repl(m: re.Match[str]) -> str:
+            if m.group(3).startswith("[REDACTED"):
+                return m.group(0)
+            self._bump(kind)
+            return f"{m.group(1)}{m.group(2)}{PLACEHOLDER.format(kind)}"
+
+        return repl
+
+    def _bare_secret(self, m: re.Match[str]) -> str:
+        s = m.group(0)
+        if _HAS_UPPER.search(s) and _HAS_LOWER.search(s) and _HAS_DIGIT.search(s) and ("/" in s or "+" in s):
+            self._bump("AWS_SECRET_KEY")
+            return PLACEHOLDER.format("AWS_SECRET_KEY")
+        return s
+
+    def _card(self, m: re.Match[str]) -> str:
+        s = m.group(0)
+        digits = s.replace(" ", "").replace("-", "")
+        if 13 <= len(digits) <= 19 and luhn_ok(digits):
+            self._bump("CARD")
+            return PLACEHOLDER.format("CARD")
+        return s
+
+
+def redact_text(text: str) -> tuple[str, dict[str, int]]:
+    """Redact one string; returns the new text and the per-type counts."""
+    r = Redactor()
+    return r.redact(text), r.counts

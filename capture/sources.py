@@ -1,0 +1,225 @@
+"""Where capture files come from: a local directory or S3, in Data Capture's layout.
+
+Layout below the source prefix: ``{endpoint}/{variant}/yyyy/mm/dd/hh/<name>.jsonl``.
+Files outside that layout (a single file, a flat folder of fixtures) are read too;
+they carry no hour, so the time window does not filter them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+_HOUR_PARTS = re.compile(r"^\d{4}/\d{2}/\d{2}/\d{2}$")
+_REL = re.compile(r"^(\d+)\s*([hd])$")
+
+
+@dataclass(frozen=True, slots=True)
+class SourceObject:
+    """One capture file. ``uri`` is its identity in the manifest; ``etag`` changes when its content does."""
+
+    uri: str
+    size: int
+    etag: str
+    endpoint: str
+    variant: str
+    hour: datetime | None
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` → ``("bucket", "a/b")``."""
+    u = urlparse(uri)
+    return u.netloc, u.path.lstrip("/")
+
+
+def parse_layout(rel: str) -> tuple[str, str, datetime] | None:
+    """``endpoint/variant/yyyy/mm/dd/hh/file`` → (endpoint, variant, hour) or ``None`` if off-layout."""
+    parts = rel.strip("/").split("/")
+    if len(parts) < 7:
+        return None
+    parts = parts[-7:]
+    if not _HOUR_PARTS.match("/".join(parts[2:6])):
+        return None
+    try:
+        hour = datetime(int(parts[2]), int(parts[3]), int(parts[4]), int(parts[5]), tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    return parts[0], parts[1], hour
+
+
+def parse_when(value: str | datetime | None, now: datetime | None = None) -> datetime | None:
+    """Parse ``--since/--until``: ISO date/time (``2024-01-19``, ``2024-01-19T07``, ``…T07:00Z``) or ``6h``/``2d`` ago.
+
+    The result is floored to the hour (the layout's granularity).
+    """
+    if value is None or value == "":
+        return None
+    if isinstance(value, datetime):
+        t = value
+    else:
+        v = value.strip()
+        m = _REL.match(v)
+        if m:
+            n, unit = int(m.group(1)), m.group(2)
+            t = (now or datetime.now(timezone.utc)) - (timedelta(hours=n) if unit == "h" else timedelta(days=n))
+        else:
+            if v.endswith("Z"):
+                v = v[:-1] + "+00:00"
+            if re.fullmatch(r"\d{4}-\d{2}-\d{2}[T ]\d{2}", v):
+                v += ":00"
+            try:
+                t = datetime.fromisoformat(v)
+            except ValueError:
+                raise ValueError(f"cannot parse time {value!r}: use YYYY-MM-DD[THH[:MM]], or 6h / 2d ago") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return t.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
+def in_window(hour: datetime | None, since: datetime | None, until: datetime | None) -> bool:
+    """``since`` inclusive, ``until`` exclusive; off-layout files (no hour) always pass."""
+    if hour is None:
+        return True
+    if since is not None and hour < since:
+        return False
+    if until is not None and hour >= until:
+        return False
+    return True
+
+
+def s3_client(s3_cfg: Any) -> Any:
+    """A boto3 S3 client from ``config.s3`` (standard credential chain, optional endpoint URL)."""
+    import boto3
+
+    return boto3.client("s3", **s3_cfg.client_kwargs())
+
+
+def _describe(uri: str, rel: str | None, size: int, etag: str, default_endpoint: str, default_variant: str) -> SourceObject:
+    lay = parse_layout(rel) if rel is not None else None
+    if lay:
+        return SourceObject(uri, size, etag, lay[0], lay[1], lay[2])
+    return SourceObject(uri, size, etag, default_endpoint or "unknown", default_variant, None)
+
+
+def _keep(obj: SourceObject, endpoint: str, variant: str, since: datetime | None, until: datetime | None) -> bool:
+    if obj.hour is not None:
+        if endpoint and obj.endpoint != endpoint:
+            return False
+        if variant and obj.variant != variant:
+            return False
+    return in_window(obj.hour, since, until)
+
+
+def list_objects(
+    source: str,
+    *,
+    endpoint: str = "",
+    variant: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    s3: Any = None,
+    client: Any = None,
+) -> Iterator[SourceObject]:
+    """Capture files under ``source`` (dir, file or ``s3://bucket/prefix``) in the window, sorted by key.
+
+    ``endpoint``/``variant`` filter layout files ("" = all). ``s3`` is ``config.s3``
+    (used when no ``client`` is given).
+    """
+    if is_s3(source):
+        bucket, prefix = split_s3(source)
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        narrowed = prefix
+        if endpoint:
+            narrowed += endpoint + "/"
+            if variant:
+                narrowed += variant + "/"
+        client = client or s3_client(s3)
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=narrowed)
+        for page in pages:
+            for item in page.get("Contents", []):
+                key = item["Key"]
+                if key.endswith("/"):
+                    continue
+                obj = _describe(
+                    f"s3://{bucket}/{key}", key[len(prefix):], int(item["Size"]), item["ETag"].strip('"'), endpoint, variant
+                )
+                if _keep(obj, endpoint, variant, since, until):
+                    yield obj
+        return
+
+    root = Path(source).expanduser()
+    if root.is_file():
+        st = root.stat()
+        yield _describe(str(root.absolute()), None, st.st_size, f"{st.st_size}-{st.st_mtime_ns}", endpoint, variant)
+        return
+    if not root.is_dir():
+        raise FileNotFoundError(f"capture source {root} does not exist")
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in filenames:
+            if name.startswith(".") or not name.endswith(".jsonl"):
+                continue  # Data Capture writes .jsonl; schemas, notes and temp files are not capture
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue  # gone since the walk saw it
+            obj = _describe(str(p.absolute()), rel, st.st_size, f"{st.st_size}-{st.st_mtime_ns}", endpoint, variant)
+            if _keep(obj, endpoint, variant, since, until):
+                found.append(obj)
+    found.sort(key=lambda o: o.uri)
+    yield from found
+
+
+class ObjectMissing(Exception):
+    """The object was listed but is gone (deleted or expired) when read."""
+
+
+def iter_lines(uri: str, client: Any = None, s3: Any = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+    """Stream the lines of one capture file, split on ``\\n`` only, without the newline.
+
+    A final line without a newline is still yielded; a trailing newline yields no
+    empty line. Raises :class:`ObjectMissing` if the object is gone.
+    """
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        client = client or s3_client(s3)
+        try:
+            body = client.get_object(Bucket=bucket, Key=key)["Body"]
+        except Exception as exc:  # botocore ClientError: NoSuchKey / 404
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise ObjectMissing(uri) from exc
+            raise
+        pending = b""
+        try:
+            for chunk in body.iter_chunks(chunk_size):
+                buf = pending + chunk if pending else chunk
+                lines = buf.split(b"\n")
+                pending = lines.pop()
+                yield from lines
+        finally:
+            body.close()
+        if pending:
+            yield pending
+        return
+    try:
+        f = open(uri, "rb")
+    except FileNotFoundError as exc:
+        raise ObjectMissing(uri) from exc
+    with f:
+        for line in f:
+            yield line[:-1] if line.endswith(b"\n") else line

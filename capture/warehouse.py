@@ -1,0 +1,283 @@
+"""The conversation warehouse: Parquet files (local or S3) catalogued in a local DuckDB file.
+
+Visibility is decided by the catalog, not by what lies in the directory: a Parquet
+file counts only once its row in ``parquet_files`` is committed, in the same
+transaction as the manifest entries of the capture files it came from. A run that
+dies between writing Parquet and committing leaves orphans that no view shows;
+the next run deletes them and redoes the work.
+
+Catalog tables: ``runs``, ``manifest``, ``quarantine``, ``skipped``, ``parquet_files``,
+``content_hashes``; views ``conversations`` and ``conversations_split`` (local
+warehouse only: DuckDB here has no S3 extension, so S3 Parquet is read with
+pyarrow's own S3 filesystem, see :meth:`Warehouse.read_conversations`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import date, datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import duckdb
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+TURN = pa.struct([("from", pa.string()), ("value", pa.string())])
+
+# The Parquet row: one ShareGPT conversation plus where and how it was served.
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("conversations", pa.list_(TURN)),
+        ("event_id", pa.string()),
+        ("inference_id", pa.string()),
+        ("inference_time", pa.timestamp("us", tz="UTC")),
+        ("endpoint", pa.string()),
+        ("variant", pa.string()),
+        ("source_uri", pa.string()),
+        ("line_no", pa.int64()),
+        ("format", pa.string()),
+        ("raw", pa.bool_()),
+        ("model", pa.string()),
+        ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("max_tokens", pa.int64()),
+        ("content_hash", pa.string()),
+        ("run_id", pa.string()),
+        ("dt", pa.date32()),
+    ]
+)
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id VARCHAR PRIMARY KEY, started_at TIMESTAMPTZ, finished_at TIMESTAMPTZ, status VARCHAR,
+    source VARCHAR, since TIMESTAMPTZ, "until" TIMESTAMPTZ, objects BIGINT, missing_objects BIGINT,
+    "read" BIGINT, normalized BIGINT, duplicates BIGINT, quarantined BIGINT, skipped BIGINT, redactions VARCHAR);
+CREATE TABLE IF NOT EXISTS manifest (
+    source_uri VARCHAR, etag VARCHAR, size BIGINT, run_id VARCHAR, processed_at TIMESTAMPTZ,
+    "read" BIGINT, normalized BIGINT, duplicates BIGINT, quarantined BIGINT, skipped BIGINT,
+    PRIMARY KEY (source_uri, etag));
+CREATE TABLE IF NOT EXISTS quarantine (
+    run_id VARCHAR, source_uri VARCHAR, line_no BIGINT, reason VARCHAR, detail VARCHAR,
+    excerpt VARCHAR, event_id VARCHAR, quarantined_at TIMESTAMPTZ);
+CREATE TABLE IF NOT EXISTS skipped (run_id VARCHAR, source_uri VARCHAR, reason VARCHAR, count BIGINT);
+CREATE TABLE IF NOT EXISTS parquet_files (path VARCHAR PRIMARY KEY, run_id VARCHAR, dt DATE, "rows" BIGINT, bytes BIGINT);
+CREATE TABLE IF NOT EXISTS content_hashes (content_hash VARCHAR, run_id VARCHAR);
+"""
+
+RUN_COUNTS = ("objects", "missing_objects", "read", "normalized", "duplicates", "quarantined", "skipped")
+
+
+class IngestLocked(RuntimeError):
+    """Another ingest run holds the warehouse."""
+
+
+def _filesystem(uri: str, s3_cfg: Any) -> tuple[pafs.FileSystem, str]:
+    """pyarrow filesystem and base path for a warehouse URI (local dir or ``s3://bucket/prefix``)."""
+    if uri.startswith("s3://"):
+        kw: dict[str, Any] = {"region": s3_cfg.region}
+        if s3_cfg.endpoint_url:
+            u = urlparse(s3_cfg.endpoint_url)
+            kw["endpoint_override"] = u.netloc or u.path
+            kw["scheme"] = u.scheme or "https"
+        # Credentials: the AWS SDK's default chain (env vars, profile, instance role), like boto3.
+        fs = pafs.S3FileSystem(**kw)
+        u = urlparse(uri)
+        return fs, f"{u.netloc}/{u.path.strip('/')}".rstrip("/")
+    p = Path(uri).expanduser().absolute()
+    return pafs.LocalFileSystem(), str(p)
+
+
+class Warehouse:
+    """Parquet + DuckDB catalog for one config (``[warehouse]`` and ``[s3]``)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.uri = cfg.warehouse.uri
+        self.catalog = Path(cfg.warehouse.catalog).expanduser()
+        self.is_s3 = self.uri.startswith("s3://")
+        self.fs, self.base = _filesystem(self.uri, cfg.s3)
+        self.heldout_hours = cfg.capture.heldout_hours
+
+    # -- catalog -----------------------------------------------------------------------
+
+    def connect(self, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+        """Open the catalog (creating its tables on first write)."""
+        if read_only and not self.catalog.exists():
+            con = duckdb.connect(":memory:")
+            con.execute(_DDL)
+            return con
+        self.catalog.parent.mkdir(parents=True, exist_ok=True)
+        con = duckdb.connect(str(self.catalog), read_only=read_only)
+        if not read_only:
+            con.execute(_DDL)
+        return con
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive ingest lock (one writer at a time); fails fast if held."""
+        self.catalog.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(self.catalog) + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise IngestLocked(f"another ingest holds {self.catalog}.lock") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def processed(self, con: duckdb.DuckDBPyConnection) -> set[tuple[str, str]]:
+        return set(con.execute("SELECT source_uri, etag FROM manifest").fetchall())
+
+    def known_hashes(self, con: duckdb.DuckDBPyConnection) -> set[str]:
+        """Content hashes of every stored conversation (for dedupe across runs)."""
+        t = con.sql("SELECT content_hash FROM content_hashes").to_arrow_table()
+        return set(t.column(0).to_pylist())
+
+    def committed_files(self, con: duckdb.DuckDBPyConnection) -> list[str]:
+        return [r[0] for r in con.execute("SELECT path FROM parquet_files ORDER BY path").fetchall()]
+
+    def start_run(self, con: duckdb.DuckDBPyConnection, run_id: str, source: str, since: Any, until: Any) -> None:
+        con.execute(
+            "INSERT INTO runs (run_id, started_at, status, source, since, \"until\") VALUES (?, ?, 'running', ?, ?, ?)",
+            [run_id, datetime.now(timezone.utc), source, since, until],
+        )
+
+    # -- Parquet -----------------------------------------------------------------------
+
+    def part_path(self, dt: date, run_id: str, seq: int) -> str:
+        return f"{self.base}/dt={dt.isoformat()}/part-{run_id}-{seq:05d}.parquet"
+
+    def write_part(self, table: pa.Table, dt: date, run_id: str, seq: int) -> tuple[str, int]:
+        """Write one Parquet file atomically; returns (path, bytes)."""
+        path = self.part_path(dt, run_id, seq)
+        if self.is_s3:
+            # An S3 PUT (or multipart upload) becomes visible whole or not at all.
+            pq.write_table(table, path, filesystem=self.fs, compression="zstd")
+            return path, self.fs.get_file_info(path).size
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+        return path, os.path.getsize(path)
+
+    def clean_orphans(self, con: duckdb.DuckDBPyConnection) -> list[str]:
+        """Delete Parquet (and temp) files no committed row names: leftovers of a crashed run."""
+        keep = set(self.committed_files(con))
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.base, recursive=True, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        gone = []
+        for info in infos:
+            name = info.base_name
+            if info.type == pafs.FileType.File and name.startswith("part-") and info.path not in keep:
+                if name.endswith(".parquet") or ".parquet.tmp-" in name:
+                    self.fs.delete_file(info.path)
+                    gone.append(info.path)
+        return gone
+
+    def commit(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        run_id: str,
+        *,
+        manifest: list[dict],
+        quarantine: list[dict],
+        skipped: list[dict],
+        hashes: list[str],
+        files: list[dict],
+        totals: dict[str, Any],
+        final: bool,
+    ) -> None:
+        """Make one checkpoint of a run visible: all of it in one transaction, or none."""
+        now = datetime.now(timezone.utc)
+        con.execute("BEGIN TRANSACTION")
+        try:
+            if manifest:
+                t = pa.Table.from_pylist(
+                    [{**m, "run_id": run_id, "processed_at": now} for m in manifest],
+                    schema=pa.schema(
+                        [("source_uri", pa.string()), ("etag", pa.string()), ("size", pa.int64()), ("run_id", pa.string()),
+                         ("processed_at", pa.timestamp("us", tz="UTC")), ("read", pa.int64()), ("normalized", pa.int64()),
+                         ("duplicates", pa.int64()), ("quarantined", pa.int64()), ("skipped", pa.int64())]
+                    ),
+                )
+                # A changed object (new ETag) replaces its old entry.
+                con.register("_m", t)
+                con.execute("DELETE FROM manifest WHERE source_uri IN (SELECT source_uri FROM _m)")
+                con.execute("INSERT INTO manifest BY NAME SELECT * FROM _m")
+                con.unregister("_m")
+            if quarantine:
+                t = pa.Table.from_pylist(
+                    [{**q, "run_id": run_id, "quarantined_at": now} for q in quarantine],
+                    schema=pa.schema(
+                        [("run_id", pa.string()), ("source_uri", pa.string()), ("line_no", pa.int64()), ("reason", pa.string()),
+                         ("detail", pa.string()), ("excerpt", pa.string()), ("event_id", pa.string()),
+                         ("quarantined_at", pa.timestamp("us", tz="UTC"))]
+                    ),
+                )
+                con.register("_q", t)
+                con.execute("INSERT INTO quarantine BY NAME SELECT * FROM _q")
+                con.unregister("_q")
+            if skipped:
+                t = pa.Table.from_pylist([{**s, "run_id": run_id} for s in skipped])
+                con.register("_s", t)
+                con.execute("INSERT INTO skipped BY NAME SELECT run_id, source_uri, reason, count FROM _s")
+                con.unregister("_s")
+            if hashes:
+                t = pa.table({"content_hash": pa.array(hashes, pa.string()), "run_id": pa.array([run_id] * len(hashes), pa.string())})
+                con.register("_h", t)
+                con.execute("INSERT INTO content_hashes BY NAME SELECT * FROM _h")
+                con.unregister("_h")
+            for f in files:
+                con.execute(
+                    'INSERT INTO parquet_files (path, run_id, dt, "rows", bytes) VALUES (?, ?, ?, ?, ?)',
+                    [f["path"], run_id, f["dt"], f["rows"], f["bytes"]],
+                )
+            sets = ", ".join(f'"{k}" = ?' for k in RUN_COUNTS)
+            con.execute(
+                f"UPDATE runs SET {sets}, redactions = ?, status = ?, finished_at = ? WHERE run_id = ?",
+                [*(totals[k] for k in RUN_COUNTS), json.dumps(totals["redactions"], sort_keys=True),
+                 "complete" if final else "running", now if final else None, run_id],
+            )
+            if files and not self.is_s3:
+                self._create_views(con)
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        files = self.committed_files(con)
+        if not files:
+            return
+        lst = ", ".join("'" + p.replace("'", "''") + "'" for p in files)
+        con.execute(f"CREATE OR REPLACE VIEW conversations AS SELECT * FROM read_parquet([{lst}], hive_partitioning = false)")
+        con.execute(
+            "CREATE OR REPLACE VIEW conversations_split AS SELECT *, CASE WHEN inference_time > "
+            f"(SELECT max(inference_time) FROM conversations) - INTERVAL {int(self.heldout_hours)} HOUR "
+            "THEN 'heldout' ELSE 'train' END AS split FROM conversations"
+        )
+
+    # -- reading -----------------------------------------------------------------------
+
+    def read_conversations(self, columns: list[str] | None = None) -> pa.Table:
+        """All committed conversation rows as one Arrow table (local or S3)."""
+        con = self.connect(read_only=True)
+        try:
+            files = self.committed_files(con)
+        finally:
+            con.close()
+        if not files:
+            return SCHEMA.empty_table() if columns is None else SCHEMA.empty_table().select(columns)
+        tables = [pq.read_table(p, filesystem=self.fs, columns=columns, schema=SCHEMA) for p in files]
+        return pa.concat_tables(tables)
