@@ -1,0 +1,3 @@
+from adapt.cli import main
+
+main()

@@ -1,0 +1,239 @@
+"""One typed configuration for the whole product.
+
+The embedded default (``default_config.toml`` in this package) keeps all state
+under one local directory. A user file given with ``--config`` or ``ADAPT_CONFIG``
+is merged over it key by key, so it only needs the keys it changes.
+
+String values may use ``${state_dir}``, ``${cache_dir}`` and ``${ENV:-default}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetConfig(_Section):
+    model: str = "smollm2"
+    model_cache: str
+
+
+class S3Config(_Section):
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``boto3.client('s3', ...)``; credentials come from the standard chain."""
+        kw: dict[str, Any] = {"region_name": self.region}
+        if self.endpoint_url:
+            kw["endpoint_url"] = self.endpoint_url
+        return kw
+
+
+class CaptureConfig(_Section):
+    source: str
+    endpoint: str = ""
+    variant: str = "AllTraffic"
+    redact: bool = True
+    heldout_hours: int = Field(1, ge=0)
+    max_line_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    workers: int = Field(0, ge=0)
+
+
+class WarehouseConfig(_Section):
+    uri: str
+    catalog: str
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str
+    artifact_location: str
+    registered_model: str
+
+
+class HeadConfig(_Section):
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    aux_layer_ids: list[int] = []
+    draft_vocab_size: int = Field(8192, ge=16)
+    num_layers: int = Field(1, ge=1)
+    heads_dir: str
+
+
+class TrainingConfig(_Section):
+    seed: int = 0
+    max_steps: int = Field(200, ge=0)
+    max_minutes: float = Field(0.0, ge=0)
+    batch_tokens: int = Field(2048, ge=16)
+    max_seq_len: int = Field(1024, ge=16)
+    learning_rate: float = Field(3e-4, gt=0)
+    weight_decay: float = 0.0
+    warmup_steps: int = Field(10, ge=0)
+    depth_weights: list[float] = [1.0, 0.8, 0.6]
+    replay_ratio: float = Field(0.3, ge=0, le=1)
+    device: str = "auto"
+
+
+class ServingConfig(_Section):
+    replicas: int = Field(1, ge=0)
+    host: str = "127.0.0.1"
+    base_port: int = 8100
+    router_port: int = 8000
+    gpu_memory_utilization: float = Field(0.25, gt=0, le=1)
+    max_model_len: int = 2048
+    attach_urls: list[str] = []
+    admin_token: str = ""
+    capture_sampling_pct: float = Field(100, ge=0, le=100)
+    capture_endpoint: str = "local-endpoint"
+
+    def resolved_admin_token(self) -> str:
+        """Admin bearer token: config value, else ``ADAPT_ADMIN_TOKEN``."""
+        return self.admin_token or os.environ.get("ADAPT_ADMIN_TOKEN", "")
+
+
+class BenchConfig(_Section):
+    concurrencies: list[int] = [1, 4]
+    max_prompts: int = Field(32, ge=1)
+    max_tokens: int = Field(128, ge=1)
+    rounds: int = Field(2, ge=1)
+
+
+class GateConfig(_Section):
+    min_acceptance_gain: float = 0.02
+    min_throughput_gain: float = 0.0
+    confidence: float = Field(0.9, gt=0, lt=1)
+
+
+class ControllerConfig(_Section):
+    poll_seconds: float = Field(5.0, gt=0)
+    rollback_fraction: float = Field(0.7, ge=0, le=1)
+
+
+class Config(_Section):
+    """The whole configuration. Paths are absolute after loading."""
+
+    state_dir: str
+    cache_dir: str
+    target: TargetConfig
+    s3: S3Config = S3Config()
+    capture: CaptureConfig
+    warehouse: WarehouseConfig
+    mlflow: MlflowConfig
+    head: HeadConfig
+    training: TrainingConfig = TrainingConfig()
+    serving: ServingConfig = ServingConfig()
+    bench: BenchConfig = BenchConfig()
+    gate: GateConfig = GateConfig()
+    controller: ControllerConfig = ControllerConfig()
+    source_file: str | None = None
+
+    @field_validator("state_dir", "cache_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        return str(Path(v).expanduser().absolute())
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand(value: str, scope: dict[str, str]) -> str:
+    def sub(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in scope:
+            return scope[name]
+        if name in os.environ and os.environ[name]:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise ValueError(f"config references ${{{name}}}, which is neither set nor defaulted")
+
+    out = _ENV_REF.sub(sub, value)
+    if out.startswith("~"):
+        out = str(Path(out).expanduser())
+    return out
+
+
+def _walk(obj: Any, scope: dict[str, str]) -> Any:
+    if isinstance(obj, str):
+        return _expand(obj, scope)
+    if isinstance(obj, list):
+        return [_walk(v, scope) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _walk(v, scope) for k, v in obj.items()}
+    return obj
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def default_toml() -> str:
+    return resources.files("adapt").joinpath("default_config.toml").read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load the embedded default, merge ``path`` (or ``$ADAPT_CONFIG``) and ``overrides`` over it."""
+    raw = tomllib.loads(default_toml())
+    path = path or os.environ.get("ADAPT_CONFIG") or None
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {p} does not exist")
+        raw = _merge(raw, tomllib.loads(p.read_text()))
+    if overrides:
+        raw = _merge(raw, overrides)
+    # state_dir and cache_dir first: the other values may refer to them.
+    scope: dict[str, str] = {}
+    for key in ("state_dir", "cache_dir"):
+        scope[key] = str(Path(_expand(raw[key], scope)).expanduser().absolute())
+        raw[key] = scope[key]
+    raw = _walk(raw, scope)
+    raw["source_file"] = str(Path(path).expanduser().absolute()) if path else None
+    return Config.model_validate(raw)
+
+
+def dump_toml(cfg: Config) -> str:
+    """Render a config as TOML (for writing test and demo configs)."""
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        raise TypeError(type(v))
+
+    data = cfg.to_json_dict()
+    data.pop("source_file", None)
+    lines = [f"{k} = {val(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            lines.append(f"\n[{k}]")
+            lines += [f"{kk} = {val(vv)}" for kk, vv in v.items() if vv is not None]
+    return "\n".join(lines) + "\n"
