@@ -123,7 +123,7 @@ def _messages(msgs: Any, path: str) -> list[tuple[str, str]]:
 
 def parse_sse(text: str) -> list[Any]:
     """The JSON objects of an SSE body's ``data:`` events, in order, stopping at ``[DONE]``."""
-    events = []
+    parts = []
     for line in text.splitlines():
         line = line.strip()
         if not line.startswith("data:"):
@@ -131,10 +131,17 @@ def parse_sse(text: str) -> list[Any]:
         data = line[5:].strip()
         if data == "[DONE]":
             break
-        if not data:
-            continue
-        events.append(_loads(data, "invalid_sse_chunk"))
-    return events
+        if data:
+            parts.append(data)
+    if not parts:
+        raise quarantine("invalid_sse", "no data events")
+    try:
+        # One parse of all chunks as a JSON array is much cheaper than one parse per chunk.
+        return json.loads("[" + ",".join(parts) + "]")
+    except RecursionError:
+        raise quarantine("too_deeply_nested", "invalid_sse_chunk") from None
+    except ValueError:
+        return [_loads(p, "invalid_sse_chunk") for p in parts]
 
 
 def _join_stream(events: list[Any]) -> tuple[str, str | None]:
@@ -303,4 +310,7 @@ def to_conversation(request: Payload, response: Payload | None) -> Conversation:
     if not answer.strip():
         raise skip("empty_response")
     conv.turns.append(("gpt", answer))
+    # A NUL decoded from a JSON \u0000 escape is binary junk, not text to train on.
+    if any("\x00" in v for _, v in conv.turns):
+        raise quarantine("nul_bytes", "decoded message text contains NUL")
     return conv

@@ -8,12 +8,14 @@ accounted for: ``read = normalized + duplicates + quarantined + skipped``.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import multiprocessing as mp
 import os
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from typing import Any
@@ -23,7 +25,7 @@ import pyarrow.compute as pc
 
 from capture.formats import to_conversation
 from capture.records import Reject, decode_line
-from capture.redact import Redactor
+from capture.redact import redact_values
 from capture.sources import ObjectMissing, SourceObject, iter_lines, list_objects, parse_when, s3_client
 from capture.warehouse import SCHEMA, TURN, Warehouse
 
@@ -78,7 +80,7 @@ class FileResult:
     skips: Counter = field(default_factory=Counter)
 
 
-def content_hash(turns: list[tuple[str, str]]) -> str:
+def content_hash(turns: Iterable[tuple[str, str]]) -> str:
     """Hash of the conversation text only (roles and values), so replays of one exchange collide."""
     h = hashlib.blake2b(digest_size=16)
     for frm, value in turns:
@@ -131,11 +133,6 @@ def process_file(obj: SourceObject) -> FileResult:
                 if when is None:
                     raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")
                 turns = conv.turns
-                if redact:
-                    r = Redactor()
-                    turns = [(frm, r.redact(v)) for frm, v in turns]
-                    if r.counts:
-                        res.row_redactions.append((len(cols["id"]), r.counts))
             except Reject as rej:
                 if rej.kind == "skip":
                     res.skips[rej.reason] += 1
@@ -151,12 +148,10 @@ def process_file(obj: SourceObject) -> FileResult:
                      "detail": f"{type(exc).__name__}: {exc}"[:500], "excerpt": _excerpt(line), "event_id": None}
                 )
                 continue
-            h = content_hash(turns)
             for frm, v in turns:
                 t_from.append(frm)
                 t_value.append(v)
             offsets.append(len(t_from))
-            cols["id"].append(h)
             cols["event_id"].append(rec.event_id)
             cols["inference_id"].append(rec.inference_id)
             cols["inference_time"].append(when)
@@ -167,13 +162,27 @@ def process_file(obj: SourceObject) -> FileResult:
             cols["temperature"].append(conv.temperature)
             cols["top_p"].append(conv.top_p)
             cols["max_tokens"].append(conv.max_tokens)
-            cols["content_hash"].append(h)
             cols["dt"].append(when.date())
     except ObjectMissing:
         res.missing = True
         return res
     res.read = line_no
-    n = len(cols["id"])
+    n = len(cols["event_id"])
+    if redact:
+        # Vectorized over every turn of the file; see capture.redact for why.
+        changed = redact_values(t_value)
+        if changed:
+            per_row: dict[int, dict[str, int]] = {}
+            for i, counts in changed.items():
+                row = bisect.bisect_right(offsets, i) - 1
+                acc = per_row.setdefault(row, {})
+                for k, c in counts.items():
+                    acc[k] = acc.get(k, 0) + c
+            res.row_redactions = sorted(per_row.items())
+    # The hash is of the stored (redacted) text: what dedupe compares is what is kept.
+    hashes = [content_hash(zip(t_from[offsets[r]:offsets[r + 1]], t_value[offsets[r]:offsets[r + 1]])) for r in range(n)]
+    cols["id"] = hashes
+    cols["content_hash"] = hashes
     convs = pa.ListArray.from_arrays(
         pa.array(offsets, pa.int32()),
         pa.StructArray.from_arrays([pa.array(t_from, pa.string()), pa.array(t_value, pa.string())], fields=list(TURN)),

@@ -1,0 +1,304 @@
+"""End-to-end ingest from local directories: real fixtures, idempotency, bad input, crash, split, CLI."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import duckdb
+import pytest
+from typer.testing import CliRunner
+
+from adapt.config import dump_toml, load_config
+from capture import ingest as ingest_mod
+from capture.ingest import ingest
+from capture.records import make_capture_record
+from capture.sources import SourceObject
+from capture.split import export, load_split, stats
+from capture.synth import write_layout
+from capture.warehouse import Warehouse
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "datacapture"
+T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
+
+
+def make_cfg(tmp_path: Path, **capture):
+    return load_config(overrides={"state_dir": str(tmp_path / "state"), "capture": capture})
+
+
+def reconciles(res) -> bool:
+    return res.read == res.normalized + res.duplicates + res.quarantined + res.skipped
+
+
+def chat(i: int, t: datetime, text: str | None = None, **kw) -> str:
+    req = {"model": "m", "messages": [{"role": "user", "content": text or f"question {i}"}], "temperature": 0.2}
+    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer {i}"}}]}
+    return make_capture_record(req, resp, event_id=f"e{i}", inference_time=t, **kw)
+
+
+def write(path: Path, lines: list[str | bytes], newline: bytes = b"\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join((ln.encode() if isinstance(ln, str) else ln) + newline for ln in lines))
+    return path
+
+
+def layout_file(root: Path, t: datetime, name: str, lines: list, endpoint: str = "ep", variant: str = "AllTraffic") -> Path:
+    return write(root / endpoint / variant / t.strftime("%Y/%m/%d/%H") / name, lines)
+
+
+def test_real_llm_fixture_yields_three_conversations_then_nothing(tmp_path):
+    cfg = make_cfg(tmp_path)
+    src = str(FIXTURES / "llm-jumpstart-llama31.jsonl")
+    res = ingest(cfg, source=src)
+    assert (res.read, res.normalized, res.quarantined, res.skipped, res.duplicates) == (3, 3, 0, 0, 0)
+    rows = load_split(cfg, "train", heldout_hours=0) + load_split(cfg, "heldout", heldout_hours=0)
+    assert len(rows) == 3
+    by_prompt = {r["conversations"][0]["value"]: r for r in rows}
+    r = by_prompt["When does machine learning performce below bar?"]
+    assert [t["from"] for t in r["conversations"]] == ["human", "gpt"]
+    assert r["conversations"][1]["value"].startswith(" When does it perform better than human intelligence?")
+    assert (r["format"], r["raw"], r["temperature"], r["top_p"], r["max_tokens"]) == ("tgi", True, 0.7, 0.9, 512)
+    assert r["event_id"] == "73c27749-61f8-43ed-b3a6-841c4aa8a7eb"
+    assert r["inference_time"] == datetime(2026, 2, 19, 1, 34, 30, tzinfo=timezone.utc)
+    assert r["source_uri"] == src and len(r["content_hash"]) == 32
+    again = ingest(cfg, source=src)
+    assert (again.read, again.normalized) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["tabular-csv-sdk-fixture.jsonl", "tabular-csv-notebook.jsonl", "tabular-json-notebook.jsonl"])
+def test_real_tabular_fixtures_are_skipped_with_reason(tmp_path, name):
+    cfg = make_cfg(tmp_path)
+    res = ingest(cfg, source=str(FIXTURES / name))
+    n_lines = len((FIXTURES / name).read_bytes().rstrip(b"\n").split(b"\n"))
+    assert res.read == n_lines > 0
+    assert (res.normalized, res.quarantined, res.duplicates) == (0, 0, 0)
+    assert res.skipped == res.read and res.skip_reasons == {"not_llm_traffic": res.read}
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    assert con.execute("SELECT reason, sum(count) FROM skipped GROUP BY 1").fetchall() == [("not_llm_traffic", res.read)]
+    con.close()
+
+
+def test_incremental_new_file_picked_up_once_and_dedupe_across_runs(tmp_path):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    layout_file(src, T0, "00-00-a.jsonl", [chat(i, T0 + timedelta(minutes=i)) for i in range(5)])
+    first = ingest(cfg, source=str(src))
+    assert (first.read, first.normalized, first.objects) == (5, 5, 1)
+    # A later file: two new conversations, one replay of an earlier one and one replay within the file.
+    t1 = T0 + timedelta(hours=1)
+    layout_file(src, t1, "00-00-b.jsonl", [chat(5, t1), chat(6, t1), chat(2, t1), chat(5, t1 + timedelta(seconds=1))])
+    second = ingest(cfg, source=str(src))
+    assert (second.read, second.normalized, second.duplicates, second.objects) == (4, 2, 2, 1)
+    third = ingest(cfg, source=str(src))
+    assert (third.read, third.objects) == (0, 0)
+    rows = load_split(cfg, "train", heldout_hours=0)
+    hashes = [r["content_hash"] for r in rows]
+    assert len(rows) == 7 and len(set(hashes)) == 7
+    # Partitioned by day, catalogued, and the view agrees with the library.
+    assert list((Path(cfg.warehouse.uri)).glob("dt=2025-05-01/part-*.parquet"))
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    assert con.execute("SELECT count(*), count(DISTINCT content_hash) FROM conversations").fetchone() == (7, 7)
+    assert con.execute("SELECT count(*) FROM manifest").fetchone()[0] == 2
+    assert con.execute("SELECT count(*) FROM runs WHERE status = 'complete'").fetchone()[0] == 3
+    con.close()
+
+
+def test_changed_object_is_reread_and_old_rows_count_as_duplicates(tmp_path):
+    cfg = make_cfg(tmp_path)
+    f = layout_file(tmp_path / "cap", T0, "x.jsonl", [chat(1, T0)])
+    ingest(cfg, source=str(tmp_path / "cap"))
+    with open(f, "a") as fh:
+        fh.write(chat(2, T0) + "\n")
+    res = ingest(cfg, source=str(tmp_path / "cap"))
+    assert (res.read, res.normalized, res.duplicates) == (2, 1, 1)
+
+
+def test_time_window_and_endpoint_filter(tmp_path):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    for h in range(4):
+        t = T0 + timedelta(hours=h)
+        layout_file(src, t, "f.jsonl", [chat(h, t)], endpoint="ep")
+        layout_file(src, t, "f.jsonl", [chat(100 + h, t)], endpoint="other")
+    res = ingest(cfg, source=str(src), since="2025-05-01T11", until="2025-05-01T13:00Z", endpoint="ep")
+    assert (res.objects, res.normalized) == (2, 2)
+    rows = load_split(cfg, "train", heldout_hours=0)
+    assert {r["conversations"][0]["value"] for r in rows} == {"question 1", "question 2"}
+    assert {(r["endpoint"], r["variant"]) for r in rows} == {("ep", "AllTraffic")}
+    rest = ingest(cfg, source=str(src))
+    assert (rest.objects, rest.normalized) == (6, 6)
+
+
+def test_bad_input_file_quarantines_each_line_and_keeps_the_valid_ones(tmp_path):
+    cfg = make_cfg(tmp_path)
+    good = [chat(i, T0) for i in range(6)]
+    huge = chat(99, T0, text="x" * (20 * 1024 * 1024))
+    bad_b64 = json.loads(chat(98, T0))
+    bad_b64["captureData"]["endpointInput"].update(encoding="BASE64", data="%%%")
+    lines = [
+        b"\xef\xbb\xbf" + good[0].encode(),  # BOM on the first line
+        good[1][: len(good[1]) // 2],  # truncated JSON
+        good[2],
+        json.dumps(bad_b64),
+        b"",  # empty line
+        good[3].encode().replace(b"question 3", b"question \xff3"),  # invalid UTF-8
+        good[4].encode().replace(b"question 4", b"question \x004"),  # NUL byte
+        huge,  # 20 MB line
+        json.dumps({"captureData": {"endpointInput": {"data": 1}}}),  # wrongly typed field
+        "[" * 10_000 + "]" * 10_000,  # 10,000-deep nesting
+        good[5],
+        chat(7, T0) + "\r",  # CRLF line ending
+    ]
+    f = layout_file(tmp_path / "cap", T0, "bad.jsonl", lines)
+    res = ingest(cfg, source=str(tmp_path / "cap"))
+    assert res.read == len(lines) and reconciles(res)
+    assert res.normalized == 4
+    assert res.quarantine_reasons == {"invalid_json": 1, "invalid_base64": 1, "invalid_utf8": 1, "nul_bytes": 1,
+                                      "line_too_large": 1, "wrong_type": 1, "too_deeply_nested": 1}
+    assert res.skip_reasons == {"empty_line": 1}
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    q = con.execute("SELECT line_no, reason, source_uri, length(excerpt) FROM quarantine ORDER BY line_no").fetchall()
+    con.close()
+    assert [r[0] for r in q] == [2, 4, 6, 7, 8, 9, 10]
+    assert all(r[2] == str(f) and 0 < r[3] <= 1025 for r in q)
+    values = {r["conversations"][0]["value"] for r in load_split(cfg, "train", heldout_hours=0)}
+    assert values == {"question 0", "question 2", "question 5", "question 7"}  # BOM and CRLF lines included
+
+
+def test_twenty_megabyte_valid_line_over_limit_is_quarantined_not_lost(tmp_path):
+    cfg = make_cfg(tmp_path)  # default max_line_bytes: 8 MiB
+    layout_file(tmp_path / "cap", T0, "big.jsonl", [chat(1, T0), chat(2, T0, text="y" * (20 << 20)), chat(3, T0)])
+    res = ingest(cfg, source=str(tmp_path / "cap"))
+    assert (res.read, res.normalized, res.quarantined) == (3, 2, 1)
+    assert res.quarantine_reasons == {"line_too_large": 1}
+
+
+def test_crash_before_commit_leaves_nothing_visible_and_next_run_completes(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    for h in range(3):
+        t = T0 + timedelta(hours=h)
+        layout_file(src, t, "f.jsonl", [chat(10 * h + i, t) for i in range(4)])
+    real_commit = Warehouse.commit
+
+    def dying_commit(self, *a, **kw):
+        raise KeyboardInterrupt("killed mid-run")
+
+    monkeypatch.setattr(Warehouse, "commit", dying_commit)
+    monkeypatch.setattr(ingest_mod, "PART_ROWS", 2)  # Parquet files get written before the commit
+    with pytest.raises(KeyboardInterrupt):
+        ingest(cfg, source=str(src))
+    orphans = list(Path(cfg.warehouse.uri).rglob("part-*.parquet"))
+    assert orphans, "the test must crash after Parquet was written"
+    assert load_split(cfg, "train", heldout_hours=0) == []
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    assert con.execute("SELECT count(*) FROM manifest").fetchone()[0] == 0
+    assert con.execute("SELECT status FROM runs").fetchall() == [("running",)]
+    con.close()
+
+    monkeypatch.setattr(Warehouse, "commit", real_commit)
+    res = ingest(cfg, source=str(src))
+    assert (res.read, res.normalized, res.duplicates) == (12, 12, 0)
+    assert not any(p.exists() for p in orphans)
+    assert len(load_split(cfg, "train", heldout_hours=0)) == 12
+    assert ingest(cfg, source=str(src)).read == 0
+
+
+def test_vanished_object_is_reported_and_the_run_completes(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    real = layout_file(src, T0, "a.jsonl", [chat(1, T0)])
+    ghost = real.with_name("ghost.jsonl")
+    real_list = ingest_mod.list_objects
+
+    def listing(*a, **kw):
+        yield from real_list(*a, **kw)
+        yield SourceObject(str(ghost), 10, "10-1", "ep", "AllTraffic", T0)  # listed, then deleted
+
+    monkeypatch.setattr(ingest_mod, "list_objects", listing)
+    res = ingest(cfg, source=str(src))
+    assert (res.read, res.normalized, res.missing_objects, res.objects) == (1, 1, 1, 1)
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    assert con.execute("SELECT source_uri FROM manifest").fetchall() == [(str(real),)]
+    con.close()
+
+
+def test_redaction_on_by_default_and_switchable(tmp_path):
+    text = "I am bob@example.com, card 4111 1111 1111 1111, key AKIAIOSFODNN7EXAMPLE"
+    for redact, tag in ((True, "on"), (False, "off")):
+        cfg = make_cfg(tmp_path / tag, redact=redact)
+        layout_file(tmp_path / tag / "cap", T0, "p.jsonl", [chat(1, T0, text=text), chat(2, T0, text=text + " again")])
+        res = ingest(cfg, source=str(tmp_path / tag / "cap"))
+        value = load_split(cfg, "train", heldout_hours=0)[0]["conversations"][0]["value"]
+        if redact:
+            assert res.redactions == {"EMAIL": 2, "CARD": 2, "AWS_ACCESS_KEY": 2}
+            assert value.startswith("I am [REDACTED_EMAIL], card [REDACTED_CARD], key [REDACTED_AWS_ACCESS_KEY]")
+        else:
+            assert res.redactions == {} and "bob@example.com" in value
+
+
+def test_heldout_split_by_time_export_and_stats(tmp_path):
+    cfg = make_cfg(tmp_path, heldout_hours=2)
+    src = tmp_path / "cap"
+    for h in range(6):
+        t = T0 + timedelta(hours=h)
+        # Hour 5 replays hour 0's first conversation: it must stay in train only.
+        layout_file(src, t, "f.jsonl", [chat(10 * h + i, t + timedelta(minutes=i)) for i in range(3)] + ([chat(0, t)] if h == 5 else []))
+    res = ingest(cfg, source=str(src))
+    assert (res.normalized, res.duplicates) == (18, 1)
+    train, held = load_split(cfg, "train"), load_split(cfg, "heldout")
+    # Latest conversation: 15:02, cutoff 13:02 → hours 14 and 15 (all) are held out, 13:00–13:02 is not.
+    assert len(held) == 6 and len(train) == 12
+    assert min(r["inference_time"] for r in held) > max(r["inference_time"] for r in train)
+    assert not {r["content_hash"] for r in train} & {r["content_hash"] for r in held}
+    out = tmp_path / "held.jsonl"
+    assert export(cfg, "heldout", out) == 6
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 6 and all(set(t) == {"from", "value"} for r in lines for t in r["conversations"])
+    assert {"id", "event_id", "inference_time", "endpoint", "variant", "source_uri", "format", "content_hash"} <= set(lines[0])
+    st = stats(cfg)
+    assert st["conversations"] == 18 and st["splits"] == {"heldout": 6, "train": 12}
+    assert st["formats"] == {"openai_chat": 18} and st["endpoints"] == {"ep": 18}
+    assert sum(st["days"].values()) == 18
+    assert st["tokens"]["p50"] == 4  # "question N" + "answer N": 2 + 2 words
+
+
+def test_worker_pool_matches_inline(tmp_path):
+    src = tmp_path / "cap"
+    write_layout(src, 600, per_file=100, seed=5)
+    results = []
+    for workers in (1, 2):
+        cfg = make_cfg(tmp_path / f"w{workers}")
+        res = ingest(cfg, source=str(src), workers=workers)
+        assert reconciles(res)
+        rows = load_split(cfg, "train", heldout_hours=0)
+        results.append((res.summary() | {"run_id": None}, sorted(r["content_hash"] for r in rows)))
+    assert results[0] == results[1]
+    assert results[0][0]["normalized"] > 400 and results[0][0]["skipped"] > 0
+
+
+def test_cli_ingest_stats_export(tmp_path):
+    from adapt.cli import app
+
+    cfg = make_cfg(tmp_path)
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text(dump_toml(cfg))
+    runner = CliRunner()
+    r = runner.invoke(app, ["ingest", "--source", str(FIXTURES), "--config", str(cfg_file), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert list(out) == ["read", "normalized", "duplicates", "quarantined", "skipped", "redactions", "run_id"]
+    assert out["normalized"] == 3 and out["quarantined"] == 0 and out["read"] == out["normalized"] + out["skipped"]
+    r = runner.invoke(app, ["ingest", "--source", str(FIXTURES), "--config", str(cfg_file), "--json"])
+    assert json.loads(r.stdout)["read"] == 0
+    r = runner.invoke(app, ["dataset", "stats", "--config", str(cfg_file), "--json"])
+    assert r.exit_code == 0, r.output
+    st = json.loads(r.stdout)
+    assert st["conversations"] == 3 and st["skip_reasons"] == {"not_llm_traffic": out["skipped"]}
+    dest = tmp_path / "h.jsonl"
+    r = runner.invoke(app, ["dataset", "export", "--split", "heldout", "--out", str(dest), "--config", str(cfg_file), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["rows"] == 3
+    assert len(dest.read_text().splitlines()) == 3
+    r = runner.invoke(app, ["dataset", "export", "--split", "nope", "--config", str(cfg_file)])
+    assert r.exit_code != 0
