@@ -82,6 +82,13 @@ class TrainingConfig(_Section):
     depth_weights: list[float] = [1.0, 0.8, 0.6]
     replay_ratio: float = Field(0.3, ge=0, le=1)
     device: str = "auto"
+    # Fraction of anchors whose parallel-drafting chain reaches depth 2, 3, ..., K
+    # (non-increasing; empty = all): deeper depths cost compute, sample them.
+    depth_keep: list[float] = []
+    grad_clip: float = Field(1.0, ge=0)
+    # "auto" = bf16 autocast on CUDA, fp32 on CPU; master weights are always fp32.
+    dtype: str = Field("auto", pattern="^(auto|fp32|bf16)$")
+    checkpoint_steps: int = Field(50, ge=1)
 
 
 class ServingConfig(_Section):

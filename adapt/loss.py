@@ -1,0 +1,131 @@
+"""P-EAGLE batch assembly and loss.
+
+:func:`collate` turns packed rows of featurized examples into drafter inputs
+following :mod:`adapt.layout`; :func:`peagle_loss` is the per-depth
+KL(target restricted to the draft vocabulary || drafter), weighted by depth,
+with per-depth top-1 agreement (drafter argmax == target argmax) for logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from adapt.layout import Layout, build_layout, pad_layout
+
+
+@dataclass
+class Features:
+    """One example with everything training needs from the target, computed once.
+
+    ``target_logits`` are the target's logits restricted to the draft vocabulary
+    (columns in draft-id order); ``target_argmax`` is the target's greedy token
+    over its full vocabulary, so tokens outside the draft vocab count as misses.
+    """
+
+    input_ids: torch.Tensor  # Long[N]
+    loss_mask: torch.Tensor  # Bool[N]
+    aux_hidden: torch.Tensor  # [N, n_aux*Ht]
+    target_logits: torch.Tensor  # [N, draft_vocab]
+    target_argmax: torch.Tensor  # Long[N]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # Long[B,S]
+    positions: torch.Tensor  # Long[B,S]
+    aux_hidden: torch.Tensor  # [B,S,F]
+    is_mask: torch.Tensor  # Bool[B,S]
+    attn_mask: torch.Tensor  # Bool[B,S,S]
+    depth: torch.Tensor  # Long[B,S], 0 = padding
+    valid: torch.Tensor  # Bool[B,S]
+    target_logits: torch.Tensor  # [B,S,Vd]
+    target_argmax: torch.Tensor  # Long[B,S]
+    num_tokens: int  # real tokens in the batch (for throughput)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "positions": self.positions, "aux_hidden": self.aux_hidden,
+                "is_mask": self.is_mask, "attn_mask": self.attn_mask}
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Batch":
+        mv = lambda t: t.to(device, dtype=dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
+        return Batch(*(mv(getattr(self, f)) for f in
+                       ("input_ids", "positions", "aux_hidden", "is_mask", "attn_mask", "depth", "valid",
+                        "target_logits", "target_argmax")), num_tokens=self.num_tokens)
+
+
+def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth_keep: Sequence[float] = (),
+            generator: torch.Generator | None = None) -> Batch:
+    """Packed rows of examples -> one padded drafter batch."""
+    layouts: list[Layout] = [build_layout([f.loss_mask for f in row], k, depth_keep, generator) for row in rows]
+    S = max(lay.num_slots for lay in layouts)
+    layouts = [pad_layout(lay, S) for lay in layouts]
+    ids, aux, tl, ta = [], [], [], []
+    for row, lay in zip(rows, layouts):
+        r_ids = torch.cat([f.input_ids for f in row])
+        r_aux = torch.cat([f.aux_hidden for f in row])
+        r_tl = torch.cat([f.target_logits for f in row])
+        r_ta = torch.cat([f.target_argmax for f in row])
+        real = lay.tok_index >= 0
+        x = torch.full((S,), ptd_token_id, dtype=torch.long)
+        x[real] = r_ids[lay.tok_index[real]]
+        h = r_aux.new_zeros(S, r_aux.shape[-1])
+        h[real] = r_aux[lay.hid_index[real]]
+        has_t = lay.tgt_index >= 0
+        t = r_tl.new_zeros(S, r_tl.shape[-1])
+        t[has_t] = r_tl[lay.tgt_index[has_t]]
+        a = torch.full((S,), -1, dtype=torch.long)
+        a[has_t] = r_ta[lay.tgt_index[has_t]]
+        ids.append(x), aux.append(h), tl.append(t), ta.append(a)
+    return Batch(
+        input_ids=torch.stack(ids),
+        positions=torch.stack([lay.positions for lay in layouts]),
+        aux_hidden=torch.stack(aux),
+        is_mask=torch.stack([lay.tok_index < 0 for lay in layouts]),
+        attn_mask=torch.stack([lay.attn_mask for lay in layouts]),
+        depth=torch.stack([lay.depth for lay in layouts]),
+        valid=torch.stack([lay.valid for lay in layouts]),
+        target_logits=torch.stack(tl),
+        target_argmax=torch.stack(ta),
+        num_tokens=sum(len(f) for row in rows for f in row),
+    )
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    depth_loss: torch.Tensor  # [K] mean KL per depth (detached)
+    depth_acc: torch.Tensor  # [K] top-1 agreement per depth
+    depth_count: torch.Tensor  # [K] counted slots per depth
+
+
+def peagle_loss(logits: torch.Tensor, batch: Batch, d2t: torch.Tensor, depth_weights: Sequence[float],
+                k: int) -> LossOutput:
+    """Depth-weighted mean KL(target_draft_vocab || drafter) over valid slots.
+
+    ``loss = sum_d w_d * mean_{slots of depth d} KL``; a depth with no valid slot
+    in the batch contributes nothing.
+    """
+    w = list(depth_weights) + [depth_weights[-1] if depth_weights else 1.0] * max(0, k - len(depth_weights))
+    logq = F.log_softmax(logits.float(), dim=-1)
+    logp = F.log_softmax(batch.target_logits.float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B,S]
+    pred = logits.argmax(-1)
+    agree = (pred + d2t[pred]) == batch.target_argmax
+    total = logits.new_zeros((), dtype=torch.float32)
+    dl, da, dc = [], [], []
+    for d in range(1, k + 1):
+        sel = batch.valid & (batch.depth == d)
+        n = sel.sum()
+        mean = (kl * sel).sum() / n.clamp(min=1)
+        total = total + w[d - 1] * mean
+        dl.append(mean.detach())
+        da.append(((agree & sel).sum() / n.clamp(min=1)).detach().float())
+        dc.append(n.detach().float())
+    return LossOutput(total, torch.stack(dl), torch.stack(da), torch.stack(dc))

@@ -1,0 +1,445 @@
+"""The training recipe: conversations in, a vLLM-loadable P-EAGLE head out.
+
+Read top to bottom, :func:`train` is the whole recipe:
+
+1. data    tokenize (chat template, assistant-only loss) + replay mix
+2. model   warm start from a head (dir or ``models:/name/version``) or bootstrap
+           from the target with a draft vocabulary picked by token frequency
+3. target  aux hidden states + logits per example, computed once, kept in memory
+4. loop    AdamW, warmup + cosine, grad clip, fp32 master weights (bf16 autocast
+           optional), checkpoint/resume, DDP under ``torchrun``
+5. export  ``adapt.checkpoint.save_head`` with lineage in the manifest
+
+Every random choice (batch order, depth down-sampling) is a pure function of
+``(seed, step)``, so a resumed run replays exactly what an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from adapt.checkpoint import load_head, new_head, save_head, sha256_file, target_identity, validate_head
+from adapt.data import (
+    Example,
+    build_draft_vocab,
+    make_batches,
+    mix_replay,
+    snapshot_id,
+    token_counts,
+    tokenize_rows,
+)
+from adapt.drafter import DrafterConfig, PEagleDrafter
+from adapt.loss import Features, collate, peagle_loss
+
+RUN_STATE = "train_state.json"
+RUN_MODEL = "model.safetensors"
+RUN_OPTIM = "optimizer.safetensors"
+
+
+class ShapeChangeError(ValueError):
+    """The configured head shape differs from the warm-start head's."""
+
+
+@dataclass
+class TrainResult:
+    out_dir: str
+    steps: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    loss_curve: list[float]
+    final_depth_loss: list[float]
+    final_depth_acc: list[float]
+    parent_sha: str | None
+    data_snapshot: str
+    num_examples: int
+    featurize_seconds: float = 0.0
+    acceptance: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- distributed ------------------------------------------------------------------
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device) -> Dist:
+    """Join the ``torchrun`` process group when launched by it (gloo on CPU, nccl on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            return torch.device("cuda", local)
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+# --- model --------------------------------------------------------------------------
+
+def resolve_head(base: str) -> Path:
+    """A head directory for ``base``: a local directory or an MLflow ``models:/`` / ``runs:/`` URI."""
+    p = Path(base).expanduser()
+    if p.is_dir():
+        return p
+    if "://" in base or base.startswith("models:/"):
+        import mlflow.artifacts
+
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=base))
+    raise FileNotFoundError(f"base head {base!r} is neither a directory nor an MLflow URI")
+
+
+def configured_head(cfg: Any, target_dir: Path) -> DrafterConfig:
+    h = cfg.head
+    return DrafterConfig.from_target(target_dir, h.num_speculative_tokens, h.draft_vocab_size,
+                                     h.aux_layer_ids or None, h.num_layers)
+
+
+SHAPE_FIELDS = ("num_speculative_tokens", "draft_vocab_size", "num_layers", "aux_layer_ids", "hidden_size",
+                "target_hidden_size", "vocab_size")
+
+
+def check_same_shape(head: DrafterConfig, want: DrafterConfig) -> None:
+    """Warm start never changes a head's shape: K, draft vocab, layers, aux layers."""
+    diffs = [f"{f}: head has {getattr(head, f)}, config asks {getattr(want, f)}"
+             for f in SHAPE_FIELDS if getattr(head, f) != getattr(want, f)]
+    if diffs:
+        raise ShapeChangeError("warm start cannot change the head's shape (" + "; ".join(diffs)
+                               + "); bootstrap a new head (no --base) instead")
+
+
+def bootstrap_head(cfg: Any, target_dir: Path, examples: Sequence[Example], eos_id: int | None) -> PEagleDrafter:
+    """A fresh head whose draft vocabulary is the most frequent assistant tokens."""
+    want = configured_head(cfg, target_dir)
+    model = new_head(target_dir, want.num_speculative_tokens, want.draft_vocab_size,
+                     want.aux_layer_ids, want.num_layers, seed=cfg.training.seed)
+    counts = token_counts(examples, want.vocab_size)
+    specials = [eos_id] if eos_id is not None else []
+    d2t, _ = build_draft_vocab(counts, want.draft_vocab_size, special_ids=specials)
+    model.set_draft_vocab(d2t + torch.arange(d2t.numel()))
+    return model
+
+
+# --- target features -------------------------------------------------------------
+
+class TargetFeatures:
+    """Aux hidden states and draft-vocab logits of the target, computed once per example.
+
+    vLLM's EAGLE-3 aux state for layer id l is the residual stream entering
+    decoder layer l, i.e. ``hidden_states[l]`` of a transformers forward.
+    Features stay in memory (bf16) up to ``cache_bytes``; beyond that they are
+    recomputed when needed (multi-epoch over huge data sets trades compute for RAM).
+    """
+
+    def __init__(self, target_dir: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor,
+                 device: torch.device, cache_bytes: int = 6 << 30) -> None:
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.draft_ids = draft_ids.to(device)
+        self.device = device
+        self.cache: dict[int, Features] = {}
+        self.cache_bytes = cache_bytes
+        self.used_bytes = 0
+        self.seconds = 0.0
+
+    @torch.no_grad()
+    def compute(self, ex: Example) -> Features:
+        t0 = time.perf_counter()
+        ids = ex.input_ids.to(self.device)[None]
+        out = self.model(input_ids=ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)
+        logits = out.logits[0].float()
+        f = Features(
+            input_ids=ex.input_ids,
+            loss_mask=ex.loss_mask,
+            aux_hidden=aux.to(torch.bfloat16).cpu(),
+            target_logits=logits[:, self.draft_ids].to(torch.bfloat16).cpu(),
+            target_argmax=logits.argmax(-1).cpu(),
+        )
+        self.seconds += time.perf_counter() - t0
+        return f
+
+    def get(self, index: int, ex: Example) -> Features:
+        if index in self.cache:
+            return self.cache[index]
+        f = self.compute(ex)
+        size = f.aux_hidden.numel() * 2 + f.target_logits.numel() * 2
+        if self.used_bytes + size <= self.cache_bytes:
+            self.cache[index] = f
+            self.used_bytes += size
+        return f
+
+
+# --- schedule / checkpoints ------------------------------------------------------
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10% of ``base_lr`` at ``total`` (constant if total unknown)."""
+    if warmup and step < warmup:
+        return base_lr * (step + 1) / warmup
+    if total <= warmup:
+        return base_lr
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def trainable(model: PEagleDrafter) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_run_state(run_dir: Path, model: PEagleDrafter, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Trainable weights + AdamW moments as safetensors, step/curves as JSON (no pickle)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = trainable(model)
+    save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(run_dir / f".{RUN_MODEL}"))
+    moments: dict[str, torch.Tensor] = {}
+    for n, p in params.items():
+        for k, v in opt.state.get(p, {}).items():
+            moments[f"{n}::{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
+    save_file(moments, str(run_dir / f".{RUN_OPTIM}"))
+    (run_dir / f".{RUN_STATE}").write_text(json.dumps(state, indent=1))
+    # Rename last: a crash mid-save leaves the previous complete checkpoint.
+    for name in (RUN_MODEL, RUN_OPTIM, RUN_STATE):
+        os.replace(run_dir / f".{name}", run_dir / name)
+
+
+def load_run_state(run_dir: Path, model: PEagleDrafter, opt: torch.optim.Optimizer,
+                   fingerprint: str) -> dict[str, Any] | None:
+    """Restore a checkpoint written by :func:`save_run_state` for the same run; None if absent/foreign."""
+    if not (run_dir / RUN_STATE).is_file():
+        return None
+    state = json.loads((run_dir / RUN_STATE).read_text())
+    if state.get("fingerprint") != fingerprint:
+        return None
+    params = trainable(model)
+    weights = load_file(str(run_dir / RUN_MODEL))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n].to(p.device, p.dtype))
+    moments = load_file(str(run_dir / RUN_OPTIM))
+    for n, p in params.items():
+        st = {k.split("::", 1)[1]: v.to(p.device) for k, v in moments.items() if k.split("::", 1)[0] == n}
+        if st:
+            opt.state[p] = st
+    return state
+
+
+def run_fingerprint(cfg: Any, parent_sha: str | None, snapshot: str) -> str:
+    import hashlib
+
+    blob = json.dumps({"training": cfg.training.model_dump(mode="json"), "head": cfg.head.model_dump(mode="json"),
+                       "target": cfg.target.model, "parent": parent_sha, "data": snapshot}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# --- the recipe ---------------------------------------------------------------------
+
+def train(
+    cfg: Any,
+    conversations: Sequence[dict[str, Any]],
+    base_head: str | None,
+    out_dir: str | Path,
+    replay_conversations: Sequence[dict[str, Any]] | None = None,
+    *,
+    target_dir: str | Path | None = None,
+    run_dir: str | Path | None = None,
+    progress: bool = True,
+    evaluate_rows: Sequence[dict[str, Any]] | None = None,
+    stop_after_steps: int | None = None,
+) -> TrainResult:
+    """Fine-tune (``base_head``) or bootstrap (None) a head on ``conversations``; export to ``out_dir``.
+
+    ``run_dir`` (default: ``<out_dir>.run``) keeps the resumable checkpoint; a
+    run with the same config, data and parent resumes from it. ``stop_after_steps``
+    interrupts the loop early (after checkpointing) without counting as the end of
+    the schedule, which is what resuming is for.
+    """
+    from transformers import AutoTokenizer
+
+    from adapt.model_zoo import ensure_target
+
+    tc = cfg.training
+    device = pick_device(tc.device)
+    dd = init_distributed(device)
+    torch.manual_seed(tc.seed)
+    out_dir = Path(out_dir).absolute()
+    run_dir = Path(run_dir) if run_dir else out_dir.with_name(out_dir.name + ".run")
+    target_dir = Path(target_dir) if target_dir else ensure_target(cfg.target.model, cfg.target.model_cache)
+
+    # 1. data
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    rows = mix_replay(list(conversations), list(replay_conversations or []), tc.replay_ratio, tc.seed)
+    examples = tokenize_rows(tok, rows, tc.max_seq_len)
+    if not examples:
+        raise ValueError("no conversation has assistant tokens to train on")
+    snapshot = snapshot_id(examples)
+
+    # 2. model
+    parent_sha = None
+    if base_head:
+        head_dir = resolve_head(base_head)
+        info = validate_head(head_dir, target_dir)
+        model, _ = load_head(head_dir)
+        check_same_shape(model.config, configured_head(cfg, target_dir))
+        parent_sha = info.sha256
+    else:
+        model = bootstrap_head(cfg, target_dir, examples, tok.eos_token_id)
+    model = model.to(device=device, dtype=torch.float32).train()
+    K = model.config.num_speculative_tokens
+    draft_ids = torch.arange(model.config.draft_vocab_size, device=model.d2t.device) + model.d2t
+
+    # 3. target features (lazily, only for the examples this rank trains on)
+    target = TargetFeatures(target_dir, model.config.aux_layer_ids, draft_ids.cpu(), device)
+
+    # 4. loop
+    opt = torch.optim.AdamW(list(trainable(model).values()), lr=tc.learning_rate, weight_decay=tc.weight_decay,
+                            betas=(0.9, 0.95))
+    fingerprint = run_fingerprint(cfg, parent_sha, snapshot)
+    state = load_run_state(run_dir, model, opt, fingerprint) or {"step": 0, "tokens": 0, "seconds": 0.0,
+                                                                 "loss_curve": [], "fingerprint": fingerprint}
+    ddp_model = model
+    if dd.world > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    use_bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+
+    lengths = [len(e) for e in examples]
+    epoch_cache: dict[int, list] = {0: make_batches(lengths, tc.batch_tokens, tc.max_seq_len, tc.seed, 0)}
+    # Every rank runs the same number of steps per epoch (the remainder batches wait for the next epoch's shuffle).
+    per_epoch = max(1, len(epoch_cache[0]) // dd.world)
+
+    def batch_for(step: int) -> list[list[int]]:
+        epoch, i = divmod(step, per_epoch)
+        if epoch not in epoch_cache:
+            epoch_cache.clear()
+            epoch_cache[epoch] = make_batches(lengths, tc.batch_tokens, tc.max_seq_len, tc.seed, epoch)
+        batches = epoch_cache[epoch]
+        return batches[(i * dd.world + dd.rank) % len(batches)]
+
+    max_steps = tc.max_steps if tc.max_steps > 0 else (1 << 62)
+    total_for_schedule = tc.max_steps
+    deadline = time.monotonic() + tc.max_minutes * 60 if tc.max_minutes > 0 else None
+    bar = None
+    if progress and dd.main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tc.max_steps or None, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
+    t_start = time.perf_counter()
+    tokens_run = 0
+    last = None
+    step = state["step"]
+    while step < max_steps:
+        if deadline is not None and _any_rank(time.monotonic() > deadline, dd):
+            break
+        if stop_after_steps is not None and step >= stop_after_steps:
+            break
+        rows_idx = batch_for(step)
+        feats = [[target.get(i, examples[i]) for i in row] for row in rows_idx]
+        gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + dd.rank)
+        batch = collate(feats, K, model.config.ptd_token_id, tc.depth_keep, gen).to(device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc.learning_rate, tc.warmup_steps, total_for_schedule)
+        with autocast():
+            logits = ddp_model(**batch.model_inputs())
+        out = peagle_loss(logits, batch, model.d2t, tc.depth_weights, K)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        step += 1
+        ntok = batch.num_tokens * dd.world
+        tokens_run += ntok
+        state["tokens"] += ntok
+        state["loss_curve"].append(round(float(out.loss.detach()), 6))
+        last = out
+        if bar is not None:
+            el = time.perf_counter() - t_start
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(out.loss):.3f}", acc1=f"{float(out.depth_acc[0]):.2f}",
+                            tok_s=f"{tokens_run / max(el, 1e-9):.0f}")
+        if step % tc.checkpoint_steps == 0 and dd.main:
+            save_run_state(run_dir, model, opt,
+                           {**state, "step": step, "seconds": state["seconds"] + time.perf_counter() - t_start})
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+    state.update(step=step)
+    if dd.main:
+        seconds_total = state["seconds"] + elapsed
+        save_run_state(run_dir, model, opt, {**state, "seconds": seconds_total})
+    depth_loss = last.depth_loss.tolist() if last is not None else []
+    depth_acc = last.depth_acc.tolist() if last is not None else []
+
+    # 5. export
+    acceptance = None
+    if dd.main:
+        manifest = {
+            "parent": parent_sha,
+            "data_snapshot": {"id": snapshot, "num_conversations": len(examples),
+                              "content_hashes": sorted(e.content_hash for e in examples)},
+            "config": {"training": tc.model_dump(mode="json"), "head": cfg.head.model_dump(mode="json")},
+            "target": target_identity(target_dir),
+            "training": {"steps": step, "tokens": state["tokens"], "final_depth_loss": depth_loss,
+                         "final_depth_acc": depth_acc, "world_size": dd.world, "device": str(device)},
+        }
+        save_head(model.cpu(), out_dir, manifest)
+        if evaluate_rows:
+            acceptance = offline_acceptance(out_dir, target_dir, evaluate_rows, cfg)
+    if dd.world > 1:
+        dist.barrier()
+    return TrainResult(
+        out_dir=str(out_dir), steps=step, tokens=state["tokens"], seconds=round(elapsed, 3),
+        tokens_per_s=round(tokens_run / max(elapsed, 1e-9), 1), loss_curve=state["loss_curve"],
+        final_depth_loss=depth_loss, final_depth_acc=depth_acc, parent_sha=parent_sha, data_snapshot=snapshot,
+        num_examples=len(examples), featurize_seconds=round(target.seconds, 3), acceptance=acceptance,
+    )
+
+
+def _any_rank(flag: bool, dd: Dist) -> bool:
+    """True on every rank when any rank says so (ranks must stop at the same step)."""
+    if dd.world <= 1:
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def offline_acceptance(head_dir: Path, target_dir: Path, rows: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any] | None:
+    """Offline acceptance of the exported head via :mod:`adapt.evaluate` (None until it exists)."""
+    try:
+        from adapt import evaluate
+    except ImportError:
+        return None
+    return evaluate.evaluate_head(head_dir, target_dir, rows, cfg)
