@@ -1,0 +1,164 @@
+"""Unit tests of the training pieces that need no target model: layout, loss, data helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from adapt.data import build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts, Example
+from adapt.drafter import DrafterConfig, PEagleDrafter, build_draft_inputs
+from adapt.layout import build_layout, chain_depths
+from adapt.loss import Features, collate, peagle_loss
+
+T, F = True, False
+
+
+def test_layout_by_hand():
+    # One sequence x0..x4, assistant tokens x2..x4, K=3.
+    lay = build_layout([torch.tensor([F, F, T, T, T])], k=3)
+    # Real slots i=0..3 hold x_{i+1}, h_i at position i; chains: anchor 0 -> depths 2,3
+    # (labels x3, x4); anchor 1 -> depth 2 (label x4; depth 3 would need x5); anchor 2,3 -> none.
+    assert lay.tok_index.tolist() == [1, 2, 3, 4, -1, -1, -1]
+    assert lay.hid_index.tolist() == [0, 1, 2, 3, -1, -1, -1]
+    assert lay.positions.tolist() == [0, 1, 2, 3, 1, 2, 2]
+    assert lay.depth.tolist() == [1, 1, 1, 1, 2, 3, 2]
+    assert lay.anchor.tolist() == [0, 1, 2, 3, 0, 0, 1]
+    # Target distribution = target logits at position anchor + depth (label x_{anchor+depth+1}).
+    assert lay.tgt_index.tolist() == [1, 2, 3, 4, 2, 3, 3]
+    # Real slot 3 would predict x5 (absent); real slot 0 predicts x2 (assistant).
+    assert lay.valid.tolist() == [T, T, T, F, T, T, T]
+    expected = torch.tensor([
+        # r0 r1 r2 r3 m0,2 m0,3 m1,2
+        [1, 0, 0, 0, 0, 0, 0],  # real 0
+        [1, 1, 0, 0, 0, 0, 0],  # real 1
+        [1, 1, 1, 0, 0, 0, 0],  # real 2
+        [1, 1, 1, 1, 0, 0, 0],  # real 3
+        [1, 0, 0, 0, 1, 0, 0],  # anchor 0, depth 2: context <= 0 + itself
+        [1, 0, 0, 0, 1, 1, 0],  # anchor 0, depth 3: + its chain's depth 2
+        [1, 1, 0, 0, 0, 0, 1],  # anchor 1, depth 2
+    ], dtype=torch.bool)
+    assert torch.equal(lay.attn_mask, expected)
+
+
+def test_layout_packs_examples_block_diagonally_and_pads():
+    lay = build_layout([torch.tensor([F, T, T]), torch.tensor([F, T, T, T])], k=2, pad_to=12)
+    seg = lay.seg
+    cross = (seg[:, None] != seg[None, :]) & lay.attn_mask
+    assert not cross.any()
+    pad = seg < 0
+    assert pad.sum() == 12 - int((~pad).sum()) and pad.any()
+    assert torch.equal(lay.attn_mask[pad][:, pad], torch.eye(int(pad.sum()), dtype=torch.bool))
+    assert not lay.valid[pad].any()
+    # Positions restart per example.
+    assert lay.positions[(seg == 1) & (lay.depth == 1)].tolist() == [0, 1, 2]
+
+
+def test_depth_keep_gives_nested_chains():
+    lm = torch.ones(400, dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    deepest = chain_depths(lm, 4, [0.5, 0.25, 0.1], g)
+    frac = [(deepest >= d).float().mean().item() for d in (2, 3, 4)]
+    assert 0.4 < frac[0] < 0.6 and 0.15 < frac[1] < 0.35 and 0.04 < frac[2] < 0.18
+    lay = build_layout([lm], 4, [0.5, 0.25, 0.1], torch.Generator().manual_seed(0))
+    # Each kept chain is contiguous: a depth-d slot exists only with its depth d-1 slot.
+    for d in (3, 4):
+        deep = set(lay.anchor[lay.depth == d].tolist())
+        assert deep <= set(lay.anchor[lay.depth == d - 1].tolist())
+
+
+def _tiny_drafter(k: int = 3) -> PEagleDrafter:
+    cfg = DrafterConfig(hidden_size=32, target_hidden_size=16, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=40, draft_vocab_size=24,
+                        aux_layer_ids=[1, 2, 3], ptd_token_id=39, num_speculative_tokens=k)
+    torch.manual_seed(0)
+    m = PEagleDrafter(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    m.set_draft_vocab(torch.cat([torch.arange(0, 20), torch.arange(30, 34)]))
+    return m.eval()
+
+
+def test_packed_training_equals_vllm_inference_pass():
+    """Every chain of the packed layout reproduces vLLM's one-pass parallel draft exactly."""
+    k = 3
+    m = _tiny_drafter(k)
+    n = 9
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 39, (n,), generator=g)
+    aux = torch.randn(n, m.config.fc_input_size, generator=g)
+    feats = Features(ids, torch.ones(n, dtype=torch.bool), aux, torch.zeros(n, 24), torch.zeros(n, dtype=torch.long))
+    batch = collate([[feats]], k, m.config.ptd_token_id)
+    with torch.no_grad():
+        packed = m(**batch.model_inputs())[0]
+    lay = build_layout([feats.loss_mask], k)
+    checked = 0
+    for i in range(n - 1):
+        # vLLM decode step: context x_0..x_i processed, next token x_{i+1} sampled.
+        inp = build_draft_inputs(ids[: i + 1], aux[: i + 1], int(ids[i + 1]), m.config)
+        idx = inp.pop("sample_index")
+        with torch.no_grad():
+            ref = m(**inp)[0, idx]  # [K, Vd]: drafts 1..K
+        for d in range(1, k + 1):
+            slot = ((lay.anchor == i) & (lay.depth == d)).nonzero()
+            if slot.numel():
+                torch.testing.assert_close(packed[slot[0, 0]], ref[d - 1], rtol=1e-4, atol=1e-5)
+                checked += 1
+    assert checked == (n - 1) + (n - 3) + (n - 4)  # depth 1 for all anchors; deeper where labels exist
+
+
+def test_loss_zero_when_drafter_matches_target_and_counts_agreement():
+    m = _tiny_drafter(2)
+    n = 6
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 39, (n,), generator=g)
+    aux = torch.randn(n, m.config.fc_input_size, generator=g)
+    feats = Features(ids, torch.tensor([F, F, T, T, T, T]), aux, torch.zeros(n, 24), torch.zeros(n, dtype=torch.long))
+    batch = collate([[feats]], 2, m.config.ptd_token_id)
+    with torch.no_grad():
+        logits = m(**batch.model_inputs())
+    batch.target_logits = logits.clone()
+    pred = logits.argmax(-1)
+    batch.target_argmax = pred + m.d2t[pred]
+    out = peagle_loss(logits, batch, m.d2t, [1.0, 0.5], 2)
+    assert out.loss.abs() < 1e-5
+    assert out.depth_acc.tolist() == [1.0, 1.0]
+    assert out.depth_count.tolist() == [4.0, 3.0]  # depth 1: labels x2..x5; depth 2: x3..x5
+    # A different target gives a positive loss and weights depths as configured.
+    batch.target_logits = torch.randn_like(logits)
+    out = peagle_loss(logits, batch, m.d2t, [1.0, 0.5], 2)
+    torch.testing.assert_close(out.loss, out.depth_loss[0] + 0.5 * out.depth_loss[1])
+    assert (out.depth_loss > 0).all()
+
+
+def test_build_draft_vocab_frequency_specials_and_offsets():
+    counts = torch.tensor([0, 5, 9, 1, 9, 0, 3, 0])
+    d2t, t2d = build_draft_vocab(counts, 4, special_ids=[7])
+    ids = torch.arange(4) + d2t
+    assert ids.tolist() == [1, 2, 4, 7]  # 2 and 4 (9), 1 (5), eos 7 forced in; sorted
+    assert t2d.tolist() == [F, T, T, F, T, F, F, T]
+    d2t2, _ = build_draft_vocab({2: 9, 4: 9, 1: 5, 6: 3}, 4, vocab_size=8)
+    assert (torch.arange(4) + d2t2).tolist() == [1, 2, 4, 6]
+    ex = Example(torch.tensor([1, 2, 2, 3]), torch.tensor([F, T, T, T]), "h")
+    assert token_counts([ex], 5).tolist() == [0, 0, 2, 1, 0]
+
+
+def test_mix_replay_is_seeded_sized_and_deduplicated():
+    new = [{"content_hash": f"n{i}", "conversations": []} for i in range(7)]
+    old = [{"content_hash": f"o{i}", "conversations": []} for i in range(50)] + [new[0]]
+    a = mix_replay(new, old, 0.3, seed=1)
+    assert a == mix_replay(new, old, 0.3, seed=1)
+    assert a[:7] == new and len(a) == 10  # 3 replayed = 30% of the mix
+    assert a != mix_replay(new, old, 0.3, seed=2)
+    assert len(mix_replay(new, old, 0.0)) == 7
+    assert sum(r is new[0] for r in mix_replay(new, old, 1.0)) == 1
+
+
+def test_packing_respects_budgets_and_is_seeded():
+    lengths = [100, 300, 50, 250, 500, 80, 20]
+    rows = pack_rows(lengths, 512)
+    assert sorted(i for r in rows for i in r) == list(range(7))
+    assert all(sum(lengths[i] for i in r) <= 512 for r in rows)
+    b = make_batches(lengths, 600, 512, seed=3)
+    assert b == make_batches(lengths, 600, 512, seed=3) and b != make_batches(lengths, 600, 512, seed=3, epoch=1)
+    for batch in b:
+        assert len(batch) == 1 or sum(lengths[i] for r in batch for i in r) <= 600
