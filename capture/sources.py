@@ -129,11 +129,12 @@ def list_objects(
     until: datetime | None = None,
     s3: Any = None,
     client: Any = None,
+    page_size: int | None = None,
 ) -> Iterator[SourceObject]:
     """Capture files under ``source`` (dir, file or ``s3://bucket/prefix``) in the window, sorted by key.
 
     ``endpoint``/``variant`` filter layout files ("" = all). ``s3`` is ``config.s3``
-    (used when no ``client`` is given).
+    (used when no ``client`` is given); ``page_size`` caps keys per S3 list call.
     """
     if is_s3(source):
         bucket, prefix = split_s3(source)
@@ -145,7 +146,8 @@ def list_objects(
             if variant:
                 narrowed += variant + "/"
         client = client or s3_client(s3)
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=narrowed)
+        paging = {"PageSize": page_size} if page_size else {}
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=narrowed, PaginationConfig=paging)
         for page in pages:
             for item in page.get("Contents", []):
                 key = item["Key"]

@@ -15,6 +15,7 @@ pyarrow's own S3 filesystem, see :meth:`Warehouse.read_conversations`).
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import uuid
@@ -105,6 +106,15 @@ class Warehouse:
         self.is_s3 = self.uri.startswith("s3://")
         self.fs, self.base = _filesystem(self.uri, cfg.s3)
         self.heldout_hours = cfg.capture.heldout_hours
+        self._s3_cfg = cfg.s3
+        self._boto = None
+
+    def _client(self) -> Any:
+        if self._boto is None:
+            from capture.sources import s3_client
+
+            self._boto = s3_client(self._s3_cfg)
+        return self._boto
 
     # -- catalog -----------------------------------------------------------------------
 
@@ -160,9 +170,15 @@ class Warehouse:
         """Write one Parquet file atomically; returns (path, bytes)."""
         path = self.part_path(dt, run_id, seq)
         if self.is_s3:
-            # An S3 PUT (or multipart upload) becomes visible whole or not at all.
-            pq.write_table(table, path, filesystem=self.fs, compression="zstd")
-            return path, self.fs.get_file_info(path).size
+            # Uploaded with boto3 rather than pyarrow's S3 writer, which signs parts with
+            # aws-chunked streaming signatures that some S3-compatible stores reject.
+            # A PUT (or completed multipart upload) becomes visible whole or not at all.
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink, compression="zstd")
+            body = sink.getvalue().to_pybytes()
+            bucket, key = path.split("/", 1)
+            self._client().upload_fileobj(io.BytesIO(body), bucket, key)
+            return path, len(body)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         pq.write_table(table, tmp, compression="zstd")
@@ -181,7 +197,11 @@ class Warehouse:
             name = info.base_name
             if info.type == pafs.FileType.File and name.startswith("part-") and info.path not in keep:
                 if name.endswith(".parquet") or ".parquet.tmp-" in name:
-                    self.fs.delete_file(info.path)
+                    if self.is_s3:
+                        bucket, key = info.path.split("/", 1)
+                        self._client().delete_object(Bucket=bucket, Key=key)
+                    else:
+                        self.fs.delete_file(info.path)
                     gone.append(info.path)
         return gone
 
