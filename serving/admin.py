@@ -1,0 +1,74 @@
+"""Admin plane: bearer-token check and the controller's client for replicas' ``/collective_rpc``.
+
+Only the pool controller talks to ``/collective_rpc`` (replicas bind to loopback);
+users reach admin actions only through the router's ``/admin/*`` routes, which
+require ``config.serving.resolved_admin_token()``. With no token configured every
+admin route refuses, so weights can never change without authentication.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import httpx
+from fastapi import Header, HTTPException
+
+
+class RpcError(RuntimeError):
+    """A replica's collective_rpc failed or a worker reported an error."""
+
+
+def make_auth_dependency(token: str):
+    """FastAPI dependency that admits only ``Authorization: Bearer <token>``."""
+
+    async def require_admin(authorization: str | None = Header(default=None)) -> None:
+        if not token:
+            raise HTTPException(403, "admin actions are disabled: no admin token is configured")
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise HTTPException(401, "admin bearer token required", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(authorization[7:].strip().encode(), token.encode()):
+            raise HTTPException(403, "invalid admin token")
+
+    return require_admin
+
+
+class ReplicaAdmin:
+    """Calls the ``serving.hotswap`` worker methods of one replica over its loopback RPC."""
+
+    def __init__(self, url: str, timeout: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    async def rpc(self, method: str, *args: str | None, client: httpx.AsyncClient | None = None) -> list[Any]:
+        body = {"method": method, "args": list(args), "timeout": self.timeout}
+        own = client is None
+        client = client or httpx.AsyncClient()
+        try:
+            r = await client.post(self.url + "/collective_rpc", json=body, timeout=self.timeout + 5)
+        except httpx.HTTPError as exc:
+            raise RpcError(f"{self.url}: collective_rpc {method} failed: {exc}") from exc
+        finally:
+            if own:
+                await client.aclose()
+        if r.status_code != 200:
+            raise RpcError(f"{self.url}: collective_rpc {method} -> HTTP {r.status_code}: {r.text[:300]}")
+        results = r.json().get("results") or []
+        for res in results:
+            if isinstance(res, dict) and res.get("error"):
+                raise RpcError(f"{self.url}: {method}: {res['error']}")
+        return results
+
+    async def head_info(self) -> dict[str, Any]:
+        return (await self.rpc("drafter_head_info"))[0]
+
+    async def load_head(self, head_dir: str, version: str | None, sha256: str | None) -> dict[str, Any]:
+        """Swap the head in place on every worker of the replica; return worker 0's report."""
+        results = await self.rpc("drafter_load_head", str(head_dir), version, sha256)
+        shas = {r.get("sha256") for r in results}
+        if sha256 and shas != {sha256}:
+            raise RpcError(f"{self.url}: workers report sha256 {shas}, expected {sha256}")
+        return results[0]
+
+    async def param_digest(self) -> dict[str, str]:
+        return (await self.rpc("drafter_param_digest"))[0]

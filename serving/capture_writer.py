@@ -1,0 +1,141 @@
+"""Asynchronous, batched SageMaker Data Capture writer (local directory or S3).
+
+Objects land at ``{dest}/{endpoint}/{variant}/yyyy/mm/dd/hh/{MM-SS-mmm}-{uuid}.jsonl``,
+the layout ``capture.sources`` reads. The request path only calls :meth:`offer`,
+which never blocks: a full queue or a failed/slow write drops records, counted
+in :attr:`counts` (and exported as Prometheus metrics by the router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def object_key(endpoint: str, variant: str, when: datetime) -> str:
+    """Relative key of one capture object, SageMaker style."""
+    when = when.astimezone(timezone.utc)
+    return (f"{endpoint}/{variant}/{when:%Y/%m/%d/%H}/"
+            f"{when:%M-%S}-{when.microsecond // 1000:03d}-{uuid.uuid4()}.jsonl")
+
+
+class CaptureWriter:
+    """Queue capture lines and write them in batches from a background task."""
+
+    def __init__(self, destination: str, endpoint: str, variant: str = "AllTraffic", *,
+                 sampling_pct: float = 100.0, s3_client_kwargs: dict[str, Any] | None = None,
+                 max_queue: int = 10_000, batch_size: int = 256, flush_seconds: float = 1.0,
+                 write_timeout: float = 10.0, rng: random.Random | None = None) -> None:
+        self.destination = destination.rstrip("/")
+        self.endpoint, self.variant = endpoint, variant
+        self.sampling_pct = float(sampling_pct)
+        self.s3_client_kwargs = s3_client_kwargs or {}
+        self.batch_size, self.flush_seconds, self.write_timeout = batch_size, flush_seconds, write_timeout
+        self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=max_queue)
+        self.rng = rng or random.Random()
+        self.counts = {"offered": 0, "sampled_out": 0, "written": 0, "dropped_queue_full": 0,
+                       "dropped_write_error": 0, "objects": 0}
+        self.last_error: str | None = None
+        self._task: asyncio.Task | None = None
+        self._s3 = None
+        self._closing = False
+
+    # -- request path ------------------------------------------------------------
+
+    def sample(self) -> bool:
+        """Decide (before building a record) whether this request is captured."""
+        self.counts["offered"] += 1
+        if self.sampling_pct >= 100 or self.rng.random() * 100 < self.sampling_pct:
+            return True
+        self.counts["sampled_out"] += 1
+        return False
+
+    def offer(self, line: str) -> bool:
+        """Enqueue one JSONL line without blocking; False (and counted) if dropped."""
+        if self._closing:
+            self.counts["dropped_queue_full"] += 1
+            return False
+        try:
+            self.queue.put_nowait(line)
+            return True
+        except asyncio.QueueFull:
+            self.counts["dropped_queue_full"] += 1
+            return False
+
+    @property
+    def dropped(self) -> int:
+        return self.counts["dropped_queue_full"] + self.counts["dropped_write_error"]
+
+    # -- background task ----------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="capture-writer")
+
+    async def close(self, timeout: float = 15.0) -> None:
+        """Flush what is queued (bounded by ``timeout``) and stop."""
+        self._closing = True
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self.queue.join(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        self._task = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await self.queue.get()
+            batch = [first]
+            deadline = loop.time() + self.flush_seconds
+            while len(batch) < self.batch_size:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), remaining))
+                except asyncio.TimeoutError:
+                    break
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._write, batch), self.write_timeout)
+                self.counts["written"] += len(batch)
+                self.counts["objects"] += 1
+            except Exception as exc:  # noqa: BLE001 - a capture failure must not propagate
+                self.counts["dropped_write_error"] += len(batch)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("capture batch of %d dropped: %s", len(batch), self.last_error)
+            finally:
+                for _ in batch:
+                    self.queue.task_done()
+
+    def _write(self, lines: list[str]) -> None:
+        body = ("\n".join(lines) + "\n").encode("utf-8")
+        key = object_key(self.endpoint, self.variant, datetime.now(timezone.utc))
+        if self.destination.startswith("s3://"):
+            import boto3
+
+            bucket, _, prefix = self.destination[len("s3://"):].partition("/")
+            if self._s3 is None:
+                self._s3 = boto3.client("s3", **self.s3_client_kwargs)
+            self._s3.put_object(Bucket=bucket, Key=f"{prefix}/{key}" if prefix else key, Body=body,
+                                ContentType="application/jsonl")
+        else:
+            path = Path(self.destination) / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".jsonl.part")
+            tmp.write_bytes(body)
+            # Readers list *.jsonl: publish only complete objects.
+            tmp.replace(path)

@@ -1,0 +1,262 @@
+"""A pool of vLLM replicas: started (and supervised) or attached, with routing state.
+
+The pool owns per-replica state the router reads (health, draining, outstanding
+requests) and what the controller needs (process handle, current head, a short
+history of spec-decode counters for live acceptance). All methods run on the
+router's event loop; blocking process work goes to threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serving.admin import ReplicaAdmin, RpcError
+from serving.metrics import SpecSnapshot, afetch_snapshot
+from serving.replica import ReplicaProcess, ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    url: str
+    proc: ReplicaProcess | None = None  # None: attached, not ours to restart
+    healthy: bool = False
+    draining: bool = False
+    outstanding: int = 0
+    served: int = 0
+    failures: int = 0
+    restarts: int = 0
+    head: dict[str, Any] = field(default_factory=dict)
+    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=120))
+    last_error: str | None = None
+
+    @property
+    def admin(self) -> ReplicaAdmin:
+        return ReplicaAdmin(self.url)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def live_acceptance(self, window_s: float) -> dict[str, Any] | None:
+        """Acceptance over the last ``window_s`` seconds of recorded counter snapshots."""
+        if len(self.history) < 2:
+            return None
+        newest: SpecSnapshot = self.history[-1]
+        older = [s for s in self.history if newest.t - s.t <= window_s]
+        delta = newest.minus(older[0])
+        return delta.to_dict() if delta.drafts > 0 else {**delta.to_dict(), "mean_acceptance_length": None}
+
+
+class Pool:
+    """Replicas plus background health checks, metric sampling and crash restarts."""
+
+    def __init__(self, *, health_interval: float = 1.0, metrics_interval: float = 10.0,
+                 max_restarts: int = 5) -> None:
+        self.replicas: list[Replica] = []
+        self.health_interval, self.metrics_interval = health_interval, metrics_interval
+        self.max_restarts = max_restarts
+        self.current_head: dict[str, Any] = {}  # {"path", "sha256", "version"}
+        self._tasks: list[asyncio.Task] = []
+        self._client: httpx.AsyncClient | None = None
+        self._rr = 0
+        self.closing = False
+        self.restart_locks: dict[str, asyncio.Lock] = {}
+
+    # -- membership ----------------------------------------------------------------
+
+    def add_started(self, proc: ReplicaProcess) -> Replica:
+        r = Replica(url=proc.url, proc=proc)
+        self.replicas.append(r)
+        self.restart_locks[r.url] = asyncio.Lock()
+        return r
+
+    def attach(self, url: str) -> Replica:
+        r = Replica(url=url.rstrip("/"))
+        self.replicas.append(r)
+        self.restart_locks[r.url] = asyncio.Lock()
+        return r
+
+    def get(self, url: str) -> Replica:
+        for r in self.replicas:
+            if r.url == url.rstrip("/"):
+                return r
+        raise KeyError(url)
+
+    # -- routing -----------------------------------------------------------------
+
+    def pick(self, exclude: set[str] = frozenset()) -> Replica | None:
+        """Least outstanding requests among routable replicas; round robin on ties."""
+        cands = [r for r in self.replicas if r.routable and r.url not in exclude]
+        if not cands:
+            return None
+        low = min(r.outstanding for r in cands)
+        ties = [r for r in cands if r.outstanding == low]
+        self._rr += 1
+        return ties[self._rr % len(ties)]
+
+    async def drain(self, url: str, timeout: float = 120.0) -> bool:
+        """Stop routing new requests to ``url`` and wait for its in-flight ones to finish."""
+        r = self.get(url)
+        r.draining = True
+        deadline = time.monotonic() + timeout
+        while r.outstanding > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return r.outstanding == 0
+
+    def undrain(self, url: str) -> None:
+        self.get(url).draining = False
+
+    # -- background --------------------------------------------------------------
+
+    async def start_background(self) -> None:
+        self._client = httpx.AsyncClient()
+        await self.check_health()
+        self._tasks = [asyncio.create_task(self._health_loop(), name="pool-health"),
+                       asyncio.create_task(self._metrics_loop(), name="pool-metrics")]
+
+    async def check_health(self) -> None:
+        assert self._client is not None
+        async def one(r: Replica) -> None:
+            try:
+                ok = (await self._client.get(r.url + "/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            r.healthy = ok
+        await asyncio.gather(*(one(r) for r in self.replicas))
+
+    async def _health_loop(self) -> None:
+        while not self.closing:
+            try:
+                await self.check_health()
+                for r in self.replicas:
+                    await self._maybe_restart_crashed(r)
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("health loop")
+            await asyncio.sleep(self.health_interval)
+
+    async def _maybe_restart_crashed(self, r: Replica) -> None:
+        if r.proc is None or r.proc.alive() or r.proc.proc is None or self.closing:
+            return
+        lock = self.restart_locks[r.url]
+        if lock.locked():  # a controlled restart (swap) owns this replica right now
+            return
+        if r.restarts >= self.max_restarts:
+            r.last_error = f"crashed {r.restarts} times; not restarting"
+            return
+        async with lock:
+            code = r.proc.exit_code()
+            log.warning("replica %s exited with %s; restarting with head %s", r.url, code,
+                        self.current_head.get("path"))
+            r.restarts += 1
+            r.healthy = False
+            head = self.current_head.get("path") or r.proc.spec.head_dir
+            await asyncio.to_thread(r.proc.start, head)
+            try:
+                await asyncio.to_thread(r.proc.wait_healthy)
+            except Exception as exc:  # noqa: BLE001
+                r.last_error = str(exc)[:500]
+                return
+            await self.refresh_head(r)
+
+    async def _metrics_loop(self) -> None:
+        while not self.closing:
+            await self.sample_metrics()
+            await asyncio.sleep(self.metrics_interval)
+
+    async def sample_metrics(self) -> None:
+        assert self._client is not None
+        for r in self.replicas:
+            if not r.healthy:
+                continue
+            try:
+                r.history.append(await afetch_snapshot(self._client, r.url))
+            except Exception:  # noqa: BLE001 - a missed sample only widens the window
+                pass
+
+    async def refresh_head(self, r: Replica) -> dict[str, Any]:
+        try:
+            r.head = await r.admin.head_info()
+        except RpcError as exc:
+            r.last_error = str(exc)[:500]
+        return r.head
+
+    # -- controlled restart (rolling restart swap) -------------------------------
+
+    async def restart_with_head(self, url: str, head_dir: str, drain_timeout: float = 120.0) -> None:
+        """Drain, stop, start with ``head_dir``, wait healthy, undrain."""
+        r = self.get(url)
+        if r.proc is None:
+            raise RuntimeError(f"{url} is attached, not started by this pool: cannot restart it")
+        async with self.restart_locks[r.url]:
+            await self.drain(url, drain_timeout)
+            r.healthy = False
+            await asyncio.to_thread(r.proc.stop)
+            await asyncio.to_thread(r.proc.start, head_dir)
+            await asyncio.to_thread(r.proc.wait_healthy)
+            r.healthy = True
+            r.history.clear()  # counters restart from zero
+            await self.refresh_head(r)
+            self.undrain(url)
+
+    # -- status / shutdown --------------------------------------------------------
+
+    def status(self, window_s: float = 300.0) -> dict[str, Any]:
+        return {
+            "current_head": self.current_head,
+            "replicas": [{
+                "url": r.url, "managed": r.proc is not None, "healthy": r.healthy, "draining": r.draining,
+                "outstanding": r.outstanding, "served": r.served, "failures": r.failures,
+                "restarts": r.restarts, "pid": r.proc.proc.pid if r.proc and r.proc.proc else None,
+                "head_sha256": r.head.get("sha256"), "head_version": r.head.get("version"),
+                "head_path": r.head.get("path"), "swaps": r.head.get("swaps"),
+                "last_swap_ms": r.head.get("last_swap_ms"),
+                "live_acceptance": r.live_acceptance(window_s), "window_s": window_s,
+                "last_error": r.last_error,
+            } for r in self.replicas],
+        }
+
+    async def close(self) -> None:
+        self.closing = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        await asyncio.gather(*(asyncio.to_thread(r.proc.stop) for r in self.replicas if r.proc))
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def replica_specs(cfg, target_dir: str | Path, head_dir: str | Path, n: int,
+                  served_model_name: str, base_port: int | None = None) -> list[ReplicaSpec]:
+    """One spec per replica from the [serving] config."""
+    s = cfg.serving
+    port0 = base_port if base_port is not None else s.base_port
+    return [ReplicaSpec(target_dir=str(target_dir), head_dir=str(head_dir),
+                        num_speculative_tokens=cfg.head.num_speculative_tokens, port=port0 + i,
+                        served_model_name=served_model_name, max_model_len=s.max_model_len,
+                        gpu_memory_utilization=s.gpu_memory_utilization) for i in range(n)]
+
+
+def head_identity(head_dir: str | Path) -> dict[str, Any]:
+    """path/sha256/version of a head directory, from its manifest when present."""
+    d = Path(head_dir)
+    info: dict[str, Any] = {"path": str(d.absolute()), "sha256": None, "version": None}
+    mf = d / "manifest.json"
+    if mf.is_file():
+        m = json.loads(mf.read_text())
+        info["sha256"], info["version"] = m.get("sha256"), m.get("version")
+    return info

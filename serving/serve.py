@@ -1,0 +1,136 @@
+"""Assemble a running pool: replicas (started or attached) + swap controller + router.
+
+``ServingStack`` is what ``adapt serve`` runs and what the tests start in-process.
+Replicas start in parallel (each engine start is slow); the router is served by
+uvicorn on ``serving.host:router_port`` in a background thread with its own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from serving.capture_writer import CaptureWriter
+from serving.pool import Pool, head_identity, replica_specs
+from serving.replica import ReplicaProcess
+from serving.router import create_app
+from serving.swap import SwapController
+
+
+def served_name(cfg) -> str:
+    m = cfg.target.model
+    return m if m in ("smollm2", "tiny") else Path(m).name
+
+
+class ServingStack:
+    """Pool + router running on a private event loop thread."""
+
+    def __init__(self, cfg, *, head_dir: str | Path, target_dir: str | Path, replicas: int | None = None,
+                 attach_urls: list[str] | None = None, router_port: int | None = None,
+                 base_port: int | None = None, capture_dest: str | None = None,
+                 log_dir: str | Path | None = None, writer_kwargs: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.head_dir = Path(head_dir).absolute()
+        self.target_dir = Path(target_dir).absolute()
+        self.n = cfg.serving.replicas if replicas is None else replicas
+        self.attach_urls = list(cfg.serving.attach_urls if attach_urls is None else attach_urls)
+        self.router_port = cfg.serving.router_port if router_port is None else router_port
+        self.base_port = base_port
+        self.capture_dest = capture_dest if capture_dest is not None else cfg.capture.source
+        self.log_dir = Path(log_dir or Path(cfg.state_dir) / "serving" / "logs")
+        self.writer_kwargs = writer_kwargs or {}
+        self.model_name = served_name(cfg)
+        self.loop = asyncio.new_event_loop()
+        self.pool = Pool()
+        self.writer: CaptureWriter | None = None
+        self.controller: SwapController | None = None
+        self.server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.serving.host}:{self.router_port}"
+
+    def run_coro(self, coro, timeout: float | None = None):
+        """Run a coroutine on the stack's loop from another thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self, ready_timeout: float = 900.0) -> "ServingStack":
+        self._thread = threading.Thread(target=self.loop.run_forever, name="serving-loop", daemon=True)
+        self._thread.start()
+        self.run_coro(self._start(ready_timeout))
+        return self
+
+    async def _start(self, ready_timeout: float) -> None:
+        cfg = self.cfg
+        specs = replica_specs(cfg, self.target_dir, self.head_dir, self.n, self.model_name, self.base_port)
+        procs = [ReplicaProcess(s, self.log_dir / f"replica-{s.port}.log") for s in specs]
+        for p in procs:
+            p.start()
+            self.pool.add_started(p)
+        for u in self.attach_urls:
+            self.pool.attach(u)
+        try:
+            await asyncio.gather(*(asyncio.to_thread(p.wait_healthy, ready_timeout) for p in procs))
+        except Exception:
+            await asyncio.gather(*(asyncio.to_thread(p.stop) for p in procs))
+            raise
+        self.pool.current_head = head_identity(self.head_dir)
+        await self.pool.start_background()
+        await asyncio.gather(*(self.pool.refresh_head(r) for r in self.pool.replicas))
+        if self.pool.current_head.get("sha256") is None and self.pool.replicas:
+            self.pool.current_head["sha256"] = self.pool.replicas[0].head.get("sha256")
+        if self.capture_dest:
+            self.writer = CaptureWriter(self.capture_dest, cfg.serving.capture_endpoint, cfg.capture.variant,
+                                        sampling_pct=cfg.serving.capture_sampling_pct,
+                                        s3_client_kwargs=cfg.s3.client_kwargs(), **self.writer_kwargs)
+        self.controller = SwapController(
+            self.pool, target_dir=self.target_dir, num_speculative_tokens=cfg.head.num_speculative_tokens,
+            served_model_name=self.model_name, download_dir=Path(cfg.head.heads_dir) / "downloaded",
+            tracking_uri=cfg.mlflow.tracking_uri)
+
+        async def swap_handler(body: dict) -> dict:
+            rep = await self.controller.swap(str(body["head"]), version=body.get("version"),
+                                             force_restart=bool(body.get("restart", False)))
+            return rep.to_dict()
+
+        app = create_app(self.pool, writer=self.writer, admin_token=cfg.serving.resolved_admin_token(),
+                         swap_handler=swap_handler)
+        config = uvicorn.Config(app, host=cfg.serving.host, port=self.router_port, log_level="warning",
+                                lifespan="on", timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._serve_task = asyncio.create_task(self.server.serve())
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if self._serve_task.done():
+                self._serve_task.result()
+            if time.monotonic() > deadline:
+                raise TimeoutError("router did not start")
+            await asyncio.sleep(0.05)
+
+    async def _stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            try:
+                await asyncio.wait_for(self._serve_task, 15)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.writer is not None:
+            await self.writer.close()
+        await self.pool.close()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        try:
+            self.run_coro(self._stop(), timeout=120)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self._thread = None

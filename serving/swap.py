@@ -1,0 +1,257 @@
+"""Swap protocol: validate → canary → the rest one by one → roll back on any failure.
+
+In place when the new head has the running head's shapes (``serving.hotswap``
+worker RPC, no request is interrupted); otherwise a rolling restart where the
+router drains each replica before it is restarted with the new head.
+
+Smoke check per replica after its swap: greedy outputs of a few fixed prompts
+must equal the reference taken from the canary *before* the swap (speculative
+decoding is lossless, so that reference is the no-spec text), and acceptance on
+them must not collapse relative to the old head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from serving.hotswap import shape_signature
+from serving.metrics import afetch_snapshot
+from serving.pool import Pool, Replica
+
+log = logging.getLogger(__name__)
+
+SMOKE_PROMPTS = [
+    "the of and to in is you that it",
+    "def return import class self print",
+    "user question answer code python please help",
+]
+
+
+class SwapError(RuntimeError):
+    """The swap was refused or failed (and was rolled back)."""
+
+
+@dataclass
+class SwapReport:
+    ok: bool
+    mode: str
+    head: dict[str, Any]
+    previous: dict[str, Any]
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    rolled_back: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+FaultHook = Callable[[int, Replica], Awaitable[None] | None]
+
+
+def resolve_head(spec: str, download_dir: str | Path, tracking_uri: str | None = None) -> tuple[Path, str | None]:
+    """A head directory or an MLflow model URI (``models:/name/3``, ``runs:/id/path``) → (local dir, version)."""
+    if "://" not in spec and not spec.startswith(("models:/", "runs:/")):
+        return Path(spec).expanduser().absolute(), None
+    import mlflow
+
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    version = None
+    if spec.startswith("models:/"):
+        parts = spec[len("models:/"):].split("/")
+        version = parts[1] if len(parts) > 1 else None
+    dst = Path(download_dir) / ("mlflow-" + spec.replace(":/", "-").replace("/", "-"))
+    dst.mkdir(parents=True, exist_ok=True)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=spec, dst_path=str(dst)))
+    # Registered models may wrap the head in a sub-directory; find its config.json.
+    if not (local / "config.json").is_file():
+        found = sorted(p.parent for p in local.rglob("config.json") if (p.parent / "model.safetensors").is_file())
+        if found:
+            local = found[0]
+    return local, version
+
+
+def in_place_compatible(current_dir: str | Path, new_dir: str | Path, k: int) -> tuple[bool, dict]:
+    """Whether ``new_dir`` can replace ``current_dir`` without a restart (and the differences)."""
+    cur = shape_signature(json.loads((Path(current_dir) / "config.json").read_text()))
+    new = shape_signature(json.loads((Path(new_dir) / "config.json").read_text()))
+    cur["num_speculative_tokens"] = k
+    new["num_speculative_tokens"] = new["num_speculative_tokens"] or k
+    diffs = {key: (cur[key], new[key]) for key in cur if cur[key] != new[key]}
+    return not diffs, diffs
+
+
+class SwapController:
+    """Runs swaps on a pool; one at a time."""
+
+    def __init__(self, pool: Pool, *, target_dir: str | Path, num_speculative_tokens: int,
+                 served_model_name: str, smoke_prompts: list[str] | None = None, smoke_max_tokens: int = 24,
+                 collapse_fraction: float = 0.5, download_dir: str | Path | None = None,
+                 tracking_uri: str | None = None) -> None:
+        self.pool = pool
+        self.target_dir = Path(target_dir)
+        self.k = num_speculative_tokens
+        self.model = served_model_name
+        self.smoke_prompts = smoke_prompts or SMOKE_PROMPTS
+        self.smoke_max_tokens = smoke_max_tokens
+        self.collapse_fraction = collapse_fraction
+        self.download_dir = Path(download_dir or "/tmp")
+        self.tracking_uri = tracking_uri
+        self.lock = asyncio.Lock()
+        self.history: list[dict[str, Any]] = []
+
+    # -- smoke ---------------------------------------------------------------
+
+    async def smoke(self, url: str) -> dict[str, Any]:
+        """Greedy outputs of the smoke prompts on one replica plus acceptance over them."""
+        async with httpx.AsyncClient(timeout=120.0) as c:
+            before = await afetch_snapshot(c, url)
+            texts = []
+            for p in self.smoke_prompts:
+                r = await c.post(url + "/v1/completions", json={
+                    "model": self.model, "prompt": p, "max_tokens": self.smoke_max_tokens,
+                    "temperature": 0.0, "ignore_eos": True})
+                r.raise_for_status()
+                texts.append(r.json()["choices"][0]["text"])
+            after = await afetch_snapshot(c, url)
+        d = after.minus(before)
+        return {"texts": texts, "mean_acceptance_length": d.mean_acceptance_length if d.drafts else None,
+                "drafts": d.drafts}
+
+    def _check_smoke(self, ref: dict, got: dict) -> str | None:
+        if got["texts"] != ref["texts"]:
+            bad = [i for i, (a, b) in enumerate(zip(ref["texts"], got["texts"])) if a != b]
+            return f"greedy text differs from the no-spec reference on smoke prompts {bad}"
+        old, new = ref.get("mean_acceptance_length"), got.get("mean_acceptance_length")
+        if old is not None and new is not None and (new - 1.0) < (old - 1.0) * self.collapse_fraction - 0.05:
+            return f"acceptance collapsed: mean acceptance length {new:.3f} vs {old:.3f} before"
+        return None
+
+    # -- protocol ------------------------------------------------------------
+
+    async def swap(self, head: str, *, version: str | None = None, force_restart: bool = False,
+                   fault: FaultHook | None = None) -> SwapReport:
+        async with self.lock:
+            t0 = time.perf_counter()
+            rep = await self._swap(head, version, force_restart, fault)
+            rep.seconds = time.perf_counter() - t0
+            self.history.append(rep.to_dict())
+            return rep
+
+    async def _swap(self, head: str, version: str | None, force_restart: bool,
+                    fault: FaultHook | None) -> SwapReport:
+        from adapt.checkpoint import HeadError, validate_head
+
+        previous = dict(self.pool.current_head)
+        try:
+            head_dir, mlflow_version = await asyncio.to_thread(resolve_head, head, self.download_dir,
+                                                                self.tracking_uri)
+            info = await asyncio.to_thread(validate_head, head_dir, self.target_dir)
+        except (HeadError, OSError, ValueError) as exc:
+            return SwapReport(False, "refused", {"path": str(head)}, previous, error=f"invalid head: {exc}")
+        except Exception as exc:  # noqa: BLE001 - e.g. MLflow resolution
+            return SwapReport(False, "refused", {"path": str(head)}, previous, error=f"cannot resolve head: {exc}")
+        version = version or mlflow_version or info.manifest.get("version") or info.sha256[:12]
+        new = {"path": str(info.path), "sha256": info.sha256, "version": version}
+        if info.num_speculative_tokens != self.k and not force_restart:
+            # K is part of the serving config; a head trained for another K needs a restart.
+            pass
+        replicas = [r for r in self.pool.replicas if r.healthy]
+        if not replicas:
+            return SwapReport(False, "refused", new, previous, error="no healthy replica to swap")
+        compatible, diffs = (in_place_compatible(previous["path"], info.path, self.k)
+                             if previous.get("path") else (True, {}))
+        if info.num_speculative_tokens != self.k:
+            compatible, diffs = False, {**diffs, "num_speculative_tokens": (self.k, info.num_speculative_tokens)}
+        mode = "inplace" if compatible and not force_restart else "restart"
+        if mode == "restart":
+            unmanaged = [r.url for r in replicas if r.proc is None]
+            if unmanaged:
+                return SwapReport(False, "refused", new, previous,
+                                  error=f"head needs a restart ({diffs}) but {unmanaged} are attached replicas")
+            if info.num_speculative_tokens != self.k:
+                return SwapReport(False, "refused", new, previous,
+                                  error=f"head K={info.num_speculative_tokens} != serving K={self.k}; "
+                                        "change [head].num_speculative_tokens and restart the pool")
+        report = SwapReport(False, mode, new, previous)
+        if diffs:
+            report.head["shape_changes"] = {k: list(v) for k, v in diffs.items()}
+
+        try:
+            ref = await self.smoke(replicas[0].url)
+        except Exception as exc:  # noqa: BLE001
+            report.error = f"reference smoke on {replicas[0].url} failed: {exc}"
+            return report
+
+        done: list[tuple[Replica, dict]] = []  # (replica, its previous head) in swap order
+        for i, r in enumerate(replicas):
+            t = time.perf_counter()
+            prev_head = dict(r.head) if r.head.get("path") else await self.pool.refresh_head(r)
+            step = {"url": r.url, "canary": i == 0, "previous_sha256": prev_head.get("sha256")}
+            try:
+                if mode == "inplace":
+                    done.append((r, prev_head))
+                    got = await r.admin.load_head(str(info.path), version, info.sha256)
+                    step["worker_ms"] = got.get("last_swap_ms")
+                    r.head = got
+                else:
+                    done.append((r, prev_head))
+                    await self.pool.restart_with_head(r.url, str(info.path))
+                step["swap_ms"] = (time.perf_counter() - t) * 1000.0
+                if fault is not None:
+                    res = fault(i, r)
+                    if asyncio.iscoroutine(res):
+                        await res
+                sm = await self.smoke(r.url)
+                step["smoke_acceptance_length"] = sm["mean_acceptance_length"]
+                problem = self._check_smoke(ref, sm)
+                if problem:
+                    raise SwapError(f"{r.url}: smoke check failed: {problem}")
+                head_now = await self.pool.refresh_head(r)
+                if head_now.get("sha256") != info.sha256:
+                    raise SwapError(f"{r.url} reports sha256 {head_now.get('sha256')} after the swap")
+                step["ok"] = True
+                report.replicas.append(step)
+            except Exception as exc:  # noqa: BLE001 - any failure rolls everything back
+                step["ok"] = False
+                step["error"] = f"{type(exc).__name__}: {exc}"
+                report.replicas.append(step)
+                report.error = f"swap failed on {r.url} ({'canary' if i == 0 else f'replica {i}'}): {exc}"
+                report.rolled_back = await self._rollback(done, mode)
+                return report
+        self.pool.current_head = new
+        report.ok = True
+        return report
+
+    async def _rollback(self, done: list[tuple[Replica, dict]], mode: str) -> list[dict[str, Any]]:
+        out = []
+        for r, prev in reversed(done):
+            item = {"url": r.url, "to_sha256": prev.get("sha256")}
+            t = time.perf_counter()
+            try:
+                if mode == "inplace":
+                    try:
+                        r.head = await r.admin.load_head(prev["path"], prev.get("version"), prev.get("sha256"))
+                    except Exception:  # noqa: BLE001 - in-place failed: restart it with the old head
+                        if r.proc is None:
+                            raise
+                        await self.pool.restart_with_head(r.url, prev["path"])
+                else:
+                    await self.pool.restart_with_head(r.url, prev["path"])
+                now = await self.pool.refresh_head(r)
+                item["ok"] = now.get("sha256") == prev.get("sha256")
+            except Exception as exc:  # noqa: BLE001
+                item["ok"] = False
+                item["error"] = f"{type(exc).__name__}: {exc}"
+            item["ms"] = (time.perf_counter() - t) * 1000.0
+            out.append(item)
+        return out
