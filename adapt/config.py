@@ -46,7 +46,7 @@ class CaptureConfig(_Section):
     endpoint: str = ""
     variant: str = "AllTraffic"
     redact: bool = True
-    heldout_hours: int = Field(1, ge=0)
+    heldout_hours: float = Field(1, ge=0)  # fractions allowed: the demo holds out its last minutes
     max_line_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     workers: int = Field(0, ge=0)
 
