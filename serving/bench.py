@@ -289,6 +289,29 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
     admin = ReplicaAdmin(url)
     blocks: list[dict] = []
     swaps: list[dict] = []
+    original = await admin.head_info()
+    try:
+        await _rounds(admin, url, heads, reqs, concurrencies, rounds, restart, blocks, swaps)
+    finally:
+        # Leave an attached replica on the head it had (in place when shapes allow).
+        if original.get("path"):
+            try:
+                await admin.load_head(original["path"], original.get("version"), original.get("sha256"))
+            except Exception:  # noqa: BLE001
+                if restart is not None:
+                    await asyncio.to_thread(restart, original["path"])
+    summary = summarize(blocks, concurrencies, confidence, n_boot)
+    summary["swaps"] = swaps
+    summary["blocks"] = [{
+        "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "wall_s": b["wall"],
+        "requests": len(b["results"]), "failed": sum(not r.ok for r in b["results"]),
+        "errors": sorted({r.error for r in b["results"] if r.error})[:3], "spec": b["spec"].to_dict(),
+    } for b in blocks]
+    return summary
+
+
+async def _rounds(admin: ReplicaAdmin, url: str, heads: dict, reqs: list[BenchRequest], concurrencies: list[int],
+                  rounds: int, restart, blocks: list[dict], swaps: list[dict]) -> None:
     for rnd in range(rounds):
         for role in ("candidate", "live"):
             h = heads[role]
@@ -312,14 +335,6 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                 b = await run_block(url, reqs, conc)
                 b.update(role=role, round=rnd, concurrency=conc)
                 blocks.append(b)
-    summary = summarize(blocks, concurrencies, confidence, n_boot)
-    summary["swaps"] = swaps
-    summary["blocks"] = [{
-        "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "wall_s": b["wall"],
-        "requests": len(b["results"]), "failed": sum(not r.ok for r in b["results"]),
-        "errors": sorted({r.error for r in b["results"] if r.error})[:3], "spec": b["spec"].to_dict(),
-    } for b in blocks]
-    return summary
 
 
 def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: str | None, out: Path | None,

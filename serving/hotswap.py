@@ -113,6 +113,11 @@ class HeadSwapExtension:
         st = dict(self._head_state())
         drafter = self._drafter()
         st["num_speculative_tokens"] = int(drafter.num_speculative_tokens)
+        pd = drafter.parallel_drafting_hidden_state_tensor
+        # Digest of the cached fc(mask_hidden): equal after a swap and after a cold start
+        # with the same head only if the cache was recomputed.
+        st["pd_hidden_sha256"] = (hashlib.sha256(pd.detach().to("cpu").contiguous().view(torch.uint8)
+                                                 .numpy().tobytes()).hexdigest() if pd is not None else None)
         st["shape"] = shape_signature(drafter.model.config.to_dict())
         return st
 

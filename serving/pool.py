@@ -241,14 +241,16 @@ class Pool:
 
 
 def replica_specs(cfg, target_dir: str | Path, head_dir: str | Path, n: int,
-                  served_model_name: str, base_port: int | None = None) -> list[ReplicaSpec]:
+                  served_model_name: str, base_port: int | None = None,
+                  extra_args: list[str] | None = None) -> list[ReplicaSpec]:
     """One spec per replica from the [serving] config."""
     s = cfg.serving
     port0 = base_port if base_port is not None else s.base_port
     return [ReplicaSpec(target_dir=str(target_dir), head_dir=str(head_dir),
                         num_speculative_tokens=cfg.head.num_speculative_tokens, port=port0 + i,
                         served_model_name=served_model_name, max_model_len=s.max_model_len,
-                        gpu_memory_utilization=s.gpu_memory_utilization) for i in range(n)]
+                        gpu_memory_utilization=s.gpu_memory_utilization,
+                        extra_args=list(extra_args or [])) for i in range(n)]
 
 
 def head_identity(head_dir: str | Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -85,19 +86,18 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
     require_admin = make_auth_dependency(admin_token)
     state: dict[str, Any] = {"client": None}
 
-    app = FastAPI(title="drafter-adapt router")
-
-    @app.on_event("startup")
-    async def _startup() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0), limits=limits)
         if writer is not None:
             writer.start()
-
-    @app.on_event("shutdown")
-    async def _shutdown() -> None:
-        if state["client"] is not None:
+        try:
+            yield
+        finally:
             await state["client"].aclose()
+
+    app = FastAPI(title="drafter-adapt router", lifespan=lifespan)
 
     def _offer_capture(payload: dict, body: bytes, ctype: str, ok: bool) -> None:
         # Never let capture affect the user request: sampling and record building

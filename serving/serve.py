@@ -33,7 +33,8 @@ class ServingStack:
     def __init__(self, cfg, *, head_dir: str | Path, target_dir: str | Path, replicas: int | None = None,
                  attach_urls: list[str] | None = None, router_port: int | None = None,
                  base_port: int | None = None, capture_dest: str | None = None,
-                 log_dir: str | Path | None = None, writer_kwargs: dict[str, Any] | None = None) -> None:
+                 log_dir: str | Path | None = None, writer_kwargs: dict[str, Any] | None = None,
+                 replica_extra_args: list[str] | None = None) -> None:
         self.cfg = cfg
         self.head_dir = Path(head_dir).absolute()
         self.target_dir = Path(target_dir).absolute()
@@ -44,6 +45,7 @@ class ServingStack:
         self.capture_dest = capture_dest if capture_dest is not None else cfg.capture.source
         self.log_dir = Path(log_dir or Path(cfg.state_dir) / "serving" / "logs")
         self.writer_kwargs = writer_kwargs or {}
+        self.replica_extra_args = list(replica_extra_args or [])
         self.model_name = served_name(cfg)
         self.loop = asyncio.new_event_loop()
         self.pool = Pool()
@@ -68,7 +70,8 @@ class ServingStack:
 
     async def _start(self, ready_timeout: float) -> None:
         cfg = self.cfg
-        specs = replica_specs(cfg, self.target_dir, self.head_dir, self.n, self.model_name, self.base_port)
+        specs = replica_specs(cfg, self.target_dir, self.head_dir, self.n, self.model_name, self.base_port,
+                              self.replica_extra_args)
         procs = [ReplicaProcess(s, self.log_dir / f"replica-{s.port}.log") for s in specs]
         for p in procs:
             p.start()

@@ -1,0 +1,139 @@
+"""Swap a head across a live 2-replica pool under steady load: in place vs rolling restart.
+
+Starts a pool (router + N vLLM replicas on loopback), keeps a bounded concurrent
+load on the router, then (1) swaps head A→B in place, (2) swaps B→A by rolling
+restart (forced), and prints per-replica swap time and failed client requests
+for each, in the same run.
+
+    python benchmarks/swap.py [--target tiny|smollm2|DIR] [--replicas 2] [--workers 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class Load:
+    """``workers`` client loops on the router (bounded by ``max_seconds``); counts failures."""
+
+    def __init__(self, url: str, model: str, workers: int, max_seconds: float = 900.0) -> None:
+        self.url, self.model, self.deadline = url, model, time.monotonic() + max_seconds
+        self.stop_ev = threading.Event()
+        self.lock = threading.Lock()
+        self.ok = 0
+        self.failed: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+
+    def _run(self, i: int) -> None:
+        n = 0
+        with httpx.Client(timeout=300) as c:
+            while not self.stop_ev.is_set() and time.monotonic() < self.deadline:
+                n += 1
+                body = {"model": self.model, "messages": [{"role": "user", "content": f"load {i}-{n}: explain"}],
+                        "max_tokens": 24, "temperature": 0, "stream": n % 2 == 0}
+                try:
+                    if body["stream"]:
+                        with c.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                            good = r.status_code == 200 and b"".join(r.iter_raw()).rstrip().endswith(b"[DONE]")
+                    else:
+                        r = c.post(self.url + "/v1/chat/completions", json=body)
+                        good = r.status_code == 200
+                    err = None if good else f"HTTP {r.status_code}"
+                except Exception as exc:  # noqa: BLE001
+                    err = f"{type(exc).__name__}: {exc}"
+                with self.lock:
+                    if err:
+                        self.failed.append(err)
+                    else:
+                        self.ok += 1
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_ev.set()
+        for t in self.threads:
+            t.join(300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="tiny")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before and after each swap")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from adapt.checkpoint import init_random_head
+    from adapt.config import load_config
+    from adapt.model_zoo import ensure_target
+    from serving.serve import ServingStack
+
+    work = Path(tempfile.mkdtemp(prefix="swap-bench-"))
+    base = _free_port()
+    cfg = load_config(overrides={
+        "state_dir": str(work), "target": {"model": args.target},
+        "serving": {"replicas": args.replicas, "base_port": base, "router_port": _free_port(),
+                    "admin_token": "bench", "max_model_len": 1024},
+        "capture": {"source": str(work / "capture")},
+    })
+    target = ensure_target(cfg.target.model, cfg.target.model_cache)
+    heads = [init_random_head(target, work / f"head{s}", k=cfg.head.num_speculative_tokens, seed=s) for s in (0, 1)]
+    stack = ServingStack(cfg, head_dir=heads[0], target_dir=target)
+    t0 = time.perf_counter()
+    stack.start()
+    start_s = time.perf_counter() - t0
+    rows = []
+    try:
+        for name, head, restart in (("in-place", heads[1], False), ("rolling restart", heads[0], True)):
+            with Load(stack.url, stack.model_name, args.workers) as load:
+                time.sleep(args.settle)
+                rep = stack.run_coro(stack.controller.swap(str(head), force_restart=restart), 3600)
+                time.sleep(args.settle)
+            rows.append({"method": name, "ok": rep.ok, "mode": rep.mode, "error": rep.error,
+                         "per_replica_ms": [round(s.get("swap_ms", float("nan")), 1) for s in rep.replicas],
+                         "worker_ms": [s.get("worker_ms") and round(s["worker_ms"], 1) for s in rep.replicas],
+                         "total_s": round(rep.seconds, 2), "requests_ok": load.ok,
+                         "requests_failed": len(load.failed), "failures": load.failed[:5]})
+    finally:
+        stack.stop()
+    out = {"target": str(target), "replicas": args.replicas, "load_workers": args.workers,
+           "pool_start_s": round(start_s, 1), "results": rows}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"target {target.name}, {args.replicas} replicas, {args.workers} load workers, "
+              f"pool start {start_s:.0f} s")
+        print(f"{'method':<16} {'ok':<5} {'swap ms per replica':<28} {'total s':>8} {'req ok':>7} {'req failed':>10}")
+        for r in rows:
+            print(f"{r['method']:<16} {str(r['ok']):<5} {str(r['per_replica_ms']):<28} {r['total_s']:>8} "
+                  f"{r['requests_ok']:>7} {r['requests_failed']:>10}")
+            if r["error"]:
+                print(f"  error: {r['error']}")
+    return 0 if all(r["ok"] and r["requests_failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

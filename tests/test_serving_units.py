@@ -1,0 +1,238 @@
+"""Serving pieces without vLLM: metrics parsing, capture writer, router balancing/draining/auth.
+
+Upstream replicas are small fake OpenAI servers on loopback, so these run in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from serving.capture_writer import CaptureWriter
+from serving.metrics import SpecSnapshot
+from serving.pool import Pool
+from serving.router import create_app
+
+METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} 12.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 7.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="2"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="tiny",position="2"} 1.7e9
+"""
+
+
+def test_spec_metrics_delta():
+    a = SpecSnapshot.from_text(METRICS, t=0.0)
+    b = SpecSnapshot.from_text(METRICS.replace(" 10.0", " 20.0").replace(" 12.0", " 27.0")
+                               .replace("\"0\"} 7.0", "\"0\"} 15.0"), t=5.0)
+    d = b.minus(a)
+    assert (a.drafts, a.draft_tokens, a.accepted, a.per_pos) == (10, 30, 12, [7, 4, 1])
+    assert d.drafts == 10 and d.accepted == 15
+    assert d.mean_acceptance_length == pytest.approx(2.5)
+    assert d.acceptance_per_pos == pytest.approx([0.8, 0.0, 0.0])
+
+
+# -- capture writer -------------------------------------------------------------------
+
+def test_capture_writer_local_layout_sampling_and_drops(tmp_path: Path):
+    async def main():
+        w = CaptureWriter(str(tmp_path), "ep", "AllTraffic", flush_seconds=0.05)
+        w.start()
+        for i in range(5):
+            assert w.sample()
+            w.offer(json.dumps({"i": i}))
+        await w.close()
+        files = list(tmp_path.rglob("*.jsonl"))
+        assert files, "nothing written"
+        rel = files[0].relative_to(tmp_path).parts
+        assert rel[:2] == ("ep", "AllTraffic") and len(rel) == 7  # ep/variant/yyyy/mm/dd/hh/file
+        lines = [json.loads(x) for f in files for x in f.read_text().splitlines()]
+        assert sorted(x["i"] for x in lines) == list(range(5))
+        assert w.counts["written"] == 5 and w.dropped == 0
+
+        # 0 % sampling captures nothing.
+        w0 = CaptureWriter(str(tmp_path / "none"), "ep", sampling_pct=0)
+        assert not any(w0.sample() for _ in range(50))
+        assert w0.counts["sampled_out"] == 50
+
+        # A full queue drops without blocking.
+        wq = CaptureWriter(str(tmp_path / "q"), "ep", max_queue=2)
+        assert [wq.offer("{}") for _ in range(4)] == [True, True, False, False]
+        assert wq.counts["dropped_queue_full"] == 2
+
+        # A destination that cannot be written drops the batch, counted, and the writer lives on.
+        blocker = tmp_path / "blocker"
+        blocker.write_text("a file, not a directory")
+        wf = CaptureWriter(str(blocker), "ep", flush_seconds=0.01)
+        wf.start()
+        t = time.perf_counter()
+        wf.offer("{}")
+        assert time.perf_counter() - t < 0.01
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if wf.counts["dropped_write_error"]:
+                break
+        assert wf.counts["dropped_write_error"] == 1 and wf.last_error
+        await wf.close()
+
+    asyncio.run(main())
+
+
+# -- router with fake replicas ------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, app, port: int):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        self.server.install_signal_handlers = lambda: None
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.02)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+def fake_replica(name: str, delay: float = 0.2) -> FastAPI:
+    app = FastAPI()
+    app.state.hits = 0
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "tiny"}]}
+
+    @app.post("/v1/completions")
+    async def comp(req: Request):
+        body = await req.json()
+        app.state.hits += 1
+        if body.get("stream"):
+            async def gen():
+                for w in ("a", "b", "c"):
+                    yield f"data: {json.dumps({'choices': [{'text': w}]})}\n\n"
+                    await asyncio.sleep(0.01)
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        await asyncio.sleep(delay)
+        return JSONResponse({"choices": [{"text": name}], "usage": {"completion_tokens": 1}})
+
+    return app
+
+
+def test_router_balances_drains_skips_and_guards_admin(tmp_path: Path):
+    a, b = fake_replica("A"), fake_replica("B")
+    with _Server(a, _free_port()) as sa, _Server(b, _free_port()) as sb:
+        pool = Pool(health_interval=0.2)
+        ra, rb = pool.attach(sa.url), pool.attach(sb.url)
+        dead = pool.attach(f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+        writer_dir = tmp_path / "cap"
+        port = _free_port()
+
+        async def swap_handler(body):
+            return {"ok": True, "head": body["head"]}
+
+        holder = {}
+
+        def run():
+            async def main():
+                writer = CaptureWriter(str(writer_dir), "ep", flush_seconds=0.05)
+                await pool.start_background()
+                app = create_app(pool, writer=writer, admin_token="s3cret", swap_handler=swap_handler)
+                srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+                srv.install_signal_handlers = lambda: None
+                holder["srv"] = srv
+                await srv.serve()
+                await writer.close()
+                await pool.close()
+            asyncio.run(main())
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            if holder.get("srv") and holder["srv"].started:
+                break
+            time.sleep(0.02)
+        try:
+            assert not dead.healthy and ra.healthy and rb.healthy
+
+            async def load(n):
+                async with httpx.AsyncClient(timeout=30) as c:
+                    rs = await asyncio.gather(*(c.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+                                                for _ in range(n)))
+                return [r.json()["choices"][0]["text"] for r in rs]
+
+            # 8 concurrent slow requests spread over both healthy replicas, none to the dead one.
+            texts = asyncio.run(load(8))
+            assert sorted(set(texts)) == ["A", "B"] and abs(texts.count("A") - texts.count("B")) <= 2
+
+            # Streaming passes through chunk by chunk.
+            with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                body = b"".join(r.iter_raw())
+            assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+
+            # Admin: no token, wrong token, right token.
+            assert httpx.post(url + "/admin/drain", json={"url": sa.url}).status_code == 401
+            assert httpx.post(url + "/admin/drain", json={"url": sa.url},
+                              headers={"Authorization": "Bearer nope"}).status_code == 403
+            assert httpx.post(url + "/admin/swap", json={"head": "/x"}).status_code == 401
+            assert httpx.post(url + "/collective_rpc", json={"method": "x"}).status_code in (404, 405)
+            auth = {"Authorization": "Bearer s3cret"}
+            assert httpx.post(url + "/admin/drain", json={"url": sa.url}, headers=auth).json()["drained"]
+            hits_a = a.state.hits
+            assert set(asyncio.run(load(4))) == {"B"} and a.state.hits == hits_a
+            httpx.post(url + "/admin/undrain", json={"url": sa.url}, headers=auth)
+            assert "A" in asyncio.run(load(6))
+
+            st = httpx.get(url + "/admin/status", headers=auth).json()
+            assert {r["url"]: r["healthy"] for r in st["replicas"]} == {sa.url: True, sb.url: True, dead.url: False}
+            m = httpx.get(url + "/metrics").text
+            assert 'adapt_capture_records_total{outcome="written"}' in m
+            assert 'adapt_router_requests_total{outcome="ok",route="completions"}' in m
+        finally:
+            holder["srv"].should_exit = True
+            th.join(20)
+        lines = [json.loads(x) for f in writer_dir.rglob("*.jsonl") for x in f.read_text().splitlines()]
+        assert len(lines) == 8 + 1 + 4 + 6
+        streamed = [x for x in lines if x["captureData"]["endpointOutput"]["observedContentType"] == "text/event-stream"]
+        assert len(streamed) == 1 and "data: [DONE]" in streamed[0]["captureData"]["endpointOutput"]["data"]
+
+
+def test_router_refuses_admin_without_configured_token():
+    pool = Pool()
+    app = create_app(pool, admin_token="")
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as c:
+        r = c.post("/admin/swap", json={"head": "/x"}, headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 403 and "disabled" in r.json()["detail"]
