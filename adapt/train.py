@@ -92,6 +92,9 @@ def init_distributed(device: torch.device) -> Dist:
         return Dist()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the cores; oversubscribed OpenMP threads spin and crawl.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return Dist(dist.get_rank(), dist.get_world_size())
 
 

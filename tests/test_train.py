@@ -1,0 +1,139 @@
+"""Training recipe on the tiny target: learning, determinism, resume, warm start, DDP, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adapt.checkpoint import validate_head
+from adapt.config import load_config
+from adapt.train import ShapeChangeError, train
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "the of and to in is you that it def return import class self print for while if else".split()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # The test machine's cores are shared: spinning OpenMP threads slow every step 5-10x.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10)))
+        a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 40)))
+        rows.append({"content_hash": f"c{seed}-{i}",
+                     "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    return rows
+
+
+def make_cfg(tmp: Path, tiny_model: Path, **training) -> object:
+    t = {"max_steps": 6, "batch_tokens": 320, "max_seq_len": 160, "warmup_steps": 2, "learning_rate": 2e-3,
+         "checkpoint_steps": 3, "replay_ratio": 0.3}
+    t.update(training)
+    return load_config(None, {"state_dir": str(tmp / "state"), "target": {"model": str(tiny_model)},
+                              "head": {"draft_vocab_size": 256}, "training": t})
+
+
+@pytest.fixture(scope="module")
+def bootstrapped(tiny_model, tmp_path_factory):
+    """A head bootstrapped for 30 steps (shared by the learning and warm-start tests)."""
+    tmp = tmp_path_factory.mktemp("boot")
+    cfg = make_cfg(tmp, tiny_model, max_steps=30, checkpoint_steps=100)
+    res = train(cfg, conversations(24), None, tmp / "head", progress=False)
+    return tmp / "head", res
+
+
+def test_bootstrap_learns_and_exports_a_valid_head(bootstrapped, tiny_model):
+    head, res = bootstrapped
+    curve = res.loss_curve
+    assert res.steps == 30 and len(curve) == 30
+    assert sum(curve[-5:]) < 0.85 * sum(curve[:5]), curve
+    info = validate_head(head, tiny_model)
+    assert info.config.draft_vocab_size == 256 and info.num_speculative_tokens == 3
+    m = info.manifest
+    assert m["parent"] is None and m["data_snapshot"]["id"] == res.data_snapshot
+    assert len(m["data_snapshot"]["content_hashes"]) == 24
+    assert m["config"]["training"]["max_steps"] == 30 and m["training"]["steps"] == 30
+    # The draft vocabulary always holds the end-of-turn token the target emits.
+    w = load_file(str(head / "model.safetensors"))
+    assert bool(w["t2d"][2])  # <|im_end|> in the tiny tokenizer
+    assert res.tokens_per_s > 0 and len(res.final_depth_loss) == 3
+
+
+def test_same_seed_same_curve_and_resume_equals_uninterrupted(tiny_model, tmp_path):
+    rows = conversations(16, seed=1)
+    cfg = make_cfg(tmp_path, tiny_model, depth_keep=[0.7, 0.5])
+    a = train(cfg, rows, None, tmp_path / "a", progress=False)
+    b = train(cfg, rows, None, tmp_path / "b", progress=False)
+    assert a.loss_curve == b.loss_curve and len(a.loss_curve) == 6
+    # Interrupt after 4 steps (checkpoint at 3 plus the final save), then resume.
+    part = train(cfg, rows, None, tmp_path / "c", progress=False, stop_after_steps=4)
+    assert part.steps == 4
+    c = train(cfg, rows, None, tmp_path / "c", progress=False)
+    assert c.steps == 6 and c.loss_curve == a.loss_curve
+    wa, wc = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wc[k]) for k in wa)
+    # A different seed is a different run.
+    d = train(make_cfg(tmp_path, tiny_model, seed=5, depth_keep=[0.7, 0.5]), rows, None, tmp_path / "d",
+              progress=False)
+    assert d.loss_curve != a.loss_curve
+
+
+def test_warm_start_keeps_shapes_and_rejects_shape_changes(bootstrapped, tiny_model, tmp_path):
+    base, _ = bootstrapped
+    base_info = validate_head(base, tiny_model)
+    cfg = make_cfg(tmp_path, tiny_model, max_steps=3)
+    res = train(cfg, conversations(8, seed=2), str(base), tmp_path / "warm",
+                replay_conversations=conversations(24), progress=False)
+    info = validate_head(tmp_path / "warm", tiny_model)
+    assert info.manifest["parent"] == base_info.sha256 == res.parent_sha
+    wb, ww = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "warm" / "model.safetensors"))
+    assert {k: v.shape for k, v in wb.items()} == {k: v.shape for k, v in ww.items()}
+    assert torch.equal(wb["d2t"], ww["d2t"])  # the draft vocabulary is kept
+    assert not torch.equal(wb["fc.weight"], ww["fc.weight"])
+    # Replay: 8 new + 30% replayed from the 24 old conversations.
+    assert res.num_examples == 8 + round(8 * 0.3 / 0.7)
+    for override in ({"num_speculative_tokens": 2}, {"draft_vocab_size": 128}, {"num_layers": 2},
+                     {"aux_layer_ids": [0, 1, 2]}):
+        bad = load_config(None, {"state_dir": str(tmp_path / "s"), "target": {"model": str(tiny_model)},
+                                 "head": {"draft_vocab_size": 256, **override}, "training": {"max_steps": 1}})
+        with pytest.raises(ShapeChangeError):
+            train(bad, conversations(4), str(base), tmp_path / "bad", progress=False)
+
+
+def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(12, seed=3)))
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, sys\n"
+        "from adapt.config import load_config\nfrom adapt.data import read_sharegpt_jsonl\nfrom adapt.train import train\n"
+        f"cfg = load_config(None, {{'state_dir': {str(tmp_path / 'st')!r}, 'target': {{'model': {str(tiny_model)!r}}},"
+        " 'head': {'draft_vocab_size': 256}, 'training': {'max_steps': 3, 'batch_tokens': 200, 'max_seq_len': 100}})\n"
+        f"r = train(cfg, read_sharegpt_jsonl({str(data)!r}), None, {str(tmp_path / 'ddp')!r}, progress=False)\n"
+        "print('RESULT', json.dumps({'steps': r.steps, 'curve': r.loss_curve}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # --standalone: a local rendezvous on a free port (no fixed master port to collide on).
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert len(results) == 2 and all(r["steps"] == 3 for r in results)
+    info = validate_head(tmp_path / "ddp", tiny_model)
+    assert info.manifest["training"]["world_size"] == 2
