@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture.records import Payload, quarantine, skip
+from capture.records import Payload, fast_loads, quarantine, skip
 
 ROLE_MAP = {
     "system": "system",
@@ -50,7 +50,7 @@ class Conversation:
 
 def _loads(text: str, reason: str) -> Any:
     try:
-        return json.loads(text)
+        return fast_loads(text)
     except RecursionError:
         raise quarantine("too_deeply_nested", reason) from None
     except ValueError as exc:
@@ -137,7 +137,7 @@ def parse_sse(text: str) -> list[Any]:
         raise quarantine("invalid_sse", "no data events")
     try:
         # One parse of all chunks as a JSON array is much cheaper than one parse per chunk.
-        return json.loads("[" + ",".join(parts) + "]")
+        return fast_loads("[" + ",".join(parts) + "]")
     except RecursionError:
         raise quarantine("too_deeply_nested", "invalid_sse_chunk") from None
     except ValueError:

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from capture.fastpath import fast_decode
 from capture.formats import to_conversation
 from capture.records import Reject, decode_line
 from capture.redact import redact_values
@@ -82,13 +83,9 @@ class FileResult:
 
 def content_hash(turns: Iterable[tuple[str, str]]) -> str:
     """Hash of the conversation text only (roles and values), so replays of one exchange collide."""
-    h = hashlib.blake2b(digest_size=16)
-    for frm, value in turns:
-        h.update(frm.encode())
-        h.update(b"\x1f")
-        h.update(value.encode("utf-8", "surrogatepass"))
-        h.update(b"\x1e")
-    return h.hexdigest()
+    # Length-prefixed, so no choice of text can make two different conversations serialize alike.
+    flat = "".join(f"{frm}:{len(value)}:{value}" for frm, value in turns)
+    return hashlib.blake2b(flat.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def _excerpt(line: bytes) -> str:
@@ -127,8 +124,12 @@ def process_file(obj: SourceObject) -> FileResult:
             try:
                 if len(line) > max_line:
                     raise Reject("quarantine", "line_too_large", f"{len(line)} bytes > {max_line}")
-                rec = decode_line(line)
-                conv = to_conversation(rec.request, rec.response)
+                fast = fast_decode(line)
+                if fast is not None:
+                    rec, conv = fast
+                else:
+                    rec = decode_line(line)
+                    conv = to_conversation(rec.request, rec.response)
                 when = rec.inference_time or obj.hour
                 if when is None:
                     raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")

@@ -72,21 +72,35 @@ def parse_time(value: Any) -> datetime | None:
     """Parse an ISO-8601 ``inferenceTime``; ``None`` when absent or unparseable (e.g. the SDK's ``{%s}``)."""
     if not isinstance(value, str) or not value:
         return None
-    v = value.strip()
-    if v.endswith("Z"):
-        v = v[:-1] + "+00:00"
     try:
-        t = datetime.fromisoformat(v)
+        t = datetime.fromisoformat(value.strip())  # 3.11+: accepts a trailing Z
     except ValueError:
         return None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
+    off = t.utcoffset()
+    if off is None or not off:
+        return t.replace(tzinfo=timezone.utc)
     return t.astimezone(timezone.utc)
+
+
+_scan = json.decoder.JSONDecoder().scan_once  # the C scanner, minus json.loads' per-call Python wrapping
+
+
+def fast_loads(text: str) -> Any:
+    """``json.loads`` for a str, cheaper per call; raises ValueError/RecursionError like it."""
+    try:
+        obj, end = _scan(text, 0)
+    except StopIteration:
+        return json.loads(text)  # leading whitespace or not JSON: let json.loads say which
+    if end != len(text) and text[end:].strip():
+        return json.loads(text)  # trailing garbage: json.loads raises "Extra data"
+    return obj
 
 
 def _json_loads(data: bytes | str, reason: str) -> Any:
     try:
-        return json.loads(data)
+        if isinstance(data, bytes):
+            data = data.decode("utf-8")
+        return fast_loads(data)
     except RecursionError:
         raise quarantine("too_deeply_nested", reason) from None
     except UnicodeDecodeError as exc:

@@ -1,0 +1,150 @@
+"""Ingest benchmark: N synthetic capture records → warehouse, against a naive baseline, in one run.
+
+    python benchmarks/ingest.py --n 1000000
+
+Synthetic traffic (capture.synth: OpenAI chat, streamed chat, completions, TGI,
+JumpStart chat in BASE64, 5% tabular CSV, 2% replays) is generated once and cached
+under --data. Each contender then runs in its own fresh process so that its peak
+RSS (resource.getrusage, self and children) is its own:
+
+* ``capture``: ``capture.ingest.ingest`` (decode, normalize, redact, dedupe, Parquet, catalog).
+* ``naive``: a ``json.loads`` loop into a pandas DataFrame, then ``to_parquet`` — the
+  outer capture JSON only, no payload decoding, redaction or dedupe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+
+
+def _gen_chunk(args: tuple[str, int, int, int]) -> int:
+    from capture.synth import write_layout
+
+    root, k, n, per_file = args
+    write_layout(root, n, per_file=per_file, seed=k, start=T0 + timedelta(seconds=k * n))
+    return n
+
+
+def generate(data: Path, n: int, per_file: int) -> None:
+    """Write ``n`` records (2 processes); a marker file makes later runs reuse them."""
+    marker = data / ".complete"
+    if marker.exists():
+        return
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    chunks = max(2, n // 100_000)
+    sizes = [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
+    t = time.time()
+    with mp.get_context("spawn").Pool(2) as pool:
+        pool.map(_gen_chunk, [(str(data), k, sizes[k], per_file) for k in range(chunks)])
+    marker.write_text(str(n))
+    print(f"generated {n} records in {time.time() - t:.0f}s under {data}", file=sys.stderr)
+
+
+def _rss_mb() -> dict[str, float]:
+    # Linux reports ru_maxrss in KiB; children = the largest single worker.
+    me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"self_mb": round(me, 1), "largest_child_mb": round(kids, 1), "peak_rss_mb": round(me + kids, 1)}
+
+
+def run_capture(data: Path, state: Path, workers: int | None) -> dict:
+    from adapt.config import load_config
+    from capture.ingest import ingest
+
+    cfg = load_config(overrides={"state_dir": str(state)})
+    t = time.perf_counter()
+    res = ingest(cfg, source=str(data), workers=workers)
+    dt = time.perf_counter() - t
+    return {"seconds": dt, "records": res.read, "summary": res.summary(), **_rss_mb()}
+
+
+def run_naive(data: Path, state: Path) -> dict:
+    import pandas as pd
+
+    t = time.perf_counter()
+    rows = []
+    n = 0
+    for p in sorted(data.rglob("*.jsonl")):
+        with open(p, "rb") as f:
+            for line in f:
+                rows.append(json.loads(line))
+                n += 1
+    df = pd.DataFrame(rows)
+    state.mkdir(parents=True, exist_ok=True)
+    df.to_parquet(state / "naive.parquet")
+    dt = time.perf_counter() - t
+    return {"seconds": dt, "records": n, **_rss_mb()}
+
+
+def child(which: str, data: Path, workers: int | None) -> None:
+    state = Path(tempfile.mkdtemp(prefix=f"bench-{which}-"))
+    try:
+        out = run_capture(data, state, workers) if which == "capture" else run_naive(data, state)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    print(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=100_000, help="synthetic records (README figure: 1000000)")
+    ap.add_argument("--per-file", type=int, default=5_000, help="records per capture file")
+    ap.add_argument("--workers", type=int, default=None, help="ingest worker processes (default: config, 2)")
+    ap.add_argument("--data", type=Path, default=None, help="where generated capture files are cached")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--child", choices=("capture", "naive"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    data = args.data or Path(tempfile.gettempdir()) / "drafter-adapt-bench" / f"ingest-{args.n}-{args.per_file}"
+    if args.child:
+        child(args.child, data, args.workers)
+        return
+
+    generate(data, args.n, args.per_file)
+    size = sum(p.stat().st_size for p in data.rglob("*.jsonl"))
+    results = {}
+    for which in ("capture",) + (() if args.no_baseline else ("naive",)):
+        cmd = [sys.executable, __file__, "--child", which, "--n", str(args.n), "--per-file", str(args.per_file),
+               "--data", str(data)] + (["--workers", str(args.workers)] if args.workers else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        if proc.returncode != 0:
+            sys.exit(f"{which} failed:\n{proc.stderr[-3000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r["records_per_s"] = round(r["records"] / r["seconds"])
+        r["seconds"] = round(r["seconds"], 2)
+        results[which] = r
+    out = {"n": args.n, "input_mb": round(size / 2**20, 1), "cpus": os.cpu_count(), **results}
+    if "naive" in results:
+        out["speedup_vs_naive"] = round(results["naive"]["seconds"] / results["capture"]["seconds"], 2)
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{args.n} records, {out['input_mb']} MiB of capture JSONL, {out['cpus']} CPUs")
+    for which, r in results.items():
+        print(f"  {which:8s} {r['seconds']:8.2f} s  {r['records_per_s']:>9,d} records/s  peak RSS {r['peak_rss_mb']:7.0f} MB "
+              f"(main {r['self_mb']:.0f}, largest worker {r['largest_child_mb']:.0f})")
+    if "speedup_vs_naive" in out:
+        print(f"  capture is {out['speedup_vs_naive']}x the naive baseline")
+    if "summary" in results["capture"]:
+        print("  capture counts:", json.dumps(results["capture"]["summary"]))
+
+
+if __name__ == "__main__":
+    main()

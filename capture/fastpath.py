@@ -1,0 +1,319 @@
+"""Fast path for well-formed capture lines: typed decoding with msgspec, in C.
+
+The reference decoder (:func:`capture.records.decode_line` + :func:`capture.formats.to_conversation`)
+walks generic JSON with per-field Python checks so that it can name every kind of
+bad input. Most lines are not bad, so this module first tries to decode a line
+straight into typed structs of the common formats; the typed decoder validates
+types in C. Whenever a line does not fit those shapes exactly, or would be
+skipped, quarantined or need any judgement, :func:`fast_decode` returns ``None``
+and the caller uses the reference path, which decides. Tests check that the two
+agree on every line the fast path accepts.
+
+msgspec is present wherever vLLM is installed; without it the reference path runs alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any, Union
+
+from capture.formats import ROLE_MAP, Conversation
+from capture.records import CaptureRecord, Payload, parse_time
+
+try:
+    import msgspec
+except ImportError:  # pragma: no cover - exercised only where vLLM (and so msgspec) is absent
+    msgspec = None
+
+AVAILABLE = msgspec is not None
+
+if AVAILABLE:
+    from msgspec import UNSET, Struct, UnsetType
+
+    class _Side(Struct):
+        data: str
+        encoding: Union[str, None] = None
+        observedContentType: Union[str, None] = None
+
+    class _Cap(Struct):
+        endpointInput: _Side
+        endpointOutput: _Side
+
+    class _Meta(Struct):
+        eventId: Union[str, None] = None
+        inferenceId: Union[str, None] = None
+        inferenceTime: Union[str, None] = None
+
+    class _Line(Struct):
+        captureData: _Cap
+        eventMetadata: Union[_Meta, None] = None
+
+    class _Msg(Struct):
+        role: str
+        content: str
+
+    class _Params(Struct):
+        temperature: Union[float, None] = None
+        top_p: Union[float, None] = None
+        max_tokens: Union[int, None] = None
+        max_completion_tokens: Union[int, None] = None
+        max_new_tokens: Union[int, None] = None
+
+    # kw_only: required fields after the optional ones they inherit.
+    class _ChatReq(_Params, kw_only=True):
+        messages: list[_Msg]
+        model: Union[str, None] = None
+
+    class _CompletionReq(_Params, kw_only=True):
+        prompt: str
+        model: Union[str, None] = None
+
+    class _TgiReq(Struct):
+        inputs: str
+        parameters: Union[_Params, None] = None
+        model: Union[str, None] = None
+
+    class _DialogsReq(Struct):
+        inputs: list[list[_Msg]]
+        parameters: Union[_Params, None] = None
+        model: Union[str, None] = None
+
+    class _DialogReq(Struct):
+        inputs: list[_Msg]
+        parameters: Union[_Params, None] = None
+        model: Union[str, None] = None
+
+    class _RespMsg(Struct):
+        content: str
+
+    class _Choice(Struct):
+        message: Union[_RespMsg, None] = None
+        text: Union[str, None] = None
+
+    class _Resp(Struct):
+        choices: list[_Choice]
+        model: Union[str, None] = None
+        object: Union[str, None] = None
+        error: Union[Any, UnsetType] = UNSET
+
+    class _Delta(Struct):
+        content: Union[str, None] = None
+
+    class _StreamChoice(Struct):
+        index: int = 0
+        delta: Union[_Delta, None] = None
+        text: Union[str, None] = None
+
+    class _Chunk(Struct):
+        choices: Union[list[_StreamChoice], None] = None
+        model: Union[str, None] = None
+        error: Union[Any, UnsetType] = UNSET
+        token: Union[Any, UnsetType] = UNSET
+        generated_text: Union[Any, UnsetType] = UNSET
+
+    class _GenMsg(Struct):
+        content: str
+
+    class _Gen(Struct):
+        generated_text: Union[str, UnsetType] = UNSET
+        generation: Union[_GenMsg, str, UnsetType] = UNSET
+        error: Union[Any, UnsetType] = UNSET
+
+    _D = msgspec.json.Decoder
+    _line_dec = _D(_Line)
+    _chat_dec, _completion_dec = _D(_ChatReq), _D(_CompletionReq)
+    _tgi_dec, _dialogs_dec, _dialog_dec = _D(_TgiReq), _D(_DialogsReq), _D(_DialogReq)
+    _resp_dec, _chunks_dec, _gen_dec = _D(_Resp), _D(list[_Chunk]), _D(Union[list[_Gen], _Gen])
+    _Invalid = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError)
+
+
+class _Decline(Exception):
+    """Not for the fast path: let the reference decoder decide."""
+
+
+def _payload(side: "_Side") -> Payload:
+    enc = (side.encoding or "JSON").upper()
+    if enc == "JSON":
+        text = side.data
+    elif enc == "BASE64":
+        try:
+            text = base64.b64decode(side.data, validate=True).decode("utf-8")
+        except (binascii.Error, ValueError):
+            raise _Decline from None
+    else:
+        raise _Decline  # CSV (tabular) and unknown encodings
+    if "\x00" in text:
+        raise _Decline
+    return Payload(text=text, content_type=side.observedContentType, encoding=enc)
+
+
+def _turns(msgs: list) -> list[tuple[str, str]]:
+    turns = []
+    for m in msgs:
+        frm = ROLE_MAP.get(m.role.lower())
+        if frm is None or not m.content:
+            raise _Decline  # unknown roles and empty content (tool calls) need the reference rules
+        turns.append((frm, m.content))
+    return turns
+
+
+def _max_tokens(p: Any) -> int | None:
+    if p is None:
+        return None
+    for v in (p.max_tokens, p.max_completion_tokens, p.max_new_tokens):
+        if v is not None:
+            return v
+    return None
+
+
+def _stream(text: str) -> tuple[str, str | None]:
+    # Split on "data:" in C instead of walking lines in Python. Safe only when every
+    # "data:" starts a line (a JSON chunk holds no raw newline, so none is inside a
+    # chunk) and there are no other SSE fields; anything else is declined.
+    n = text.count("data:")
+    if n == 0 or n != text.count("\ndata:") + text.lstrip().startswith("data:"):
+        raise _Decline
+    segs = text.split("data:")
+    if segs[0].strip() or "\n:" in text or "\nevent:" in text or "\nid:" in text or "\nretry:" in text:
+        raise _Decline
+    parts = [p.strip() for p in segs[1:]]
+    if "[DONE]" in parts:
+        parts = parts[: parts.index("[DONE]")]
+    parts = [p for p in parts if p]
+    if not parts:
+        raise _Decline
+    chunks = _chunks_dec.decode("[" + ",".join(parts) + "]")
+    if len(chunks) != len(parts):
+        raise _Decline  # a chunk that was itself a list of values
+    out = []
+    model = None
+    for ch in chunks:
+        if ch.error is not UNSET or ch.token is not UNSET or ch.generated_text is not UNSET:
+            raise _Decline  # error events and TGI token streams
+        if ch.model is not None:
+            model = ch.model
+        for c in ch.choices or ():
+            if c.index != 0:
+                continue
+            if c.delta is not None:
+                if c.delta.content is not None:
+                    out.append(c.delta.content)
+            elif c.text is not None:
+                out.append(c.text)
+    return "".join(out), model
+
+
+def _openai_answer(resp: Payload, chat: bool) -> tuple[str, str | None]:
+    if _looks_sse(resp):
+        return _stream(resp.text)
+    r = _resp_dec.decode(resp.text)
+    if r.error is not UNSET or r.object == "error" or not r.choices:
+        raise _Decline
+    c = r.choices[0]
+    if chat:
+        if c.message is None:
+            raise _Decline
+        return c.message.content, r.model
+    if c.text is None:
+        raise _Decline
+    return c.text, r.model
+
+
+def _tgi_answer(resp: Payload) -> str:
+    if _looks_sse(resp):
+        raise _Decline
+    g = _gen_dec.decode(resp.text)
+    if isinstance(g, list):
+        if not g:
+            raise _Decline
+        g = g[0]
+    if g.error is not UNSET:
+        raise _Decline
+    if g.generated_text is not UNSET:
+        return g.generated_text
+    if isinstance(g.generation, str):
+        return g.generation
+    if g.generation is not UNSET:
+        return g.generation.content
+    raise _Decline
+
+
+def _looks_sse(p: Payload) -> bool:
+    if p.content_type and "event-stream" in p.content_type.lower():
+        return True
+    return p.text.lstrip()[:6].startswith("data:")
+
+
+def _conversation(req_text: str, resp: Payload) -> Conversation:
+    head = req_text.lstrip()[:1]
+    if head != "{":
+        raise _Decline
+    if '"messages"' in req_text:
+        r = _chat_dec.decode(req_text)
+        if not r.messages:
+            raise _Decline
+        turns = _turns(r.messages)
+        answer, model = _openai_answer(resp, chat=True)
+        conv = Conversation(turns=turns, format="openai_chat", model=r.model if r.model is not None else model,
+                            temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
+    elif '"prompt"' in req_text:
+        r = _completion_dec.decode(req_text)
+        answer, model = _openai_answer(resp, chat=False)
+        conv = Conversation(turns=[("human", r.prompt)], format="openai_completion", raw=True,
+                            model=r.model if r.model is not None else model,
+                            temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
+    elif '"inputs"' in req_text:
+        after = req_text.split('"inputs"', 1)[1].lstrip().lstrip(":").lstrip()[:2]
+        if after[:1] == '"':
+            r = _tgi_dec.decode(req_text)
+            answer = _tgi_answer(resp)
+            if r.inputs and answer.startswith(r.inputs):
+                answer = answer[len(r.inputs):]
+            turns, fmt, raw = [("human", r.inputs)], "tgi", True
+        elif after == "[[" or after.replace(" ", "")[:2] == "[[":
+            r = _dialogs_dec.decode(req_text)
+            if len(r.inputs) != 1:
+                raise _Decline
+            turns, fmt, raw = _turns(r.inputs[0]), "jumpstart_chat", False
+            answer = _tgi_answer(resp)
+        else:
+            r = _dialog_dec.decode(req_text)
+            turns, fmt, raw = _turns(r.inputs), "jumpstart_chat", False
+            answer = _tgi_answer(resp)
+        p = r.parameters
+        conv = Conversation(turns=turns, format=fmt, raw=raw, model=r.model,
+                            temperature=p.temperature if p else None, top_p=p.top_p if p else None,
+                            max_tokens=_max_tokens(p))
+    else:
+        raise _Decline
+    if not answer.strip() or not any(frm == "human" for frm, _ in conv.turns):
+        raise _Decline
+    conv.turns.append(("gpt", answer))
+    if any("\x00" in v for _, v in conv.turns):
+        raise _Decline
+    return conv
+
+
+def fast_decode(line: bytes) -> tuple[CaptureRecord, Conversation] | None:
+    """Decode a common, well-formed capture line; ``None`` means "use the reference path"."""
+    if not AVAILABLE:
+        return None
+    try:
+        rec = _line_dec.decode(line)
+        cap = rec.captureData
+        req, resp = _payload(cap.endpointInput), _payload(cap.endpointOutput)
+        if req.content_type and req.content_type.split(";")[0].strip().lower() == "text/csv":
+            raise _Decline
+        conv = _conversation(req.text, resp)
+    except (_Decline, *_Invalid):
+        return None
+    meta = rec.eventMetadata
+    record = CaptureRecord(
+        event_id=meta.eventId if meta else None,
+        inference_id=meta.inferenceId if meta else None,
+        inference_time=parse_time(meta.inferenceTime) if meta else None,
+        request=req,
+        response=resp,
+    )
+    return record, conv
