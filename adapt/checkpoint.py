@@ -135,15 +135,24 @@ def vllm_config_dict(cfg: DrafterConfig) -> dict[str, Any]:
         "ptd_token_id": cfg.ptd_token_id,
         "parallel_drafting": True,
         "num_speculative_tokens": cfg.num_speculative_tokens,
-        "norm_before_residual": False,
+        "norm_before_residual": cfg.norm_before_residual,
         "torch_dtype": "bfloat16",
         "dtype": "bfloat16",
     }
 
 
-def config_from_vllm_dict(d: dict[str, Any], target_layers: int | None = None) -> DrafterConfig:
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def config_from_vllm_dict(d: dict[str, Any], target_layers: int | None = None,
+                          ptd_fallback: int | None = None) -> DrafterConfig:
     """Inverse of :func:`vllm_config_dict`, tolerant of the variants heads ship with."""
     eagle = d.get("eagle_config") or {}
+    on = [f for f in UNSUPPORTED_FLAGS if d.get(f) or eagle.get(f)]
+    if on:
+        raise HeadError(f"head uses {', '.join(on)}, which this drafter does not implement")
+    if eagle.get("use_aux_hidden_state") is False:
+        raise HeadError("head has use_aux_hidden_state=false (EAGLE-1 style), not an EAGLE-3 head")
     ids = d.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         if target_layers is None:
@@ -159,6 +168,8 @@ def config_from_vllm_dict(d: dict[str, Any], target_layers: int | None = None) -
     elif d.get("rope_scaling"):
         scaling = dict(d["rope_scaling"])
     ptd = d.get("ptd_token_id", d.get("mask_token_id", d.get("pard_token")))
+    if ptd is None:
+        ptd = ptd_fallback
     if ptd is None:
         raise HeadError("config.json has no ptd_token_id / mask_token_id: not a parallel-drafting head")
     H = int(d["hidden_size"])
@@ -182,6 +193,7 @@ def config_from_vllm_dict(d: dict[str, Any], target_layers: int | None = None) -
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             attention_bias=bool(d.get("attention_bias", False)),
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
             num_target_layers=target_layers,
         )
     except KeyError as e:
@@ -448,3 +460,96 @@ def init_random_head(target_dir: str | Path, out_dir: str | Path, k: int = 3,
     model = new_head(target_dir, k, draft_vocab_size, aux_layer_ids, num_layers, seed)
     return save_head(model, out_dir, {"parent": None, "data_snapshot": None, "init": {"kind": "random", "seed": seed}},
                      target_dir=target_dir)
+
+
+def _normalize_name(name: str) -> str:
+    """Map the tensor names EAGLE-3 / P-EAGLE / speculators checkpoints use to ours."""
+    if name.startswith("model.") and not name.startswith("model.lm_head"):
+        name = name[len("model."):]
+    name = name.replace("midlayer.", "layers.0.")
+    if name.endswith("draft_id_to_target_id"):
+        name = "d2t"
+    return name
+
+
+def _source_config(raw: dict[str, Any]) -> tuple[dict[str, Any], str, int | None]:
+    """Flatten a speculators-format config into vLLM-style keys; returns (dict, format, K)."""
+    if "speculators_config" not in raw and "speculators_model_type" not in raw:
+        return dict(raw), "vllm-eagle3", raw.get("num_speculative_tokens")
+    kind = raw.get("speculators_model_type", "eagle3")
+    if kind not in ("eagle3", "peagle"):
+        raise HeadError(f"speculators model type {kind!r} is not an EAGLE-3/P-EAGLE head")
+    d = dict(raw.get("transformer_layer_config") or {})
+    if not d:
+        raise HeadError("speculators config has no transformer_layer_config")
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc",
+                "fc_norm", "norm_output"):
+        if raw.get(key) is not None:
+            d[key] = raw[key]
+    # speculators' defaults differ by algorithm (vLLM's algos.py): eagle3 True, peagle False.
+    d["norm_before_residual"] = raw.get("norm_before_residual", kind == "eagle3")
+    if raw.get("mask_token_id") is not None:
+        d["ptd_token_id"] = raw["mask_token_id"]
+    k = None
+    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
+    if methods:
+        k = methods[0].get("speculative_tokens")
+    return d, f"speculators-{kind}", k
+
+
+def import_head(src_dir: str | Path, target_dir: str | Path, out_dir: str | Path, k: int | None = None) -> Path:
+    """Normalize a foreign EAGLE-3 / P-EAGLE head (vLLM-style or speculators format) into a head dir.
+
+    Missing ``embed_tokens`` is copied from the target; a plain EAGLE-3 head
+    without ``mask_hidden``/mask token gets a zero ``mask_hidden`` and a spare
+    special token (it then needs training before parallel drafting is useful).
+    """
+    src, target_dir = Path(src_dir), Path(target_dir)
+    if not (src / "config.json").is_file():
+        raise HeadError(f"{src}: config.json is missing")
+    pickles = sorted(p.name for p in src.rglob("*") if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise HeadError(f"{src}: refusing pickle weights ({', '.join(pickles)}); convert them to safetensors first")
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise HeadError(f"{src}: no *.safetensors weights")
+    raw = json.loads((src / "config.json").read_text())
+    flat, fmt, src_k = _source_config(raw)
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    from adapt.drafter import pick_mask_token
+
+    cfg = config_from_vllm_dict(flat, int(tcfg["num_hidden_layers"]), ptd_fallback=pick_mask_token(target_dir))
+    cfg.num_speculative_tokens = int(k or src_k or cfg.num_speculative_tokens)
+    notes: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in _read_tensors(f).items():
+            tensors[_normalize_name(name)] = t
+    if "embed_tokens.weight" not in tensors:
+        tensors["embed_tokens.weight"] = _target_embeddings(target_dir)
+        notes.append("embed_tokens copied from the target")
+    if "mask_hidden" not in tensors:
+        tensors["mask_hidden"] = torch.zeros(1, cfg.fc_input_size)
+        notes.append("no mask_hidden: initialised to zeros (train before serving)")
+    if "mask_hidden" in tensors:
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, -1)
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        tensors.pop("d2t", None)
+        tensors.pop("t2d", None)
+    elif "d2t" in tensors and "t2d" not in tensors:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()] = True
+        tensors["t2d"] = t2d
+    _check_tensors(cfg, {n: t for n, t in tensors.items()}, src)
+    model = PEagleDrafter(cfg)
+    sd = dict(tensors)
+    sd["mask_embedding"] = tensors["embed_tokens.weight"][cfg.ptd_token_id]
+    ref = model.state_dict()
+    model.load_state_dict({n: t.to(ref[n].dtype) for n, t in sd.items()}, strict=False)
+    out = save_head(model, out_dir, {
+        "parent": None, "data_snapshot": None,
+        "imported_from": {"path": str(src.absolute()), "format": fmt,
+                          "files": {f.name: sha256_file(f) for f in files}, "notes": notes},
+    }, target_dir=target_dir)
+    validate_head(out, target_dir)
+    return out

@@ -80,6 +80,8 @@ class DrafterConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     attention_bias: bool = False
+    # vLLM default False: the residual stream starts from the un-normed hidden.
+    norm_before_residual: bool = False
     num_target_layers: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -248,6 +250,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.norm_before_residual = cfg.norm_before_residual
         H = cfg.hidden_size
         self.self_attn = Attention(cfg, 2 * H if layer_idx == 0 else H)
         self.mlp = MLP(cfg)
@@ -259,8 +262,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, embeds, hidden, residual, cos, sin, attn_mask):
         if self.layer_idx == 0:
-            residual = hidden
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+            normed = self.hidden_norm(hidden)
+            residual = normed if self.norm_before_residual else hidden
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         else:
             residual = hidden + residual
             x = self.input_layernorm(residual)
