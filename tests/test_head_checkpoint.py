@@ -1,0 +1,257 @@
+"""Head directories: round trip, clear errors for bad heads, foreign-format import,
+and the offline acceptance machinery (no vLLM server here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from adapt.checkpoint import (
+    HeadError,
+    import_head,
+    init_random_head,
+    load_head,
+    sha256_file,
+    validate_head,
+)
+from adapt.drafter import propose
+from adapt.evaluate import draft_all_positions, simulate
+
+
+@pytest.fixture(scope="module")
+def head(tiny_model, tmp_path_factory) -> Path:
+    return init_random_head(tiny_model, tmp_path_factory.mktemp("ckpt") / "head", k=3, draft_vocab_size=256, seed=3)
+
+
+@pytest.fixture
+def copy(head, tmp_path) -> Path:
+    dst = tmp_path / "h"
+    shutil.copytree(head, dst)
+    return dst
+
+
+def _rewrite(d: Path, edit, fix_manifest: bool = True) -> None:
+    t = load_file(d / "model.safetensors")
+    edit(t)
+    save_file(t, d / "model.safetensors")
+    if fix_manifest:
+        m = json.loads((d / "manifest.json").read_text())
+        m["sha256"] = sha256_file(d / "model.safetensors")
+        (d / "manifest.json").write_text(json.dumps(m))
+
+
+def _inputs(cfg, n=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        input_ids=torch.randint(0, cfg.vocab_size, (1, n), generator=g),
+        positions=torch.arange(n)[None],
+        aux_hidden=torch.randn(1, n, cfg.fc_input_size, generator=g),
+        is_mask=(torch.arange(n) >= n - 2)[None],
+        attn_mask=torch.ones(n, n, dtype=torch.bool).tril()[None],
+    )
+
+
+def test_head_dir_is_what_vllm_loads(head, tiny_model):
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["draft_vocab_size"] == 256 and cfg["target_hidden_size"] == 128
+    assert cfg["ptd_token_id"] == 3  # "<|mask|>" in the tiny tokenizer
+    names = set(load_file(head / "model.safetensors"))
+    assert {"mask_hidden", "d2t", "t2d", "embed_tokens.weight", "fc.weight", "layers.0.hidden_norm.weight",
+            "norm.weight", "lm_head.weight"} <= names
+    assert sorted(p.name for p in head.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
+    info = validate_head(head, tiny_model)
+    assert info.manifest["target"]["name"] == "tiny-llama" and info.manifest["parent"] is None
+
+
+def test_round_trip_keeps_the_function(head, tmp_path):
+    from adapt.checkpoint import save_head
+
+    model, _ = load_head(head)
+    x = _inputs(model.config)
+    again, _ = load_head(save_head(model, tmp_path / "again", {"parent": "abc"}))
+    assert torch.equal(model(**x), again(**x))
+    assert torch.equal(again.d2t, model.d2t)
+
+
+def test_missing_tensor(copy, tiny_model):
+    _rewrite(copy, lambda t: t.pop("fc.weight"))
+    with pytest.raises(HeadError, match=r"missing tensors: fc\.weight"):
+        validate_head(copy, tiny_model)
+
+
+def test_wrong_shape(copy, tiny_model):
+    _rewrite(copy, lambda t: t.__setitem__("lm_head.weight", torch.zeros(100, 128, dtype=torch.bfloat16)))
+    with pytest.raises(HeadError, match=r"wrong shapes: lm_head\.weight: \(100, 128\) != expected \(256, 128\)"):
+        validate_head(copy, tiny_model)
+
+
+def test_wrong_target_hidden_and_vocab(head, tmp_path):
+    fake = tmp_path / "target"
+    fake.mkdir()
+    (fake / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}))
+    with pytest.raises(HeadError, match="target_hidden_size 128 != target hidden_size 576.*vocab_size 512 != target vocab_size 49152"):
+        validate_head(head, fake)
+
+
+def test_aux_layer_out_of_range(copy, tiny_model):
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 9]
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HeadError, match=r"aux layer ids \[9\] out of range for a 4-layer target"):
+        validate_head(copy, tiny_model)
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "extra.pt", "optimizer.pth", "state.pkl"])
+def test_pickle_file_rejected(copy, tiny_model, name):
+    (copy / name).write_bytes(b"\x80\x04K\x01.")
+    with pytest.raises(HeadError, match=f"pickle files are not allowed.*{name}"):
+        validate_head(copy, tiny_model)
+
+
+def test_tampered_weights(copy, tiny_model):
+    _rewrite(copy, lambda t: t["norm.weight"].mul_(2), fix_manifest=False)
+    with pytest.raises(HeadError, match="sha256 .* does not match manifest"):
+        validate_head(copy, tiny_model)
+
+
+def test_cli_validate_reports_error_as_json(copy, tiny_model):
+    from adapt.cli import app
+
+    (copy / "model.bin").write_bytes(b"x")
+    res = CliRunner().invoke(app, ["head", "validate", str(copy), "--target", str(tiny_model), "--json"])
+    assert res.exit_code == 1
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"] is False and "pickle" in out["error"]
+
+
+def test_import_vllm_style_midlayer_without_embeddings(head, tiny_model, tmp_path):
+    """EAGLE-3 release layout: ``midlayer.*`` names, no embed_tokens, no manifest."""
+    src = tmp_path / "src"
+    src.mkdir()
+    t = load_file(head / "model.safetensors")
+    t.pop("embed_tokens.weight")
+    save_file({k.replace("layers.0.", "midlayer."): v for k, v in t.items()}, src / "model.safetensors")
+    cfg = json.loads((head / "config.json").read_text())
+    cfg.pop("num_speculative_tokens")
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = import_head(src, tiny_model, tmp_path / "imported", k=4)
+    info = validate_head(out, tiny_model)
+    assert info.num_speculative_tokens == 4
+    assert info.manifest["imported_from"]["format"] == "vllm-eagle3"
+    a, _ = load_head(head)
+    b, _ = load_head(out)
+    x = _inputs(a.config)
+    assert torch.equal(a(**x), b(**x))  # the random head's embeddings are the target's
+
+
+def test_import_speculators_peagle(head, tiny_model, tmp_path):
+    src = tmp_path / "spec"
+    src.mkdir()
+    t = load_file(head / "model.safetensors")
+    save_file({("model." + k if k.startswith("layers") else k): v for k, v in t.items()}, src / "model.safetensors")
+    vcfg = json.loads((head / "config.json").read_text())
+    layer = {k: vcfg[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+                                  "num_key_value_heads", "head_dim", "num_hidden_layers", "rms_norm_eps",
+                                  "rope_theta", "max_position_embeddings", "vocab_size")}
+    (src / "config.json").write_text(json.dumps({
+        "speculators_model_type": "peagle",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": 256,
+        "target_hidden_size": 128,
+        "mask_token_id": 3,
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "speculators_config": {"algorithm": "peagle", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+                               "verifier": {"name_or_path": "tiny"}},
+    }))
+    out = import_head(src, tiny_model, tmp_path / "imported")
+    info = validate_head(out, tiny_model)
+    assert info.num_speculative_tokens == 5 and info.manifest["imported_from"]["format"] == "speculators-peagle"
+    a, _ = load_head(head)
+    b, _ = load_head(out)
+    assert not b.config.norm_before_residual
+    x = _inputs(a.config)
+    assert torch.equal(a(**x), b(**x))
+
+
+def test_import_speculators_eagle3_defaults_norm_before_residual(head, tiny_model, tmp_path):
+    src = tmp_path / "spec3"
+    src.mkdir()
+    t = load_file(head / "model.safetensors")
+    t.pop("mask_hidden")
+    save_file(t, src / "model.safetensors")
+    vcfg = json.loads((head / "config.json").read_text())
+    layer = {k: vcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "num_hidden_layers", "vocab_size")}
+    (src / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": 256,
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}], "verifier": {"name_or_path": "t"}},
+    }))
+    out = import_head(src, tiny_model, tmp_path / "imported")
+    b, man = load_head(out)
+    assert b.config.norm_before_residual  # speculators' eagle3 default, as vLLM applies it
+    assert b.config.ptd_token_id == 3  # picked from the target tokenizer
+    assert torch.count_nonzero(b.mask_hidden) == 0 and man["imported_from"]["notes"]
+
+
+def test_import_refuses_pickle(tmp_path, tiny_model):
+    src = tmp_path / "p"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(HeadError, match="refusing pickle weights"):
+        import_head(src, tiny_model, tmp_path / "out")
+
+
+def test_all_step_drafts_equal_per_step_passes(head, tiny_model):
+    """The one-pass draft of every step equals vLLM's per-step pass (build_draft_inputs)."""
+    from adapt.hidden_states import TargetRunner
+
+    model, _ = load_head(head)
+    runner = TargetRunner(tiny_model, model.config.aux_layer_ids, device="cpu", dtype=torch.float32)
+    prompt = runner.tokenizer("def return import class self", add_special_tokens=False)["input_ids"]
+    seq = torch.tensor(prompt + runner.greedy(prompt, 12))
+    aux, _ = runner.forward(seq, with_logits=False)
+    n = len(prompt)
+    fast = draft_all_positions(model, seq, aux, n, len(seq))
+    slow = torch.tensor([propose(model, seq[:m], aux[:m], int(seq[m])) for m in range(n, len(seq))])
+    assert torch.equal(fast, slow)
+
+
+def test_aux_layers_follow_vllm_semantics(tiny_model):
+    """Layer id L = input of decoder layer L; L = num_layers = pre-norm output of the last layer."""
+    from adapt.hidden_states import TargetRunner
+
+    r = TargetRunner(tiny_model, [0, 2, 4], device="cpu", dtype=torch.float32)
+    ids = torch.tensor(r.tokenizer("the of and", add_special_tokens=False)["input_ids"])
+    aux, _ = r.forward(ids, with_logits=False)
+    H = 128
+    emb = r.model.model.embed_tokens(ids)
+    assert torch.allclose(aux[:, :H], emb)
+    out = r.model(input_ids=ids[None], output_hidden_states=True)
+    assert torch.allclose(aux[:, H:2 * H], out.hidden_states[2][0])
+    # Final norm applied to the pre-norm state gives transformers' (post-norm) last entry.
+    assert torch.allclose(r.model.model.norm(aux[:, 2 * H:]), out.hidden_states[4][0], atol=1e-5)
+
+
+def test_simulate_counts_like_vllm():
+    # seq: prompt of 2, then tokens 10..17. K=2.
+    seq = [1, 2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    drafts = torch.tensor([
+        [11, 12],  # m=2 (sampled 10): both accepted -> m=5
+        [0, 0], [0, 0],
+        [14, 0],   # m=5 (sampled 13): 1 accepted -> m=7
+        [0, 0],
+        [0, 16],   # m=7 (sampled 15): 0 accepted -> m=8
+        [17, 18],  # m=8 (sampled 16): both -> m=11, generated 9 >= 8: stop
+        [0, 0], [0, 0],
+    ])
+    c = simulate(seq, drafts, prompt_len=2, max_new_tokens=8)
+    assert c == {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 5, "accepted_per_pos": [3, 2]}
