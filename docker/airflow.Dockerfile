@@ -1,0 +1,11 @@
+# Airflow 3 with the project installed: DAG tasks import adapt.airflow_tasks.
+FROM apache/airflow:3.3.2-python3.11
+USER root
+COPY --chown=airflow:root pyproject.toml /opt/drafter/pyproject.toml
+COPY --chown=airflow:root adapt /opt/drafter/adapt
+COPY --chown=airflow:root capture /opt/drafter/capture
+COPY --chown=airflow:root serving /opt/drafter/serving
+COPY --chown=airflow:root dags /opt/airflow/dags
+USER airflow
+RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu "/opt/drafter[cpu]" psycopg2-binary
+ENV PYTHONPATH=/opt/drafter

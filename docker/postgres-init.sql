@@ -1,0 +1,3 @@
+-- One Postgres for both metadata stores.
+CREATE DATABASE mlflow;
+CREATE DATABASE airflow;
