@@ -31,6 +31,7 @@ from adapt.config import dump_toml, load_config
 
 pytestmark = pytest.mark.services
 TOKEN = "test-admin-token"
+MODEL = "tiny-llama"  # set from the stack's served model name
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -114,6 +115,8 @@ def stack(tiny_model: Path, heads, tmp_path_factory):
     st.start()
     st.start_seconds = time.perf_counter() - t0
     st.cfg_file = cfg_file
+    global MODEL
+    MODEL = st.model_name
     st.cold = {r.url: dict(r.head) for r in st.pool.replicas}
     try:
         yield st
@@ -128,7 +131,7 @@ def heads_now(stack) -> dict[str, dict]:
 
 
 def greedy(url: str, prompts: list[str], max_tokens: int = 24) -> list[str]:
-    return [httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": max_tokens,
+    return [httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": max_tokens,
                                                       "temperature": 0, "ignore_eos": True}, timeout=120)
             .json()["choices"][0]["text"] for p in prompts]
 
@@ -152,7 +155,7 @@ class Load:
             while not self.stop_ev.is_set() and time.monotonic() < self.deadline and n < self.max_requests:
                 n += 1
                 stream = n % 3 == 0
-                body = {"model": "tiny", "max_tokens": 16, "temperature": 0, "stream": stream}
+                body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": stream}
                 if n % 2:
                     body["messages"] = [{"role": "user", "content": f"worker {i} request {n} explain code"}]
                     path = "/v1/chat/completions"
@@ -195,18 +198,18 @@ def test_router_serves_chat_completion_stream_and_capture_reads_back(stack, tmp_
 
     url = stack.url
     models = httpx.get(url + "/v1/models", timeout=30).json()
-    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert [m["id"] for m in models["data"]] == [MODEL]
     sent = {}
     chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "alpha question about python"}],
+        "model": MODEL, "messages": [{"role": "user", "content": "alpha question about python"}],
         "max_tokens": 20, "temperature": 0}).json()
     sent["alpha question about python"] = chat["choices"][0]["message"]["content"]
     comp = httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": "beta the of and to", "max_tokens": 20, "temperature": 0}).json()
+        "model": MODEL, "prompt": "beta the of and to", "max_tokens": 20, "temperature": 0}).json()
     sent["beta the of and to"] = comp["choices"][0]["text"]
     for kind in ("chat", "completion"):
         prompt = f"gamma streamed {kind} water call"
-        body = {"model": "tiny", "max_tokens": 20, "temperature": 0, "stream": True}
+        body = {"model": MODEL, "max_tokens": 20, "temperature": 0, "stream": True}
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         body.update({"messages": [{"role": "user", "content": prompt}]} if kind == "chat" else {"prompt": prompt})
         chunks, text = 0, ""
@@ -221,7 +224,7 @@ def test_router_serves_chat_completion_stream_and_capture_reads_back(stack, tmp_
         sent[prompt] = text
     # The streamed text is what the same request gives unstreamed (greedy).
     assert sent["gamma streamed completion water call"] == httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": "gamma streamed completion water call", "max_tokens": 20,
+        "model": MODEL, "prompt": "gamma streamed completion water call", "max_tokens": 20,
         "temperature": 0}).json()["choices"][0]["text"]
 
     time.sleep(1.0)  # the writer flushes every 0.2 s

@@ -236,3 +236,36 @@ def test_router_refuses_admin_without_configured_token():
     with TestClient(app) as c:
         r = c.post("/admin/swap", json={"head": "/x"}, headers={"Authorization": "Bearer anything"})
         assert r.status_code == 403 and "disabled" in r.json()["detail"]
+
+
+def test_capture_writer_s3_is_read_back_by_capture(s3_server, tmp_path: Path):
+    """Batches land in S3 in the Data Capture layout and capture.ingest turns them into conversations."""
+    from capture.ingest import ingest
+    from capture.records import make_capture_record
+    from capture.warehouse import Warehouse
+    from adapt.config import load_config
+
+    dest = f"s3://{s3_server.bucket}/router-capture"
+    cfg = load_config(overrides={"state_dir": str(tmp_path), "s3": {"endpoint_url": s3_server.endpoint_url},
+                                 "capture": {"source": dest, "endpoint": "", "redact": False}})
+
+    async def main():
+        w = CaptureWriter(dest, "s3-ep", "AllTraffic", flush_seconds=0.05, s3_client_kwargs=cfg.s3.client_kwargs())
+        w.start()
+        for i in range(3):
+            w.offer(make_capture_record({"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]},
+                                        {"choices": [{"message": {"role": "assistant", "content": f"a{i}"}}]}))
+        sse = "".join(f"data: {json.dumps({'choices': [{'delta': {'content': p}}]})}\n\n" for p in ("st", "ream"))
+        w.offer(make_capture_record({"messages": [{"role": "user", "content": "qs"}], "stream": True},
+                                    sse + "data: [DONE]\n\n", response_content_type="text/event-stream"))
+        await w.close()
+        assert w.counts["written"] == 4 and w.dropped == 0, w.last_error
+
+    asyncio.run(main())
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket,
+                                                                  Prefix="router-capture/")["Contents"]]
+    assert keys and all(k.split("/")[1:3] == ["s3-ep", "AllTraffic"] and len(k.split("/")) == 8 for k in keys)
+    res = ingest(cfg, source=dest)
+    assert res.normalized == 4, res.summary()
+    pairs = {tuple(t["value"] for t in c["conversations"]) for c in Warehouse(cfg).read_conversations().to_pylist()}
+    assert pairs == {("q0", "a0"), ("q1", "a1"), ("q2", "a2"), ("qs", "stream")}
