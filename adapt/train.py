@@ -157,21 +157,19 @@ def bootstrap_head(cfg: Any, target_dir: Path, examples: Sequence[Example], eos_
 class TargetFeatures:
     """Aux hidden states and draft-vocab logits of the target, computed once per example.
 
-    vLLM's EAGLE-3 aux state for layer id l is the residual stream entering
-    decoder layer l, i.e. ``hidden_states[l]`` of a transformers forward.
-    Features stay in memory (bf16) up to ``cache_bytes``; beyond that they are
-    recomputed when needed (multi-epoch over huge data sets trades compute for RAM).
+    The target runs in bf16 through :class:`adapt.hidden_states.TargetRunner`
+    (aux states exactly as vLLM records them, and the precision vLLM serves in).
+    Target forwards dominate CPU training time, so features stay in memory (bf16)
+    up to ``cache_bytes`` and every later epoch reuses them; past the budget they
+    are recomputed (huge data sets trade compute for RAM).
     """
 
     def __init__(self, target_dir: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor,
                  device: torch.device, cache_bytes: int = 6 << 30) -> None:
-        from transformers import AutoModelForCausalLM
+        from adapt.hidden_states import TargetRunner
 
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-        self.aux_layer_ids = list(aux_layer_ids)
-        self.draft_ids = draft_ids.to(device)
-        self.device = device
+        self.runner = TargetRunner(target_dir, aux_layer_ids, device=str(device), dtype=torch.bfloat16)
+        self.draft_ids = draft_ids.to(self.runner.device)
         self.cache: dict[int, Features] = {}
         self.cache_bytes = cache_bytes
         self.used_bytes = 0
@@ -180,10 +178,7 @@ class TargetFeatures:
     @torch.no_grad()
     def compute(self, ex: Example) -> Features:
         t0 = time.perf_counter()
-        ids = ex.input_ids.to(self.device)[None]
-        out = self.model(input_ids=ids, output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)
-        logits = out.logits[0].float()
+        aux, logits = self.runner.forward(ex.input_ids)
         f = Features(
             input_ids=ex.input_ids,
             loss_mask=ex.loss_mask,
@@ -419,7 +414,7 @@ def train(
         }
         save_head(model.cpu(), out_dir, manifest)
         if evaluate_rows:
-            acceptance = offline_acceptance(out_dir, target_dir, evaluate_rows, cfg)
+            acceptance = offline_acceptance(out_dir, target, evaluate_rows, cfg)
     if dd.world > 1:
         dist.barrier()
     return TrainResult(
@@ -439,10 +434,9 @@ def _any_rank(flag: bool, dd: Dist) -> bool:
     return bool(t.item())
 
 
-def offline_acceptance(head_dir: Path, target_dir: Path, rows: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any] | None:
-    """Offline acceptance of the exported head via :mod:`adapt.evaluate` (None until it exists)."""
-    try:
-        from adapt import evaluate
-    except ImportError:
-        return None
-    return evaluate.evaluate_head(head_dir, target_dir, rows, cfg)
+def offline_acceptance(head_dir: Path, target: TargetFeatures, rows: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
+    """Offline greedy acceptance of the exported head (adapt.evaluate), reusing the loaded target."""
+    from adapt.evaluate import estimate_acceptance
+
+    return estimate_acceptance(head_dir, target.runner.target_dir, rows, max_new_tokens=cfg.bench.max_tokens,
+                               runner=target.runner)

@@ -126,14 +126,44 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
         f"cfg = load_config(None, {{'state_dir': {str(tmp_path / 'st')!r}, 'target': {{'model': {str(tiny_model)!r}}},"
         " 'head': {'draft_vocab_size': 256}, 'training': {'max_steps': 3, 'batch_tokens': 200, 'max_seq_len': 100}})\n"
         f"r = train(cfg, read_sharegpt_jsonl({str(data)!r}), None, {str(tmp_path / 'ddp')!r}, progress=False)\n"
-        "print('RESULT', json.dumps({'steps': r.steps, 'curve': r.loss_curve}))\n"
+        "import os, pathlib\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'result-' + os.environ['RANK'] + '.json')"
+        ".write_text(json.dumps({'steps': r.steps, 'curve': r.loss_curve}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # --standalone: a local rendezvous on a free port (no fixed master port to collide on).
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script)], capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (0, 1)]
     assert len(results) == 2 and all(r["steps"] == 3 for r in results)
     info = validate_head(tmp_path / "ddp", tiny_model)
     assert info.manifest["training"]["world_size"] == 2
+
+
+def test_cli_train_on_jsonl_reports_losses_and_offline_acceptance(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from adapt.cli import app
+    from adapt.config import dump_toml
+
+    cfg = make_cfg(tmp_path, tiny_model)
+    cfg.bench.max_tokens = 8
+    conf = tmp_path / "adapt.toml"
+    conf.write_text(dump_toml(cfg))
+    data, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(10, seed=4)))
+    held.write_text("".join(json.dumps(r) + "\n" for r in conversations(2, seed=5)))
+    res = CliRunner().invoke(app, ["train", "--config", str(conf), "--data", str(data), "--eval-data", str(held),
+                                   "--out", str(tmp_path / "cli-head"), "--max-steps", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["out_dir"] == str(tmp_path / "cli-head") and out["steps"] == 4 and out["tokens_per_s"] > 0
+    assert len(out["final_depth_loss"]) == 3
+    acc = out["acceptance"]
+    assert acc["k"] == 3 and acc["num_prompts"] == 2 and 1.0 <= acc["mean_acceptance_length"] <= 4.0
+    validate_head(tmp_path / "cli-head", tiny_model)
+    # A bad base is a clean error, not a traceback.
+    bad = CliRunner().invoke(app, ["train", "--config", str(conf), "--data", str(data), "--base",
+                                   str(tmp_path / "nope"), "--json"])
+    assert bad.exit_code != 0 and "error:" in bad.output
