@@ -17,7 +17,7 @@ app = typer.Typer(
 )
 
 # Packages that contribute commands; each module exposes register(app).
-COMMAND_MODULES = ["adapt.doctor", "adapt.models_cli", "capture.cli", "serving.cli", "adapt.train_cli", "adapt.loop_cli", "adapt.head_cli"]
+COMMAND_MODULES = ["adapt.doctor", "adapt.models_cli", "capture.cli", "serving.cli", "adapt.train_cli", "adapt.loop_cli", "adapt.head_cli", "adapt.demo_cli"]
 
 
 @app.command("config")

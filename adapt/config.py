@@ -126,6 +126,20 @@ class ControllerConfig(_Section):
     rollback_fraction: float = Field(0.7, ge=0, le=1)
 
 
+class DemoConfig(_Section):
+    """Sizes of `adapt demo` (its run time scales with them)."""
+
+    general_prompts: int = Field(40, ge=4)
+    drifted_train_prompts: int = Field(64, ge=2)
+    drifted_heldout_prompts: int = Field(16, ge=2)
+    max_tokens: int = Field(96, ge=8)
+    concurrency: int = Field(8, ge=1)
+    gap_seconds: float = Field(20.0, ge=2)
+    bootstrap_steps: int = Field(300, ge=1)
+    adapt_steps: int = Field(200, ge=1)
+    fresh: bool = True
+
+
 class Config(_Section):
     """The whole configuration. Paths are absolute after loading."""
 
@@ -142,6 +156,7 @@ class Config(_Section):
     bench: BenchConfig = BenchConfig()
     gate: GateConfig = GateConfig()
     controller: ControllerConfig = ControllerConfig()
+    demo: DemoConfig = DemoConfig()
     source_file: str | None = None
 
     @field_validator("state_dir", "cache_dir")

@@ -1,0 +1,320 @@
+"""`adapt demo`: the whole product on one machine, end to end, with real parts.
+
+1. start a pool of the target in vLLM behind the capturing router, serving a cold-start
+   (untrained) P-EAGLE head, plus a dedicated bench replica;
+2. send general chat (MT-Bench) through the router, so it is captured;
+3. cycle 1 bootstraps a base head from that traffic, benchmarks it against the cold head,
+   gates, registers and promotes it, and the pool hot-swaps to it;
+4. send drifted traffic (HumanEval code, BFCL tool calls) through the router;
+5. cycle 2 adapts the Production head to the captured drift: train, offline eval, replay
+   benchmark against the live head, gate, register, promote, hot-swap;
+6. roll back by moving the previous version to Production in the registry, and time how
+   long the controller takes to make the pool follow.
+
+Sizes live in ``[demo]`` of the config; progress goes to stderr, the report to stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from adapt.config import Config, load_config
+
+Log = Callable[[str], None]
+
+
+def stderr_log(t0: float) -> Log:
+    def log(msg: str) -> None:
+        sys.stderr.write(f"[demo {time.monotonic() - t0:7.1f}s] {msg}\n")
+        sys.stderr.flush()
+
+    return log
+
+
+def demo_config(cfg: Config) -> Config:
+    """The demo's own config: the user's, with state in ``<state_dir>/demo``."""
+    return load_config(cfg.source_file, overrides={"state_dir": str(Path(cfg.state_dir) / "demo")})
+
+
+def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of ``cfg`` with some section fields replaced (validated)."""
+    data = cfg.model_dump()
+    for name, values in sections.items():
+        data[name] = {**data[name], **values}
+    return Config.model_validate(data)
+
+
+# --- traffic -------------------------------------------------------------------------
+
+
+async def _send_all(url: str, model: str, prompts: list[dict], max_tokens: int, concurrency: int) -> dict[str, Any]:
+    sem = asyncio.Semaphore(concurrency)
+    stats = {"sent": 0, "ok": 0, "failed": 0, "output_tokens": 0}
+
+    async def one(client: httpx.AsyncClient, p: dict) -> None:
+        async with sem:
+            body = {"model": model, "messages": p["messages"], "max_tokens": max_tokens, "temperature": 0}
+            stats["sent"] += 1
+            try:
+                r = await client.post(url + "/v1/chat/completions", json=body, timeout=900)
+                r.raise_for_status()
+                stats["ok"] += 1
+                stats["output_tokens"] += int(r.json()["usage"]["completion_tokens"])
+            except (httpx.HTTPError, KeyError, ValueError):
+                stats["failed"] += 1
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient() as client:
+        await asyncio.gather(*(one(client, p) for p in prompts))
+    stats["seconds"] = round(time.perf_counter() - t0, 2)
+    stats["output_tok_per_s"] = round(stats["output_tokens"] / max(stats["seconds"], 1e-9), 2)
+    return stats
+
+
+def send_phases(stack, model: str, train: list[dict], heldout: list[dict], dcfg, log: Log, label: str) -> dict[str, Any]:
+    """Send ``train`` then, after a quiet gap, ``heldout``; returns stats and the gap's midpoint (UTC)."""
+    a = asyncio.run(_send_all(stack.url, model, train, dcfg.max_tokens, dcfg.concurrency))
+    log(f"{label}: {a['ok']}/{a['sent']} requests ok, {a['output_tokens']} tokens at {a['output_tok_per_s']} tok/s")
+    time.sleep(dcfg.gap_seconds / 2)
+    gap_mid = dt.datetime.now(dt.timezone.utc)
+    time.sleep(dcfg.gap_seconds / 2)
+    b = asyncio.run(_send_all(stack.url, model, heldout, dcfg.max_tokens, dcfg.concurrency))
+    log(f"{label} (held-out period): {b['ok']}/{b['sent']} requests ok")
+    return {"train_phase": a, "heldout_phase": b, "gap_mid": gap_mid}
+
+
+def wait_captured(stack, expected: int, timeout: float = 60) -> dict[str, int]:
+    """Wait until the router's capture writer has written ``expected`` records in total."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts = dict(stack.writer.counts)
+        if counts["written"] >= expected:
+            return counts
+        time.sleep(0.5)
+    raise TimeoutError(f"capture wrote {stack.writer.counts['written']} of {expected} records")
+
+
+def heldout_hours_for(cfg: Config, gap_mid: dt.datetime) -> float:
+    """Hold out exactly what was served after ``gap_mid``: ingest, then measure from the newest record."""
+    import pyarrow.compute as pc
+
+    from capture.ingest import ingest
+    from capture.warehouse import Warehouse
+
+    ingest(cfg)
+    t = Warehouse(cfg).read_conversations(columns=["inference_time"])
+    latest = pc.max(t.column("inference_time")).as_py()
+    return max((latest - gap_mid).total_seconds(), 1.0) / 3600
+
+
+# --- registry / pool views ---------------------------------------------------------------
+
+
+def registry_view(cfg: Config) -> list[dict[str, Any]]:
+    from adapt.registry import Registry
+
+    reg = Registry(cfg)
+    return [reg.describe(mv) for mv in reg.versions()]
+
+
+def pool_heads(stack) -> list[dict[str, Any]]:
+    st = stack.run_coro(_status(stack))
+    return [{"url": r["url"], "head_version": r["head_version"], "head_sha256": (r["head_sha256"] or "")[:12],
+             "healthy": r["healthy"]} for r in st["replicas"]]
+
+
+async def _status(stack) -> dict[str, Any]:
+    return stack.pool.status()
+
+
+def move_to_production_by_hand(cfg: Config, version: str) -> None:
+    """What a person does in the MLflow UI: transition a version's stage to Production."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        client.transition_model_version_stage(cfg.mlflow.registered_model, version, "Production",
+                                              archive_existing_versions=True)
+
+
+def wait_pool_serves(stack, sha256: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        heads = pool_heads(stack)
+        if heads and all(h["head_sha256"] == sha256[:12] for h in heads if h["healthy"]):
+            return time.monotonic() - t0
+        time.sleep(0.25)
+    raise TimeoutError(f"pool did not serve {sha256[:12]} within {timeout}s: {pool_heads(stack)}")
+
+
+# --- the demo --------------------------------------------------------------------------------
+
+
+def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """Before (live) / after (candidate) figures from a cycle's replay benchmark."""
+    bench = summary["steps"].get("bench") or {}
+    if bench.get("skipped") or not bench.get("json_path"):
+        return {}
+    full = json.loads(Path(bench["json_path"]).read_text())
+    out = {}
+    for role, name in (("live", "before"), ("candidate", "after")):
+        ph = full["per_head"][role]
+        spec = ph["spec"] or {}
+        out[name] = {
+            "head_version": full["heads"][role]["version"],
+            "mean_acceptance_length": spec.get("mean_acceptance_length"),
+            "acceptance_per_position": spec.get("acceptance_per_pos"),
+            "output_tok_per_s": {c: v["output_tok_per_s"] for c, v in ph["by_concurrency"].items()},
+            "tpot_ms": {c: v["tpot_ms"] for c, v in ph["by_concurrency"].items()},
+            "ttft_ms": {c: v["ttft_ms"] for c, v in ph["by_concurrency"].items()},
+        }
+    out["differences"] = full.get("differences")
+    out["plot"] = bench.get("plot_path")
+    return out
+
+
+def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
+    """Run the demo; returns the report (also written to ``<state_dir>/demo/report.json``)."""
+    from adapt import public_prompts
+    from adapt.checkpoint import init_random_head, validate_head
+    from adapt.cycle import CycleOptions, run_cycle
+    from adapt.model_zoo import ensure_target
+    from serving.controller import Controller
+    from serving.replica import ReplicaProcess, ReplicaSpec
+    from serving.serve import ServingStack, served_name
+
+    t_start = time.monotonic()
+    cfg = demo_config(user_cfg)
+    d = user_cfg.demo
+    root = Path(cfg.state_dir)
+    if d.fresh and root.exists():
+        log(f"removing the previous demo state in {root}")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"state_dir": str(root), "target": cfg.target.model,
+                              "config": {"demo": d.model_dump(), "head": cfg.head.model_dump()}}
+
+    log(f"target model: {cfg.target.model}")
+    target = ensure_target(cfg.target.model, cfg.target.model_cache)
+    general = public_prompts.mtbench(cfg.cache_dir)[: d.general_prompts]
+    drift = public_prompts.drifted(cfg.cache_dir)[: d.drifted_train_prompts + d.drifted_heldout_prompts]
+    log(f"prompts: {len(general)} MT-Bench (general chat), {len(drift)} HumanEval + BFCL (drifted)")
+
+    cold = init_random_head(target, Path(cfg.head.heads_dir) / "cold-start", k=cfg.head.num_speculative_tokens,
+                            draft_vocab_size=cfg.head.draft_vocab_size,
+                            aux_layer_ids=cfg.head.aux_layer_ids or None, num_layers=cfg.head.num_layers)
+    model = served_name(cfg)
+    bench_spec = ReplicaSpec(target_dir=str(target), head_dir=str(cold),
+                             num_speculative_tokens=cfg.head.num_speculative_tokens, port=cfg.serving.base_port + 50,
+                             served_model_name=model, max_model_len=cfg.serving.max_model_len,
+                             gpu_memory_utilization=cfg.serving.gpu_memory_utilization,
+                             max_num_seqs=max(cfg.bench.concurrencies) + 2)
+    bench = ReplicaProcess(bench_spec, root / "serving" / "logs" / "bench-replica.log")
+    log(f"starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port} "
+        f"and a bench replica (vLLM engine start takes about a minute each)")
+    bench.start()
+    stack = ServingStack(cfg, head_dir=cold, target_dir=target)
+    controller = None
+    try:
+        stack.start()
+        bench.wait_healthy()
+        log(f"pool up at {stack.url}: {pool_heads(stack)}")
+        opts = CycleOptions(live_head=str(cold), bench_url=bench_spec.url, router_url=stack.url)
+
+        # --- general chat → bootstrap ---
+        n_hold = max(2, len(general) // 5)
+        g = send_phases(stack, model, general[:-n_hold], general[-n_hold:], d, log, "general chat")
+        wait_captured(stack, len(general))
+        cfg1 = with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, g["gap_mid"])},
+                              training={"max_steps": d.bootstrap_steps})
+        log("cycle 1 (bootstrap from general chat): ingest → snapshot → train → eval → bench → gate → register → promote")
+        c1 = run_cycle(cfg1, opts=opts)
+        log(f"cycle 1: version {c1['version']} {c1['verdict']} ({c1['reason']}); pool: {pool_heads(stack)}")
+        report["cycle1"] = {k: c1[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
+        report["cycle1"]["bench"] = bench_figures(c1)
+
+        # --- drifted traffic → adaptation ---
+        dtr, dho = drift[: d.drifted_train_prompts], drift[d.drifted_train_prompts:]
+        t = send_phases(stack, model, dtr, dho, d, log, "drifted traffic (code, tool calls)")
+        wait_captured(stack, len(general) + len(drift))
+        report["traffic"] = {"general": _strip(g), "drifted": _strip(t)}
+        cfg2 = with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, t["gap_mid"])},
+                              training={"max_steps": d.adapt_steps})
+        log("cycle 2 (nightly adaptation to the drift), training from the Production head")
+        c2 = run_cycle(cfg2, opts=opts)
+        log(f"cycle 2: version {c2['version']} {c2['verdict']} ({c2['reason']}); pool: {pool_heads(stack)}")
+        report["cycle2"] = {k: c2[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
+        report["cycle2"]["bench"] = bench_figures(c2)
+        report["registry_after_cycles"] = registry_view(cfg)
+        report["pool_after_cycles"] = pool_heads(stack)
+
+        # --- rollback by stage change, followed by the controller daemon ---
+        if c2["promoted"] and c1["promoted"]:
+            controller = Controller(cfg, router_url=stack.url, poll_seconds=1.0).start()
+            old = str(c1["version"])
+            sha = validate_head(report["cycle1"]["artifacts"]["head"]).sha256
+            log(f"rollback: moving version {old} to Production in the registry (as in the MLflow UI)")
+            t_move = time.monotonic()
+            move_to_production_by_hand(cfg, old)
+            follow = wait_pool_serves(stack, sha, timeout=60)
+            log(f"the pool serves version {old} again after {follow:.1f}s")
+            report["rollback"] = {"to_version": old, "pool_followed_after_s": round(follow, 2),
+                                  "pool": pool_heads(stack), "registry": registry_view(cfg),
+                                  "controller_events": controller.events[-5:]}
+            del t_move
+        else:
+            report["rollback"] = {"skipped": "cycle 2 did not promote a new version, so there is nothing newer to roll back from"}
+    finally:
+        if controller is not None:
+            controller.stop()
+        stack.stop()
+        bench.stop()
+    report["total_seconds"] = round(time.monotonic() - t_start, 1)
+    (root / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+def _strip(phases: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in phases.items() if k != "gap_mid"}
+
+
+def render(report: dict[str, Any]) -> str:
+    """A person-readable summary of the demo report."""
+    lines = [f"drafter-adapt demo — target {report['target']}, {report['total_seconds']:.0f}s total", ""]
+    for key, title in (("cycle1", "cycle 1: bootstrap from general chat"), ("cycle2", "cycle 2: adapt to drifted traffic")):
+        c = report.get(key)
+        if not c:
+            continue
+        lines.append(f"{title}: version {c['version']} → {c['verdict']} ({c['reason']})")
+        b = c.get("bench") or {}
+        for name in ("before", "after"):
+            if name in b:
+                f = b[name]
+                per_pos = ", ".join(f"{x:.2f}" for x in (f["acceptance_per_position"] or []))
+                tps = ", ".join(f"c{c_}={v:.1f}" for c_, v in f["output_tok_per_s"].items() if v is not None)
+                lines.append(f"  {name:<6} head {str(f['head_version'])[:14]:<14} acceptance length "
+                             f"{(f['mean_acceptance_length'] or 0):.2f}  per position [{per_pos}]  tok/s {tps}")
+        if b.get("plot"):
+            lines.append(f"  plot: {b['plot']}")
+    rb = report.get("rollback") or {}
+    lines.append("")
+    if "to_version" in rb:
+        lines.append(f"rollback: version {rb['to_version']} moved to Production; pool followed in {rb['pool_followed_after_s']}s")
+    else:
+        lines.append(f"rollback: {rb.get('skipped')}")
+    lines.append("registry:")
+    for v in rb.get("registry") or report.get("registry_after_cycles") or []:
+        lines.append(f"  {json.dumps(v, default=str)}")
+    lines.append(f"report: {report['state_dir']}/report.json")
+    return "\n".join(lines)
