@@ -242,6 +242,9 @@ class VllmServer:
     head: Path | None = None
     k: int = 3
     max_model_len: int = 1024
+    # float32 where a test compares spec vs no-spec text exactly: in bf16 near-tied
+    # logits of a random model flip with batch composition.
+    dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     url: str = ""
@@ -253,7 +256,7 @@ class VllmServer:
             # distribution "vllm" for --version and crashes.
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", "16",
             "--served-model-name", "target", "--seed", "0",
         ]

@@ -83,23 +83,14 @@ def spec_server(trained, tmp_path_factory):
     head, _, _ = trained
     t0 = time.monotonic()
     server = VllmServer(tmp_path_factory.mktemp("vllm-spec"), trained[1].target_dir, head=head, k=K,
-                        extra_args=["--enforce-eager"])
+                        dtype="float32", extra_args=["--enforce-eager"])
     # float32 instead of the harness default bf16 (see module docstring).
-    server.command = _with_dtype(server.command, "float32")
     server.start()
     server.start_seconds = time.monotonic() - t0
     try:
         yield server
     finally:
         server.stop()
-
-
-def _with_dtype(command, dtype):
-    def cmd(port):
-        c = command(port)
-        c[c.index("--dtype") + 1] = dtype
-        return c
-    return cmd
 
 
 def _complete(server, prompt_ids: list[int]) -> list[int]:
