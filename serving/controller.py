@@ -148,13 +148,12 @@ class Controller:
 
     def bench_value(self, version: str) -> float | None:
         """The version's benchmarked mean acceptance length (from its run), cached."""
-        if version not in self._bench_cache:
+        if self._bench_cache.get(version) is None:
+            # Not cached while absent: a benchmark may be logged to the run later.
             mv = self.registry.get(version)
-            val = None
             if mv.run_id:
-                val = self.registry.client.get_run(mv.run_id).data.metrics.get(BENCH_METRIC)
-            self._bench_cache[version] = val
-        return self._bench_cache[version]
+                self._bench_cache[version] = self.registry.client.get_run(mv.run_id).data.metrics.get(BENCH_METRIC)
+        return self._bench_cache.get(version)
 
     @staticmethod
     def live_acceptance(status: dict[str, Any]) -> tuple[float | None, float]:
