@@ -10,11 +10,11 @@ import typer
 from adapt.cli_common import ConfigOpt, JsonOpt, emit, fail, get_config
 
 SourceOpt = Annotated[
-    Optional[str], typer.Option("--source", help="Capture dir, file or s3://bucket/prefix (default: [capture].source).")
+    Optional[str], typer.Option("--source", help="Capture dir, file or s3://bucket/prefix (default: config capture.source).")
 ]
 SinceOpt = Annotated[Optional[str], typer.Option("--since", help="First hour to read (YYYY-MM-DD[THH], or 6h/2d ago).")]
 UntilOpt = Annotated[Optional[str], typer.Option("--until", help="Hour to stop before (exclusive), same forms as --since.")]
-EndpointOpt = Annotated[Optional[str], typer.Option("--endpoint", help="Only this endpoint (default: [capture].endpoint).")]
+EndpointOpt = Annotated[Optional[str], typer.Option("--endpoint", help="Only this endpoint (default: config capture.endpoint).")]
 
 
 def register(app: typer.Typer) -> None:

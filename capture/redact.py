@@ -45,7 +45,7 @@ _AWS_KEY_GATE = re.compile(r"A(?:KIA|SIA|GPA|IDA|ROA|IPA|NPA|NVA|BIA|CCA)")
 _GH_GATE = re.compile(r"gh[pousr]_")
 _LONG_WORD = re.compile(r"[A-Za-z0-9/+]{40}")
 _CARD_GATE = re.compile(r"\d(?:[ \-]?\d){12}")
-_PHONE_GATE = re.compile(r"\d{3}[ .\-)]{0,2}\d{3}|\+\d")
+_PHONE_GATE = re.compile(r"\d{3}[ .\-)]{1,2}\d{3}|\+\d")
 _HAS_UPPER = re.compile(r"[A-Z]")
 _HAS_LOWER = re.compile(r"[a-z]")
 _HAS_DIGIT = re.compile(r"\d")
@@ -148,7 +148,7 @@ class Redactor:
 GATE = (
     r"@|A(?:KIA|SIA|GPA|IDA|ROA|IPA|NPA|NVA|BIA|CCA)|(?i:bearer)|sk-|gh[pousr]_|github_pat_|xox|AIza|hf_"
     r"|(?i:api[_\-]?key|access[_\-]?token)|[A-Za-z0-9/+]{40}"
-    r"|\d(?:[ \-]?\d){12,18}|\d{3}[ .\-)]{0,2}\d{3}|\+\d"
+    r"|\d(?:[ \-]?\d){12,18}|\d{3}[ .\-)]{1,2}\d{3}|\+\d"
 )
 
 

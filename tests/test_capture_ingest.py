@@ -302,3 +302,14 @@ def test_cli_ingest_stats_export(tmp_path):
     assert len(dest.read_text().splitlines()) == 3
     r = runner.invoke(app, ["dataset", "export", "--split", "nope", "--config", str(cfg_file)])
     assert r.exit_code != 0
+
+
+def test_second_concurrent_ingest_is_refused(tmp_path):
+    from capture.warehouse import IngestLocked
+
+    cfg = make_cfg(tmp_path)
+    layout_file(tmp_path / "cap", T0, "a.jsonl", [chat(1, T0)])
+    with Warehouse(cfg).lock():
+        with pytest.raises(IngestLocked):
+            ingest(cfg, source=str(tmp_path / "cap"))
+    assert ingest(cfg, source=str(tmp_path / "cap")).normalized == 1
