@@ -22,6 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from botocore.exceptions import BotoCoreError
 
 from capture.fastpath import fast_decode
 from capture.formats import to_conversation
@@ -74,6 +75,7 @@ class FileResult:
 
     obj: SourceObject
     missing: bool = False
+    error: str | None = None
     read: int = 0
     table: pa.Table | None = None
     row_redactions: list[tuple[int, dict[str, int]]] = field(default_factory=list)
@@ -167,6 +169,12 @@ def process_file(obj: SourceObject) -> FileResult:
     except ObjectMissing:
         res.missing = True
         return res
+    except (OSError, BotoCoreError) as exc:
+        # A read that fails part-way (connection reset, I/O error): drop what was read of
+        # this file, leave it out of the manifest, and let the next run read it whole.
+        res.missing = True
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
     res.read = line_no
     n = len(cols["event_id"])
     if redact:
@@ -221,7 +229,10 @@ class _Run:
     def add(self, fr: FileResult) -> None:
         r = self.result
         if fr.missing:
-            log.warning("capture object vanished between list and read: %s", fr.obj.uri)
+            if fr.error:
+                log.warning("could not read %s (%s); it will be retried", fr.obj.uri, fr.error)
+            else:
+                log.warning("capture object vanished between list and read: %s", fr.obj.uri)
             r.missing_objects += 1
             return
         r.objects += 1

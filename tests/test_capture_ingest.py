@@ -313,3 +313,24 @@ def test_second_concurrent_ingest_is_refused(tmp_path):
         with pytest.raises(IngestLocked):
             ingest(cfg, source=str(tmp_path / "cap"))
     assert ingest(cfg, source=str(tmp_path / "cap")).normalized == 1
+
+
+def test_read_failing_mid_file_drops_that_file_and_retries_it(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    layout_file(src, T0, "a.jsonl", [chat(1, T0), chat(2, T0)])
+    layout_file(src, T0, "b.jsonl", [chat(3, T0)])
+    real_iter = ingest_mod.iter_lines
+
+    def flaky(uri, **kw):
+        for i, line in enumerate(real_iter(uri, **kw)):
+            if uri.endswith("a.jsonl") and i == 1:
+                raise ConnectionResetError("peer went away")
+            yield line
+
+    monkeypatch.setattr(ingest_mod, "iter_lines", flaky)
+    res = ingest(cfg, source=str(src))
+    assert (res.objects, res.missing_objects, res.read, res.normalized) == (1, 1, 1, 1)
+    monkeypatch.setattr(ingest_mod, "iter_lines", real_iter)
+    again = ingest(cfg, source=str(src))
+    assert (again.objects, again.read, again.normalized) == (1, 2, 2)
