@@ -206,8 +206,8 @@ def step_train(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str,
 
 
 def step_evaluate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    """Offline acceptance on the held-out snapshot (``adapt.evaluate`` via ``adapt.train.offline_acceptance``)."""
-    from adapt.train import offline_acceptance
+    """Offline acceptance on the held-out snapshot (``adapt.evaluate.evaluate_head``)."""
+    from adapt.evaluate import evaluate_head as offline_acceptance
 
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
     rows = _read_rows(snap["heldout"]["path"])
