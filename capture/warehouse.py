@@ -18,6 +18,7 @@ import fcntl
 import io
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -125,7 +126,15 @@ class Warehouse:
             con.execute(_DDL)
             return con
         self.catalog.parent.mkdir(parents=True, exist_ok=True)
-        con = duckdb.connect(str(self.catalog), read_only=read_only)
+        # An ingest holds the file only for its brief commits; wait those out rather than fail.
+        for attempt in range(50):
+            try:
+                con = duckdb.connect(str(self.catalog), read_only=read_only)
+                break
+            except duckdb.IOException as exc:
+                if "lock" not in str(exc).lower() or attempt == 49:
+                    raise
+                time.sleep(0.2)
         if not read_only:
             con.execute(_DDL)
         return con
