@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -55,6 +56,19 @@ def parse_layout(rel: str) -> tuple[str, str, datetime] | None:
     except ValueError:
         return None
     return parts[0], parts[1], hour
+
+
+def layout_key(endpoint: str, variant: str, when: datetime, name: str | None = None) -> str:
+    """Relative key of a capture file in Data Capture's layout: ``endpoint/variant/yyyy/mm/dd/hh/name``.
+
+    Writers should create the file under a name the reader ignores (a leading dot, or
+    not ending in ``.jsonl``) and rename it when complete: a file that grows after it
+    was ingested is read again, and its old lines then count as duplicates.
+    """
+    when = when.astimezone(timezone.utc) if when.tzinfo else when.replace(tzinfo=timezone.utc)
+    if name is None:
+        name = f"{when:%M-%S}-{when.microsecond // 1000:03d}-{uuid.uuid4()}.jsonl"
+    return f"{endpoint}/{variant}/{when:%Y/%m/%d/%H}/{name}"
 
 
 def parse_when(value: str | datetime | None, now: datetime | None = None) -> datetime | None:

@@ -334,3 +334,16 @@ def test_read_failing_mid_file_drops_that_file_and_retries_it(tmp_path, monkeypa
     monkeypatch.setattr(ingest_mod, "iter_lines", real_iter)
     again = ingest(cfg, source=str(src))
     assert (again.objects, again.read, again.normalized) == (1, 2, 2)
+
+
+def test_layout_key_round_trips_through_the_reader(tmp_path):
+    from capture.sources import layout_key, parse_layout
+
+    when = datetime(2025, 7, 8, 9, 10, 11, 123000, tzinfo=timezone.utc)
+    key = layout_key("ep", "AllTraffic", when)
+    assert key.startswith("ep/AllTraffic/2025/07/08/09/10-11-123-") and key.endswith(".jsonl")
+    assert parse_layout(key) == ("ep", "AllTraffic", datetime(2025, 7, 8, 9, tzinfo=timezone.utc))
+    write(tmp_path / "cap" / key, [chat(1, when)])
+    write(tmp_path / "cap" / (key + ".tmp"), [chat(2, when)])  # in-progress file: ignored
+    res = ingest(make_cfg(tmp_path), source=str(tmp_path / "cap"), endpoint="ep")
+    assert (res.objects, res.normalized) == (1, 1)
