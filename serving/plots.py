@@ -27,10 +27,12 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> Path:
         label = f"{role} {heads[role]['sha256'][:8]}  (mean acc. len {mal:.2f})" if mal else role
         bars = ax1.bar(xs, acc, width, color=COLORS[role], label=label)
         for b, v in zip(bars, acc):
-            ax1.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+            ax1.annotate(f"{v:.3f}" if v < 0.1 else f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
     n_pos = max(len((ph[r]["spec"] or {}).get("acceptance_per_pos") or []) for r in ph)
     ax1.set_xticks(range(n_pos), [f"pos {i + 1}" for i in range(n_pos)])
-    ax1.set_ylim(0, 1.08)
+    # Scale to the data (low acceptance must still be readable), never beyond 1.
+    top = max([x or 0.0 for r in ph for x in ((ph[r]["spec"] or {}).get("acceptance_per_pos") or [])] + [0.0])
+    ax1.set_ylim(0, min(1.08, max(0.05, top * 1.3)))
     ax1.set_ylabel("acceptance rate (accepted / drafts)")
     d = df["mean_acceptance_length"]
     if d["estimate"] is not None:

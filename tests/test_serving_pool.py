@@ -348,7 +348,8 @@ def test_hot_swap_matches_cold_start_and_leaves_target_alone(stack, heads):
     digest_e0 = stack.run_coro(adm.param_digest(), 60)
     assert digest_e0["target"] == target0
     # A direct load of the untrained head changes the drafter and the cache, never the target.
-    got = stack.run_coro(adm.load_head(str(heads["r0"]), "r0", None), 60)
+    # (r1, not r0: e0 is r0 with another final norm and draft vocab, so it shares fc and mask_hidden.)
+    got = stack.run_coro(adm.load_head(str(heads["r1"]), "r1", None), 60)
     assert got["pd_hidden_sha256"] != cold["pd_hidden_sha256"]
     d2 = stack.run_coro(adm.param_digest(), 60)
     assert d2["target"] == target0 and d2["drafter"] != digest_e0["drafter"]
