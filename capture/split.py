@@ -29,7 +29,7 @@ def count_tokens(text: str) -> int:
     return len(_TOKEN.findall(text))
 
 
-def cutoff(table: pa.Table, heldout_hours: int) -> datetime | None:
+def cutoff(table: pa.Table, heldout_hours: float) -> datetime | None:
     """First instant of the held-out period, or ``None`` when there is no data."""
     if table.num_rows == 0:
         return None
@@ -37,7 +37,7 @@ def cutoff(table: pa.Table, heldout_hours: int) -> datetime | None:
     return latest - timedelta(hours=heldout_hours)
 
 
-def split_table(cfg: Any, heldout_hours: int | None = None) -> pa.Table:
+def split_table(cfg: Any, heldout_hours: float | None = None) -> pa.Table:
     """All conversations with a ``split`` column (``train``/``heldout``), oldest first."""
     hours = cfg.capture.heldout_hours if heldout_hours is None else heldout_hours
     t = Warehouse(cfg).read_conversations()
@@ -50,7 +50,7 @@ def split_table(cfg: Any, heldout_hours: int | None = None) -> pa.Table:
     return t.sort_by([("inference_time", "ascending"), ("content_hash", "ascending")])
 
 
-def load_split(cfg: Any, split: str = "train", heldout_hours: int | None = None) -> list[dict]:
+def load_split(cfg: Any, split: str = "train", heldout_hours: float | None = None) -> list[dict]:
     """ShareGPT rows (``id``, ``conversations`` + metadata) of one split, oldest first."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
@@ -69,7 +69,7 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def export(cfg: Any, split: str, out: str | Path, heldout_hours: int | None = None) -> int:
+def export(cfg: Any, split: str, out: str | Path, heldout_hours: float | None = None) -> int:
     """Write one split as ShareGPT JSONL (one conversation a line, with metadata); returns the row count.
 
     The file is written to a temporary name and renamed, so a reader never sees half of it.
@@ -85,7 +85,7 @@ def export(cfg: Any, split: str, out: str | Path, heldout_hours: int | None = No
     return len(rows)
 
 
-def stats(cfg: Any, heldout_hours: int | None = None) -> dict[str, Any]:
+def stats(cfg: Any, heldout_hours: float | None = None) -> dict[str, Any]:
     """Counts per split, day, format and endpoint; token length percentiles; catalog totals."""
     t = split_table(cfg, heldout_hours)
     n = t.num_rows

@@ -293,7 +293,7 @@ class Warehouse:
         con.execute(f"CREATE OR REPLACE VIEW conversations AS SELECT * FROM read_parquet([{lst}], hive_partitioning = false)")
         con.execute(
             "CREATE OR REPLACE VIEW conversations_split AS SELECT *, CASE WHEN inference_time > "
-            f"(SELECT max(inference_time) FROM conversations) - INTERVAL {int(self.heldout_hours)} HOUR "
+            f"(SELECT max(inference_time) FROM conversations) - to_microseconds({round(self.heldout_hours * 3600e6)}) "
             "THEN 'heldout' ELSE 'train' END AS split FROM conversations"
         )
 

@@ -262,6 +262,12 @@ def test_heldout_split_by_time_export_and_stats(tmp_path):
     assert st["formats"] == {"openai_chat": 18} and st["endpoints"] == {"ep": 18}
     assert sum(st["days"].values()) == 18
     assert st["tokens"]["p50"] == 4  # "question N" + "answer N": 2 + 2 words
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    assert con.execute("SELECT split, count(*) FROM conversations_split GROUP BY 1 ORDER BY 1").fetchall() == [
+        ("heldout", 6), ("train", 12)]
+    con.close()
+    # Fractions of an hour: the last 30 minutes hold only hour 15's three conversations.
+    assert len(load_split(cfg, "heldout", heldout_hours=0.5)) == 3
 
 
 def test_worker_pool_matches_inline(tmp_path):
