@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -132,9 +133,17 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # --standalone: a local rendezvous on a free port (no fixed master port to collide on).
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script)], capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        # Kill the workers too: they are torchrun's children, in this session's process group.
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("torchrun did not finish in 240 s:\n" + out[-3000:])
+    assert proc.returncode == 0, out[-5000:]
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (0, 1)]
     assert len(results) == 2 and all(r["steps"] == 3 for r in results)
     info = validate_head(tmp_path / "ddp", tiny_model)
