@@ -109,16 +109,15 @@ def pick_device(name: str) -> torch.device:
 
 # --- model --------------------------------------------------------------------------
 
-def resolve_head(base: str) -> Path:
-    """A head directory for ``base``: a local directory or an MLflow ``models:/`` / ``runs:/`` URI."""
-    p = Path(base).expanduser()
-    if p.is_dir():
-        return p
-    if "://" in base or base.startswith("models:/"):
-        import mlflow.artifacts
+def resolve_head(base: str, cfg: Any) -> Path:
+    """A head directory for ``base``: a local directory or an MLflow ``models:/`` / ``runs:/`` URI
+    (downloaded under ``[head].heads_dir/downloaded`` from ``[mlflow].tracking_uri``)."""
+    from serving.swap import resolve_head as resolve
 
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=base))
-    raise FileNotFoundError(f"base head {base!r} is neither a directory nor an MLflow URI")
+    path, _ = resolve(base, Path(cfg.head.heads_dir) / "downloaded", cfg.mlflow.tracking_uri)
+    if not path.is_dir():
+        raise FileNotFoundError(f"base head {base!r} is neither a directory nor an MLflow model URI")
+    return path
 
 
 def configured_head(cfg: Any, target_dir: Path) -> DrafterConfig:
@@ -306,7 +305,7 @@ def train(
     # 2. model
     parent_sha = None
     if base_head:
-        head_dir = resolve_head(base_head)
+        head_dir = resolve_head(base_head, cfg)
         info = validate_head(head_dir, target_dir)
         model, _ = load_head(head_dir)
         check_same_shape(model.config, configured_head(cfg, target_dir))
