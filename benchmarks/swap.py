@@ -5,7 +5,7 @@ load on the router, then (1) swaps head A→B in place, (2) swaps B→A by rolli
 restart (forced), and prints per-replica swap time and failed client requests
 for each, in the same run.
 
-    python benchmarks/swap.py [--target tiny|smollm2|DIR] [--replicas 2] [--workers 3] [--json]
+    python benchmarks/swap.py [--target tiny|smollm2|DIR] [--replicas 2] [--workers 3] [--eager] [--json]
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before and after each swap")
+    ap.add_argument("--eager", action="store_true", help="start replicas with --enforce-eager (faster start-up)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -100,7 +101,8 @@ def main() -> int:
     })
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     heads = [init_random_head(target, work / f"head{s}", k=cfg.head.num_speculative_tokens, seed=s) for s in (0, 1)]
-    stack = ServingStack(cfg, head_dir=heads[0], target_dir=target)
+    stack = ServingStack(cfg, head_dir=heads[0], target_dir=target,
+                         replica_extra_args=["--enforce-eager"] if args.eager else None)
     t0 = time.perf_counter()
     stack.start()
     start_s = time.perf_counter() - t0
