@@ -287,6 +287,8 @@ def train(
     from adapt.model_zoo import ensure_target
 
     tc = cfg.training
+    if tc.max_steps <= 0 and tc.max_minutes <= 0:
+        raise ValueError("set training.max_steps or training.max_minutes: the run needs a bound")
     device = pick_device(tc.device)
     dd = init_distributed(device)
     torch.manual_seed(tc.seed)
@@ -354,7 +356,6 @@ def train(
         bar = tqdm(total=tc.max_steps or None, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
     t_start = time.perf_counter()
     tokens_run = 0
-    last = None
     step = state["step"]
     while step < max_steps:
         if deadline is not None and _any_rank(time.monotonic() > deadline, dd):
@@ -380,7 +381,7 @@ def train(
         tokens_run += ntok
         state["tokens"] += ntok
         state["loss_curve"].append(round(float(out.loss.detach()), 6))
-        last = out
+        state["depth_loss"], state["depth_acc"] = out.depth_loss.tolist(), out.depth_acc.tolist()
         if bar is not None:
             el = time.perf_counter() - t_start
             bar.update(1)
@@ -396,8 +397,8 @@ def train(
     if dd.main:
         seconds_total = state["seconds"] + elapsed
         save_run_state(run_dir, model, opt, {**state, "seconds": seconds_total})
-    depth_loss = last.depth_loss.tolist() if last is not None else []
-    depth_acc = last.depth_acc.tolist() if last is not None else []
+    # From the state, so a resumed run that had already finished still reports them.
+    depth_loss, depth_acc = state.get("depth_loss", []), state.get("depth_acc", [])
 
     # 5. export
     acceptance = None
