@@ -36,6 +36,7 @@ class Replica:
     served: int = 0
     failures: int = 0
     restarts: int = 0
+    health_failures: int = 0  # consecutive failed health checks
     head: dict[str, Any] = field(default_factory=dict)
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=120))
     last_error: str | None = None
@@ -62,10 +63,13 @@ class Pool:
     """Replicas plus background health checks, metric sampling and crash restarts."""
 
     def __init__(self, *, health_interval: float = 1.0, metrics_interval: float = 10.0,
-                 max_restarts: int = 5) -> None:
+                 max_restarts: int = 5, unhealthy_after: int = 3) -> None:
         self.replicas: list[Replica] = []
         self.health_interval, self.metrics_interval = health_interval, metrics_interval
         self.max_restarts = max_restarts
+        # A slow /health (an overloaded host) is not a dead replica: only a refused
+        # connection, or this many failures in a row, takes a replica out of rotation.
+        self.unhealthy_after = unhealthy_after
         self.current_head: dict[str, Any] = {}  # {"path", "sha256", "version"}
         self._tasks: list[asyncio.Task] = []
         self._client: httpx.AsyncClient | None = None
@@ -128,11 +132,20 @@ class Pool:
     async def check_health(self) -> None:
         assert self._client is not None
         async def one(r: Replica) -> None:
+            refused = False
             try:
-                ok = (await self._client.get(r.url + "/health", timeout=2.0)).status_code == 200
+                ok = (await self._client.get(r.url + "/health", timeout=5.0)).status_code == 200
+            except httpx.ConnectError:
+                ok, refused = False, True
             except httpx.HTTPError:
                 ok = False
-            r.healthy = ok
+            if ok:
+                r.health_failures = 0
+                r.healthy = True
+            else:
+                r.health_failures += 1
+                if refused or r.health_failures >= self.unhealthy_after or (r.proc is not None and not r.proc.alive()):
+                    r.healthy = False
         await asyncio.gather(*(one(r) for r in self.replicas))
 
     async def _health_loop(self) -> None:

@@ -72,7 +72,8 @@ def _capture_line(payload: dict, response_body: bytes, response_ctype: str) -> s
 
 def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: str = "",
                swap_handler: Callable[[dict], Awaitable[dict]] | None = None,
-               request_timeout: float = 600.0, status_window_s: float = 300.0) -> FastAPI:
+               request_timeout: float = 600.0, status_window_s: float = 300.0,
+               no_replica_wait: float = 30.0) -> FastAPI:
     """Build the router app. ``swap_handler(body)`` runs the swap protocol (``serving.swap``)."""
     reg = CollectorRegistry()
     requests_total = Counter("adapt_router_requests", "Requests by route and outcome", ["route", "outcome"],
@@ -124,9 +125,16 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
         t0 = time.perf_counter()
+        wait_until = time.monotonic() + no_replica_wait
         while True:
             r = pool.pick(tried)
             if r is None:
+                # Briefly hold the request (e.g. the only other replica is mid-restart or
+                # flapping) rather than fail it; retry replicas that recovered meanwhile.
+                if time.monotonic() < wait_until:
+                    await asyncio.sleep(0.2)
+                    tried.clear()
+                    continue
                 requests_total.labels(route, "no_replica").inc()
                 return JSONResponse({"error": {"message": "no healthy replica", "type": "ServiceUnavailable"}},
                                     503)

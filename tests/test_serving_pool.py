@@ -154,7 +154,7 @@ class Load:
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
 
     def _run(self, i: int) -> None:
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=300) as c:
             n = 0
             while not self.stop_ev.is_set() and time.monotonic() < self.deadline and n < self.max_requests:
                 n += 1
