@@ -339,7 +339,10 @@ class PEagleDrafter(nn.Module):
                 elif name.endswith(".bias"):
                     p.zero_()
             self.embed_tokens.weight.copy_(embed_weight.to(self.embed_tokens.weight.dtype))
-            self.mask_embedding.copy_(self.embed_tokens.weight[self.config.ptd_token_id])
+            # The mean embedding, not the target's own row: a head whose embeddings equal
+            # the target's is made to share them by vLLM, and a later head with a trained
+            # mask row could then never be hot-swapped in place.
+            self.mask_embedding.copy_(self.embed_tokens.weight.float().mean(0).to(self.mask_embedding.dtype))
 
     def merged_embed_weight(self) -> torch.Tensor:
         """``embed_tokens`` with the trained mask-token row written in (what vLLM loads)."""
