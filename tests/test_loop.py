@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 def trained_like(src: Path, dst: Path, delta: float) -> Path:
     """A copy of ``src`` with a moved mask-token embedding row, as every trained head has.
 
-    vLLM shares the drafter's embeddings with the target only when they are equal; a
-    trained head's mask row differs, so a replica serving one owns its embeddings and
-    trained candidates swap in place (a replica on an untrained head would need a restart).
+    vLLM shares the drafter's embeddings with the target only when they are equal, and a
+    replica sharing them cannot take a trained head in place; a live head with its own
+    mask row keeps the fixture independent of how cold heads initialise that row.
     """
     import torch
 
