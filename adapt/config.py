@@ -135,8 +135,9 @@ class DemoConfig(_Section):
     max_tokens: int = Field(96, ge=8)
     concurrency: int = Field(8, ge=1)
     gap_seconds: float = Field(20.0, ge=2)
-    bootstrap_steps: int = Field(300, ge=1)
-    adapt_steps: int = Field(200, ge=1)
+    bootstrap_steps: int = Field(400, ge=1)
+    adapt_steps: int = Field(300, ge=1)
+    train_minutes: float = Field(4.0, gt=0)  # wall-time cap of each cycle's training
     fresh: bool = True
 
 

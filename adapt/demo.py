@@ -237,7 +237,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         g = send_phases(stack, model, general[:-n_hold], general[-n_hold:], d, log, "general chat")
         wait_captured(stack, len(general))
         cfg1 = with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, g["gap_mid"])},
-                              training={"max_steps": d.bootstrap_steps})
+                              training={"max_steps": d.bootstrap_steps, "max_minutes": d.train_minutes})
         log("cycle 1 (bootstrap from general chat): ingest → snapshot → train → eval → bench → gate → register → promote")
         c1 = run_cycle(cfg1, opts=opts)
         log(f"cycle 1: version {c1['version']} {c1['verdict']} ({c1['reason']}); pool: {pool_heads(stack)}")
@@ -250,7 +250,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         wait_captured(stack, len(general) + len(drift))
         report["traffic"] = {"general": _strip(g), "drifted": _strip(t)}
         cfg2 = with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, t["gap_mid"])},
-                              training={"max_steps": d.adapt_steps})
+                              training={"max_steps": d.adapt_steps, "max_minutes": d.train_minutes})
         log("cycle 2 (nightly adaptation to the drift), training from the Production head")
         c2 = run_cycle(cfg2, opts=opts)
         log(f"cycle 2: version {c2['version']} {c2['verdict']} ({c2['reason']}); pool: {pool_heads(stack)}")
