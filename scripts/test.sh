@@ -5,4 +5,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO_ROOT"
 python -m adapt models prepare --tiny --json
-exec python -m pytest -q -p no:cacheprovider "$@"
+# A private base temp dir: pytest prunes old /tmp/pytest-of-$USER dirs, which would pull
+# the files from under a concurrent run's session fixtures.
+basetemp="$(mktemp -d -t drafter-adapt-tests.XXXXXX)"
+trap 'rm -rf "$basetemp"' EXIT
+python -m pytest -q -p no:cacheprovider --basetemp="$basetemp/t" "$@"
