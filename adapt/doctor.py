@@ -98,7 +98,13 @@ def _uses_s3(cfg: Config) -> bool:
     )
 
 
+def _s3_buckets(cfg: Config) -> list[str]:
+    uris = (cfg.capture.source, cfg.warehouse.uri, cfg.mlflow.artifact_location)
+    return sorted({u[len("s3://"):].split("/", 1)[0] for u in uris if u.startswith("s3://")})
+
+
 def check_s3(cfg: Config) -> Check:
+    """Each configured bucket answers HEAD (list_buckets needs rights a pipeline role may lack)."""
     if not _uses_s3(cfg):
         return Check("s3", True, False, _version("boto3"), "not configured (local paths)")
     import boto3
@@ -108,8 +114,13 @@ def check_s3(cfg: Config) -> Check:
         "s3", config=BotoConfig(connect_timeout=3, read_timeout=5, retries={"max_attempts": 1}),
         **cfg.s3.client_kwargs(),
     )
-    buckets = [b["Name"] for b in client.list_buckets().get("Buckets", [])]
-    return Check("s3", True, True, _version("boto3"), f"reachable at {cfg.s3.endpoint_url or 'AWS'}", {"buckets": buckets})
+    buckets = _s3_buckets(cfg)
+    for bucket in buckets:
+        client.head_bucket(Bucket=bucket)
+    if not buckets:
+        client.list_buckets()
+    where = cfg.s3.endpoint_url or "AWS"
+    return Check("s3", True, True, _version("boto3"), f"reachable at {where}", {"buckets": buckets})
 
 
 def check_mlflow(cfg: Config) -> Check:
