@@ -517,11 +517,17 @@ def main() -> int:
         log(f"offline: acceptance length {off['mean_acceptance_length']:.3f} in {result['offline']['seconds']}s")
 
         # 5. vLLM measurement, variants interleaved per round
-        nospec_url()
-        log("starting the spec vLLM server (base head; the adapted head is swapped in place)")
+        from concurrent.futures import ThreadPoolExecutor
+
+        log("starting the spec vLLM server (base head; the adapted head is swapped in place)"
+            + ("" if nospec else " and the no-spec server, in parallel"))
         t = time.perf_counter()
-        spec = server(work, target, heads / "base", K, 2048, eager).start(timeout=1200)
-        log(f"spec server up in {time.perf_counter() - t:.0f}s at {spec.url}")
+        spec = server(work, target, heads / "base", K, 2048, eager)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(spec.start, 1200), pool.submit(nospec_url)]
+            for f in futures:
+                f.result()
+        log(f"servers up in {time.perf_counter() - t:.0f}s: spec {spec.url}, no-spec {nospec.url}")
         for rnd in range(args.rounds):
             order = ["no-spec", "base", "adapted"]
             if rnd % 2:
