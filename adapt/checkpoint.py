@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from adapt.drafter import DrafterConfig, PEagleDrafter
+from adapt.model_zoo import sha256_file
 
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
@@ -58,14 +59,6 @@ class HeadInfo:
 
 
 # --- hashing / identity ---------------------------------------------------
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
 
 _IDENTITY_CACHE: dict[tuple, dict[str, Any]] = {}
 

@@ -184,11 +184,24 @@ def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _demo_cycle(cfg: Config, opts, stack, gap_mid: dt.datetime, steps: int, report: dict[str, Any],
+                key: str, log: Log) -> dict[str, Any]:
+    """One cycle over what was captured, holding out what came after ``gap_mid``; records it in ``report``."""
+    from adapt.cycle import run_cycle
+
+    c = run_cycle(with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, gap_mid)},
+                                 training={"max_steps": steps, "max_minutes": cfg.demo.train_minutes}), opts=opts)
+    log(f"{key}: version {c['version']} {c['verdict']} ({c['reason']}); pool: {pool_heads(stack)}")
+    report[key] = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
+    report[key]["bench"] = bench_figures(c)
+    return c
+
+
 def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``<state_dir>/demo/report.json``)."""
     from adapt import public_prompts
     from adapt.checkpoint import init_random_head, validate_head
-    from adapt.cycle import CycleOptions, run_cycle
+    from adapt.cycle import CycleOptions
     from adapt.model_zoo import ensure_target
     from serving.controller import Controller
     from serving.replica import ReplicaProcess, ReplicaSpec
@@ -236,26 +249,16 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         n_hold = max(2, len(general) // 5)
         g = send_phases(stack, model, general[:-n_hold], general[-n_hold:], d, log, "general chat")
         wait_captured(stack, len(general))
-        cfg1 = with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, g["gap_mid"])},
-                              training={"max_steps": d.bootstrap_steps, "max_minutes": d.train_minutes})
         log("cycle 1 (bootstrap from general chat): ingest → snapshot → train → eval → bench → gate → register → promote")
-        c1 = run_cycle(cfg1, opts=opts)
-        log(f"cycle 1: version {c1['version']} {c1['verdict']} ({c1['reason']}); pool: {pool_heads(stack)}")
-        report["cycle1"] = {k: c1[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
-        report["cycle1"]["bench"] = bench_figures(c1)
+        c1 = _demo_cycle(cfg, opts, stack, g["gap_mid"], d.bootstrap_steps, report, "cycle1", log)
 
         # --- drifted traffic → adaptation ---
         dtr, dho = drift[: d.drifted_train_prompts], drift[d.drifted_train_prompts:]
         t = send_phases(stack, model, dtr, dho, d, log, "drifted traffic (code, tool calls)")
         wait_captured(stack, len(general) + len(drift))
         report["traffic"] = {"general": _strip(g), "drifted": _strip(t)}
-        cfg2 = with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, t["gap_mid"])},
-                              training={"max_steps": d.adapt_steps, "max_minutes": d.train_minutes})
         log("cycle 2 (nightly adaptation to the drift), training from the Production head")
-        c2 = run_cycle(cfg2, opts=opts)
-        log(f"cycle 2: version {c2['version']} {c2['verdict']} ({c2['reason']}); pool: {pool_heads(stack)}")
-        report["cycle2"] = {k: c2[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
-        report["cycle2"]["bench"] = bench_figures(c2)
+        c2 = _demo_cycle(cfg, opts, stack, t["gap_mid"], d.adapt_steps, report, "cycle2", log)
         report["registry_after_cycles"] = registry_view(cfg)
         report["pool_after_cycles"] = pool_heads(stack)
 
