@@ -265,7 +265,7 @@ class VllmServer:
             cmd += ["--speculative-config", json.dumps(spec)]
         return cmd + list(self.extra_args)
 
-    def start(self, timeout: float = 420) -> "VllmServer":
+    def start(self, timeout: float = 600) -> "VllmServer":
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.process = ManagedProcess(
