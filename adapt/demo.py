@@ -42,8 +42,16 @@ def stderr_log(t0: float) -> Log:
 
 
 def demo_config(cfg: Config) -> Config:
-    """The demo's own config: the user's, with state in ``<state_dir>/demo``."""
-    return load_config(cfg.source_file, overrides={"state_dir": str(Path(cfg.state_dir) / "demo")})
+    """The demo's own config: the user's, with state in ``<state_dir>/demo``.
+
+    Swaps are admin actions and the router refuses them without a token, so when none is
+    configured the demo makes a one-off token for its own pool and controller.
+    """
+    import secrets
+
+    token = cfg.serving.resolved_admin_token() or secrets.token_urlsafe(24)
+    return load_config(cfg.source_file, overrides={"state_dir": str(Path(cfg.state_dir) / "demo"),
+                                                   "serving": {"admin_token": token}})
 
 
 def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
