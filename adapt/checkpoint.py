@@ -426,41 +426,13 @@ def validate_head(head_dir: str | Path, target_dir: str | Path | None = None,
 
 # --- random init / import ----------------------------------------------------------
 
-def _target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:
-    for p in sorted(Path(target_dir).glob("*.safetensors")):
+def _target_embeddings(target_dir: Path) -> torch.Tensor:
+    for p in sorted(target_dir.glob("*.safetensors")):
         with safe_open(str(p), framework="pt") as f:
-            for name in names:
+            for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
                 if name in f.keys():
                     return f.get_tensor(name).float()
-    return None
-
-
-def _target_embeddings(target_dir: Path) -> torch.Tensor:
-    w = _target_tensor(target_dir, ("model.embed_tokens.weight", "embed_tokens.weight"))
-    if w is None:
-        raise HeadError(f"{target_dir}: no embed_tokens weight found in its safetensors")
-    return w
-
-
-def init_output_from_target(model: PEagleDrafter, target_dir: str | Path) -> None:
-    """Start ``lm_head`` and the final norm from the target's own output layer (draft-vocab rows).
-
-    The drafter then only has to learn a hidden state like the target's last one,
-    not a token space from scratch: with a night's worth of traffic this is the
-    difference between a head that generalizes to unseen prompts and one that
-    memorizes its training set. Tied-embedding targets (SmolLM2) use the embeddings.
-    """
-    head = _target_tensor(Path(target_dir), ("lm_head.weight", "model.lm_head.weight"))
-    if head is None:
-        head = _target_embeddings(Path(target_dir))
-    norm = _target_tensor(Path(target_dir), ("model.norm.weight", "norm.weight"))
-    if head.shape != (model.config.vocab_size, model.config.hidden_size):
-        raise HeadError(f"{target_dir}: lm_head {tuple(head.shape)} does not fit the drafter")
-    ids = torch.arange(model.config.draft_vocab_size) + model.d2t.cpu()
-    with torch.no_grad():
-        model.lm_head.weight.copy_(head[ids].to(model.lm_head.weight.dtype))
-        if norm is not None and norm.shape == model.norm.weight.shape:
-            model.norm.weight.copy_(norm.to(model.norm.weight.dtype))
+    raise HeadError(f"{target_dir}: no embed_tokens weight found in its safetensors")
 
 
 def new_head(target_dir: str | Path, k: int = 3, draft_vocab_size: int | None = None,

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from adapt.checkpoint import (init_output_from_target, load_head, new_head, save_head, sha256_file, target_identity,
-                              validate_head)
+from adapt.checkpoint import load_head, new_head, save_head, sha256_file, target_identity, validate_head
 from adapt.data import (
     Example,
     build_draft_vocab,
@@ -149,7 +148,6 @@ def bootstrap_head(cfg: Any, target_dir: Path, examples: Sequence[Example], eos_
     specials = [eos_id] if eos_id is not None else []
     d2t, _ = build_draft_vocab(counts, want.draft_vocab_size, special_ids=specials)
     model.set_draft_vocab(d2t + torch.arange(d2t.numel()))
-    init_output_from_target(model, target_dir)
     return model
 
 

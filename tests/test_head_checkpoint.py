@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from adapt.checkpoint import (
     HeadError,
     import_head,
-    init_output_from_target,
     init_random_head,
     load_head,
     sha256_file,
@@ -80,26 +79,6 @@ def test_round_trip_keeps_the_function(head, tmp_path):
     again, _ = load_head(save_head(model, tmp_path / "again", {"parent": "abc"}))
     assert torch.equal(model(**x), again(**x))
     assert torch.equal(again.d2t, model.d2t)
-
-
-def test_bootstrap_output_layer_starts_from_the_targets(tiny_model):
-    from safetensors import safe_open
-
-    from adapt.checkpoint import new_head
-
-    model = new_head(tiny_model, k=3, draft_vocab_size=64, seed=1)
-    ids = torch.arange(5, 5 + 64 * 3, 3)  # a draft vocabulary that is not the first 64 ids
-    model.set_draft_vocab(ids)
-    init_output_from_target(model, tiny_model)
-    with safe_open(str(tiny_model / "model.safetensors"), framework="pt") as f:
-        names = set(f.keys())
-        out = f.get_tensor("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight").float()
-        norm = f.get_tensor("model.norm.weight").float()
-    assert torch.equal(model.lm_head.weight.detach(), out[ids].to(model.lm_head.weight.dtype))
-    assert torch.equal(model.norm.weight.detach(), norm.to(model.norm.weight.dtype))
-    # The draft logits of a target hidden state are then the target's own logits on those ids.
-    h = torch.randn(2, out.shape[1])
-    assert torch.allclose(model.lm_head(h), h @ out[ids].T, atol=1e-5)
 
 
 def test_missing_tensor(copy, tiny_model):
