@@ -13,67 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-class Load:
-    """``workers`` client loops on the router (bounded by ``max_seconds``); counts failures."""
-
-    def __init__(self, url: str, model: str, workers: int, max_seconds: float = 900.0) -> None:
-        self.url, self.model, self.deadline = url, model, time.monotonic() + max_seconds
-        self.stop_ev = threading.Event()
-        self.lock = threading.Lock()
-        self.ok = 0
-        self.failed: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
-
-    def _run(self, i: int) -> None:
-        n = 0
-        with httpx.Client(timeout=300) as c:
-            while not self.stop_ev.is_set() and time.monotonic() < self.deadline:
-                n += 1
-                body = {"model": self.model, "messages": [{"role": "user", "content": f"load {i}-{n}: explain"}],
-                        "max_tokens": 24, "temperature": 0, "stream": n % 2 == 0}
-                try:
-                    if body["stream"]:
-                        with c.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
-                            good = r.status_code == 200 and b"".join(r.iter_raw()).rstrip().endswith(b"[DONE]")
-                    else:
-                        r = c.post(self.url + "/v1/chat/completions", json=body)
-                        good = r.status_code == 200
-                    err = None if good else f"HTTP {r.status_code}"
-                except Exception as exc:  # noqa: BLE001
-                    err = f"{type(exc).__name__}: {exc}"
-                with self.lock:
-                    if err:
-                        self.failed.append(err)
-                    else:
-                        self.ok += 1
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop_ev.set()
-        for t in self.threads:
-            t.join(300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving.loadgen import SteadyLoad  # noqa: E402
+from tests.services import free_ports  # noqa: E402
 
 
 def main() -> int:
@@ -92,10 +41,10 @@ def main() -> int:
     from serving.serve import ServingStack
 
     work = Path(tempfile.mkdtemp(prefix="swap-bench-"))
-    base = _free_port()
+    base, router_port = free_ports(2)
     cfg = load_config(overrides={
         "state_dir": str(work), "target": {"model": args.target},
-        "serving": {"replicas": args.replicas, "base_port": base, "router_port": _free_port(),
+        "serving": {"replicas": args.replicas, "base_port": base, "router_port": router_port,
                     "admin_token": "bench", "max_model_len": 1024},
         "capture": {"source": str(work / "capture")},
     })
@@ -109,7 +58,8 @@ def main() -> int:
     rows = []
     try:
         for name, head, restart in (("in-place", heads[1], False), ("rolling restart", heads[0], True)):
-            with Load(stack.url, stack.model_name, args.workers) as load:
+            with SteadyLoad(stack.url, stack.model_name, args.workers, max_seconds=900, max_tokens=24,
+                            completions=False) as load:
                 time.sleep(args.settle)
                 rep = stack.run_coro(stack.controller.swap(str(head), force_restart=restart), 3600)
                 time.sleep(args.settle)

@@ -14,10 +14,8 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,23 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from adapt.checkpoint import init_random_head
 from adapt.config import dump_toml, load_config
+from serving.loadgen import SteadyLoad
+from tests.services import free_ports
 
 pytestmark = pytest.mark.services
 TOKEN = "test-admin-token"
 MODEL = "tiny-llama"  # set from the stack's served model name
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def constant_token_head(src: Path, dst: Path, token_id: int) -> Path:
@@ -98,7 +86,7 @@ def stack(tiny_model: Path, heads, tmp_path_factory):
     from serving.serve import ServingStack
 
     d = tmp_path_factory.mktemp("serving-state")
-    base, router = _free_ports(2)
+    base, router = free_ports(2)
     cfg = load_config(overrides={
         "state_dir": str(d), "target": {"model": str(tiny_model)},
         "capture": {"source": str(d / "capture"), "endpoint": "", "redact": False},
@@ -138,60 +126,6 @@ def greedy(url: str, prompts: list[str], max_tokens: int = 24) -> list[str]:
     return [httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": max_tokens,
                                                       "temperature": 0, "ignore_eos": True}, timeout=120)
             .json()["choices"][0]["text"] for p in prompts]
-
-
-class Load:
-    """Steady bounded load through the router: ``workers`` loops, each request checked."""
-
-    def __init__(self, url: str, workers: int = 3, max_seconds: float = 400.0, max_requests: int = 5000):
-        self.url, self.workers = url, workers
-        self.deadline = time.monotonic() + max_seconds
-        self.max_requests = max_requests
-        self.stop_ev = threading.Event()
-        self.ok = 0
-        self.failed: list[str] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
-
-    def _run(self, i: int) -> None:
-        with httpx.Client(timeout=300) as c:
-            n = 0
-            while not self.stop_ev.is_set() and time.monotonic() < self.deadline and n < self.max_requests:
-                n += 1
-                stream = n % 3 == 0
-                body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": stream}
-                if n % 2:
-                    body["messages"] = [{"role": "user", "content": f"worker {i} request {n} explain code"}]
-                    path = "/v1/chat/completions"
-                else:
-                    body["prompt"] = f"worker {i} request {n} the of and to"
-                    path = "/v1/completions"
-                try:
-                    if stream:
-                        with c.stream("POST", self.url + path, json=body) as r:
-                            data = b"".join(r.iter_raw())
-                        good = r.status_code == 200 and data.rstrip().endswith(b"data: [DONE]")
-                    else:
-                        r = c.post(self.url + path, json=body)
-                        good = r.status_code == 200 and r.json()["choices"]
-                    err = None if good else f"HTTP {r.status_code}"
-                except Exception as exc:  # noqa: BLE001
-                    err = f"{type(exc).__name__}: {exc}"
-                with self.lock:
-                    if err:
-                        self.failed.append(err)
-                    else:
-                        self.ok += 1
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop_ev.set()
-        for t in self.threads:
-            t.join(180)
 
 
 # -- tests -------------------------------------------------------------------------
@@ -288,7 +222,7 @@ def test_inplace_swap_under_load_has_zero_failures(stack, heads):
     prompts = ["the of and to in", "def return import class"]
     r0 = stack.pool.replicas[0]
     ref = greedy(r0.url, prompts)
-    with Load(stack.url) as load:
+    with SteadyLoad(stack.url, MODEL) as load:
         time.sleep(3)
         p = subprocess.run([sys.executable, "-m", "adapt", "swap", str(heads["e1"]), "--json",
                             "--config", str(stack.cfg_file)], capture_output=True, text=True, timeout=600,
@@ -413,7 +347,7 @@ def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
 
 
 def test_shape_change_falls_back_to_rolling_restart_without_failures(stack, heads):
-    with Load(stack.url, workers=2) as load:
+    with SteadyLoad(stack.url, MODEL, workers=2) as load:
         time.sleep(2)
         rep = stack.run_coro(stack.controller.swap(str(heads["v128"])), 900)
         time.sleep(2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from serving.capture_writer import CaptureWriter
 from serving.metrics import SpecSnapshot
 from serving.pool import Pool
 from serving.router import create_app
+from tests.services import free_port
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -94,12 +94,6 @@ def test_capture_writer_local_layout_sampling_and_drops(tmp_path: Path):
 
 # -- router with fake replicas ------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     def __init__(self, app, port: int):
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
@@ -151,12 +145,12 @@ def fake_replica(name: str, delay: float = 0.2) -> FastAPI:
 
 def test_router_balances_drains_skips_and_guards_admin(tmp_path: Path):
     a, b = fake_replica("A"), fake_replica("B")
-    with _Server(a, _free_port()) as sa, _Server(b, _free_port()) as sb:
+    with _Server(a, free_port()) as sa, _Server(b, free_port()) as sb:
         pool = Pool(health_interval=0.2)
         ra, rb = pool.attach(sa.url), pool.attach(sb.url)
-        dead = pool.attach(f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+        dead = pool.attach(f"http://127.0.0.1:{free_port()}")  # nothing listens there
         writer_dir = tmp_path / "cap"
-        port = _free_port()
+        port = free_port()
 
         async def swap_handler(body):
             return {"ok": True, "head": body["head"]}
@@ -269,3 +263,31 @@ def test_capture_writer_s3_is_read_back_by_capture(s3_server, tmp_path: Path):
     assert res.normalized == 4, res.summary()
     pairs = {tuple(t["value"] for t in c["conversations"]) for c in Warehouse(cfg).read_conversations().to_pylist()}
     assert pairs == {("q0", "a0"), ("q1", "a1"), ("q2", "a2"), ("qs", "stream")}
+
+
+def test_steady_load_counts_every_request_and_names_failures():
+    from serving.loadgen import SteadyLoad
+
+    app = FastAPI()
+    app.state.n = 0
+
+    @app.post("/v1/{kind}/completions")
+    @app.post("/v1/completions")
+    async def any_completion(req: Request, kind: str = ""):
+        body = await req.json()
+        app.state.n += 1
+        if app.state.n % 4 == 0:
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        if body.get("stream"):
+            async def gen():
+                yield f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        return JSONResponse({"choices": [{"text": "x"}]})
+
+    with _Server(app, free_port()) as s:
+        with SteadyLoad(s.url, "m", workers=2, max_requests=12) as load:
+            for t in load.threads:
+                t.join(30)
+    assert load.ok + len(load.failed) == 24 == app.state.n
+    assert len(load.failed) == 6 and set(load.failed) == {"HTTP 503"}
