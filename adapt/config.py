@@ -89,6 +89,9 @@ class TrainingConfig(_Section):
     # "auto" = bf16 autocast on CUDA, fp32 on CPU; master weights are always fp32.
     dtype: str = Field("auto", pattern="^(auto|fp32|bf16)$")
     checkpoint_steps: int = Field(50, ge=1)
+    # Warm start re-picks which tokens the draft vocabulary holds (its size never
+    # changes, so the head still hot-swaps): tokens of the new traffic replace ones it no longer uses.
+    refresh_draft_vocab: bool = True
 
 
 class ServingConfig(_Section):

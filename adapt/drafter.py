@@ -314,6 +314,26 @@ class PEagleDrafter(nn.Module):
         self.t2d.zero_()
         self.t2d[ids.to(dev)] = True
 
+    def remap_draft_vocab(self, target_ids: torch.Tensor) -> int:
+        """Hold ``target_ids`` in the draft vocabulary instead (same size); returns how many are new.
+
+        A token that stays keeps its ``lm_head`` row; a new one starts at the mean row,
+        i.e. at an average logit, and is learned from there.
+        """
+        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten().sort().values
+        old = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device)).cpu()
+        where = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
+        where[old] = torch.arange(old.numel())
+        src = where[ids.clamp(0, self.config.vocab_size - 1)]
+        keep = src >= 0
+        with torch.no_grad():
+            w = self.lm_head.weight
+            rows = w.mean(0, keepdim=True).expand_as(w).clone()
+            rows[keep.to(w.device)] = w[src[keep].to(w.device)]
+            w.copy_(rows)
+        self.set_draft_vocab(ids)
+        return int((~keep).sum())
+
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target-vocab ids."""
         return ids + self.d2t[ids]

@@ -151,6 +151,26 @@ def bootstrap_head(cfg: Any, target_dir: Path, examples: Sequence[Example], eos_
     return model
 
 
+def refresh_draft_vocab(model: PEagleDrafter, examples: Sequence[Example], eos_id: int | None) -> dict[str, Any]:
+    """Re-pick the draft vocabulary of a warm-started head for ``examples`` (same size).
+
+    Ranked by frequency in the new data (replay included); at equal counts a token
+    already in the vocabulary keeps its slot, so a refresh only moves what the
+    data asks for. Returns coverage of the tokens to predict before and after.
+    """
+    cfg = model.config
+    counts = token_counts(examples, cfg.vocab_size)
+    held = model.t2d.cpu().bool()
+    specials = [eos_id] if eos_id is not None else []
+    # Doubling counts then adding 1 for held tokens breaks ties towards the current vocabulary.
+    d2t, t2d = build_draft_vocab(counts * 2 + held.long(), cfg.draft_vocab_size, special_ids=specials)
+    total = max(int(counts.sum()), 1)
+    before = int(counts[held].sum()) / total
+    added = model.remap_draft_vocab(d2t + torch.arange(d2t.numel()))
+    return {"added_tokens": added, "coverage_before": round(before, 4),
+            "coverage_after": round(int(counts[t2d].sum()) / total, 4)}
+
+
 # --- target features -------------------------------------------------------------
 
 class TargetFeatures:
@@ -306,12 +326,15 @@ def train(
 
     # 2. model
     parent_sha = None
+    vocab_refresh: dict[str, Any] | None = None
     if base_head:
         head_dir = resolve_head(base_head, cfg)
         info = validate_head(head_dir, target_dir)
         model, _ = load_head(head_dir)
         check_same_shape(model.config, configured_head(cfg, target_dir))
         parent_sha = info.sha256
+        if tc.refresh_draft_vocab:
+            vocab_refresh = refresh_draft_vocab(model, examples, tok.eos_token_id)
     else:
         model = bootstrap_head(cfg, target_dir, examples, tok.eos_token_id)
     model = model.to(device=device, dtype=torch.float32).train()
@@ -411,6 +434,7 @@ def train(
             "target": target_identity(target_dir),
             "training": {"steps": step, "tokens": state["tokens"], "final_depth_loss": depth_loss,
                          "final_depth_acc": depth_acc, "world_size": dd.world, "device": str(device)},
+            "draft_vocab_refresh": vocab_refresh,
         }
         save_head(model.cpu(), out_dir, manifest)
         if evaluate_rows:
@@ -422,6 +446,7 @@ def train(
         tokens_per_s=round(tokens_run / max(elapsed, 1e-9), 1), loss_curve=state["loss_curve"],
         final_depth_loss=depth_loss, final_depth_acc=depth_acc, parent_sha=parent_sha, data_snapshot=snapshot,
         num_examples=len(examples), featurize_seconds=round(target.seconds, 3), acceptance=acceptance,
+        extra={"draft_vocab_refresh": vocab_refresh} if vocab_refresh else {},
     )
 
 

@@ -98,14 +98,14 @@ def test_same_seed_same_curve_and_resume_equals_uninterrupted(tiny_model, tmp_pa
 def test_warm_start_keeps_shapes_and_rejects_shape_changes(bootstrapped, tiny_model, tmp_path):
     base, _ = bootstrapped
     base_info = validate_head(base, tiny_model)
-    cfg = make_cfg(tmp_path, tiny_model, max_steps=3)
+    cfg = make_cfg(tmp_path, tiny_model, max_steps=3, refresh_draft_vocab=False)
     res = train(cfg, conversations(8, seed=2), str(base), tmp_path / "warm",
                 replay_conversations=conversations(24), progress=False)
     info = validate_head(tmp_path / "warm", tiny_model)
     assert info.manifest["parent"] == base_info.sha256 == res.parent_sha
     wb, ww = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "warm" / "model.safetensors"))
     assert {k: v.shape for k, v in wb.items()} == {k: v.shape for k, v in ww.items()}
-    assert torch.equal(wb["d2t"], ww["d2t"])  # the draft vocabulary is kept
+    assert torch.equal(wb["d2t"], ww["d2t"])  # refresh off: the draft vocabulary is kept
     assert not torch.equal(wb["fc.weight"], ww["fc.weight"])
     # Replay: 8 new + 30% replayed from the 24 old conversations.
     assert res.num_examples == 8 + round(8 * 0.3 / 0.7)
@@ -115,6 +115,52 @@ def test_warm_start_keeps_shapes_and_rejects_shape_changes(bootstrapped, tiny_mo
                                  "head": {"draft_vocab_size": 256, **override}, "training": {"max_steps": 1}})
         with pytest.raises(ShapeChangeError):
             train(bad, conversations(4), str(base), tmp_path / "bad", progress=False)
+
+
+def test_warm_start_refreshes_the_draft_vocabulary_for_drifted_traffic(bootstrapped, tiny_model, tmp_path):
+    from adapt.checkpoint import load_head
+    from adapt.data import tokenize_rows
+    from transformers import AutoTokenizer
+
+    base, _ = bootstrapped
+    old, _ = load_head(base)
+    old_ids = set(old.draft_to_target(torch.arange(256)).tolist())
+    # Drifted traffic: words the bootstrap data never had.
+    drift = [{"content_hash": f"d{i}", "conversations": [
+        {"from": "human", "value": "zebra quantum"},
+        {"from": "gpt", "value": " ".join(["zebra quantum lattice vortex nebula", "the of"][i % 2] for _ in range(8))}]}
+        for i in range(8)]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    new_tokens = {int(t) for ex in tokenize_rows(tok, drift, 160) for t in ex.input_ids[ex.loss_mask]} - old_ids
+    assert new_tokens, "the drift must use tokens outside the bootstrap vocabulary for this test to mean anything"
+
+    res = train(make_cfg(tmp_path, tiny_model, max_steps=2), drift, str(base), tmp_path / "warm",
+                replay_conversations=conversations(24), progress=False)
+    info = validate_head(tmp_path / "warm", tiny_model)  # vLLM-valid d2t/t2d, same shapes
+    warm, _ = load_head(tmp_path / "warm")
+    warm_ids = set(warm.draft_to_target(torch.arange(256)).tolist())
+    assert new_tokens <= warm_ids and len(warm_ids) == 256
+    r = res.extra["draft_vocab_refresh"]
+    assert r == info.manifest["draft_vocab_refresh"]
+    assert r["added_tokens"] == len(warm_ids - old_ids) >= len(new_tokens)
+    assert r["coverage_after"] == 1.0 > r["coverage_before"]
+
+
+def test_remap_draft_vocab_moves_rows_with_their_tokens(bootstrapped):
+    from adapt.checkpoint import load_head
+
+    model, _ = load_head(bootstrapped[0])
+    ids = model.draft_to_target(torch.arange(256))
+    row = {int(t): model.lm_head.weight[i].clone() for i, t in enumerate(ids)}
+    mean = model.lm_head.weight.mean(0).clone()
+    outside = sorted(set(range(model.config.vocab_size)) - set(ids.tolist()))[:5]
+    new_ids = torch.tensor(sorted(ids.tolist()[5:] + outside))
+    assert model.remap_draft_vocab(new_ids) == 5
+    got = model.draft_to_target(torch.arange(256))
+    assert torch.equal(got, new_ids)
+    for i, t in enumerate(got.tolist()):
+        want = mean if t in outside else row[t]
+        assert torch.allclose(model.lm_head.weight[i], want)
 
 
 def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
