@@ -10,6 +10,8 @@ RSS (resource.getrusage, self and children) is its own:
 * ``capture``: ``capture.ingest.ingest`` (decode, normalize, redact, dedupe, Parquet, catalog).
 * ``naive``: a ``json.loads`` loop into a pandas DataFrame, then ``to_parquet`` — the
   outer capture JSON only, no payload decoding, redaction or dedupe.
+* ``duckdb-floor``: DuckDB's multi-threaded C++ JSON reader over the outer documents,
+  nothing else — a floor for any vectorized rewrite, printed beside the two.
 """
 
 from __future__ import annotations
@@ -106,10 +108,39 @@ def run_naive(data: Path, state: Path, limit: int | None) -> dict:
     return {"seconds": dt, "records": n, **_rss_mb()}
 
 
+def run_duckdb_floor(data: Path) -> dict:
+    """DuckDB's C++ JSON reader, 2 threads, over the outer capture documents only.
+
+    Not a contender: a floor. It parses no payload, redacts, hashes and writes
+    nothing, so no vectorized rewrite of the product could beat this time.
+    """
+    import duckdb
+
+    side = "STRUCT(data VARCHAR, encoding VARCHAR, observedContentType VARCHAR)"
+    cols = {"captureData": f"STRUCT(endpointInput {side}, endpointOutput {side})",
+            "eventMetadata": "STRUCT(eventId VARCHAR, inferenceId VARCHAR, inferenceTime VARCHAR)"}
+    con = duckdb.connect()
+    con.execute(f"SET threads={os.cpu_count() or 1}")
+    t = time.perf_counter()
+    # sum(length(...)) makes DuckDB materialize both payload strings of every record
+    # (a bare count(*) lets it skip the parse altogether).
+    n, chars = con.execute(
+        "SELECT count(*), sum(length(captureData.endpointInput.data) + length(captureData.endpointOutput.data)) "
+        "FROM read_json(?, format='newline_delimited', columns=?, maximum_object_size=33554432)",
+        [str(data / "**" / "*.jsonl"), cols]).fetchone()
+    if not chars:
+        raise RuntimeError("duckdb floor read no payload text")
+    dt = time.perf_counter() - t
+    return {"seconds": dt, "records": n, **_rss_mb()}
+
+
 def child(which: str, data: Path, workers: int | None, limit: int | None) -> None:
     state = Path(tempfile.mkdtemp(prefix=f"bench-{which}-"))
     try:
-        out = run_capture(data, state, workers) if which == "capture" else run_naive(data, state, limit)
+        if which == "duckdb-floor":
+            out = run_duckdb_floor(data)
+        else:
+            out = run_capture(data, state, workers) if which == "capture" else run_naive(data, state, limit)
     finally:
         shutil.rmtree(state, ignore_errors=True)
     print(json.dumps(out))
@@ -126,7 +157,8 @@ def main() -> None:
     ap.add_argument("--naive-n", type=int, default=None,
                     help="records the naive baseline reads (default: all that fit in half the available memory; "
                          "it holds every parsed record, ~8 KB each)")
-    ap.add_argument("--child", choices=("capture", "naive"), help=argparse.SUPPRESS)
+    ap.add_argument("--no-floor", action="store_true", help="skip the DuckDB outer-parse floor")
+    ap.add_argument("--child", choices=("capture", "naive", "duckdb-floor"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     data = args.data or Path(tempfile.gettempdir()) / "drafter-adapt-bench" / f"ingest-{args.n}-{args.per_file}"
     if args.child:
@@ -137,7 +169,8 @@ def main() -> None:
     size = sum(p.stat().st_size for p in data.rglob("*.jsonl"))
     naive_n = args.naive_n or min(args.n, int(_available_bytes() * 0.5 / 8192))
     results = {}
-    for which in ("capture",) + (() if args.no_baseline else ("naive",)):
+    contenders = ("capture",) + (() if args.no_baseline else ("naive",)) + (() if args.no_floor else ("duckdb-floor",))
+    for which in contenders:
         cmd = [sys.executable, __file__, "--child", which, "--n", str(args.n), "--per-file", str(args.per_file),
                "--data", str(data), "--naive-n", str(naive_n)] + (["--workers", str(args.workers)] if args.workers else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -154,6 +187,9 @@ def main() -> None:
         nv, cp = results["naive"], results["capture"]
         out["speedup_vs_naive"] = round(cp["records_per_s"] / nv["records_per_s"], 2)
         out["cpu_ratio_vs_naive"] = round((nv["cpu_s"] / nv["records"]) / (cp["cpu_s"] / cp["records"]), 2)
+        if "duckdb-floor" in results:
+            fl = results["duckdb-floor"]
+            out["floor_speedup_vs_naive"] = round(fl["records_per_s"] / nv["records_per_s"], 2)
     if args.json:
         print(json.dumps(out))
         return
@@ -164,6 +200,9 @@ def main() -> None:
     if "speedup_vs_naive" in out:
         print(f"  capture is {out['speedup_vs_naive']}x the naive baseline in records/s "
               f"({out['cpu_ratio_vs_naive']}x in CPU time per record)")
+    if "floor_speedup_vs_naive" in out:
+        print(f"  duckdb-floor (C++ read_json of the outer documents only, nothing else) is "
+              f"{out['floor_speedup_vs_naive']}x the naive baseline: the ceiling of a vectorized rewrite here")
     if "summary" in results["capture"]:
         print("  capture counts:", json.dumps(results["capture"]["summary"]))
 
