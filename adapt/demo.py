@@ -282,7 +282,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
             log(f"the pool serves version {old} again after {follow:.1f}s")
             report["rollback"] = {"to_version": old, "pool_followed_after_s": round(follow, 2),
                                   "pool": pool_heads(stack), "registry": registry_view(cfg),
-                                  "controller_events": controller.events[-5:]}
+                                  "controller_events": list(controller.events)[-5:]}
             del t_move
         else:
             report["rollback"] = {"skipped": "cycle 2 did not promote a new version, so there is nothing newer to roll back from"}
