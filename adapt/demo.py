@@ -132,7 +132,7 @@ def registry_view(cfg: Config) -> list[dict[str, Any]]:
     from adapt.registry import Registry
 
     reg = Registry(cfg)
-    return [reg.describe(mv) for mv in reg.versions()]
+    return reg.describe_all()
 
 
 def pool_heads(stack) -> list[dict[str, Any]]:

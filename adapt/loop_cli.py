@@ -29,7 +29,7 @@ def registry_list(cfg) -> dict:
     reg = Registry(cfg)
     prod = reg.production()
     return {"model": reg.name, "production": prod.version if prod else None, "champion": reg.alias_version(),
-            "versions": [reg.describe(v) for v in reg.versions()]}
+            "versions": reg.describe_all()}
 
 
 def register(app: typer.Typer) -> None:

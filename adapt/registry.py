@@ -193,10 +193,22 @@ class Registry:
             raise RegistryError(f"version {version} has no head directory (looked in {path})")
         return path
 
-    def describe(self, mv: Any) -> dict[str, Any]:
+    def describe(self, mv: Any, champion: str | None | bool = True) -> dict[str, Any]:
+        """A version as a plain dict. Searched versions carry no aliases in MLflow, so the
+        ``champion`` alias is looked up (pass its version, or None, to save the call in a loop)."""
+        if champion is True:
+            champion = self.alias_version()
+        aliases = set(getattr(mv, "aliases", []) or [])
+        if champion is not None and str(champion) == str(mv.version):
+            aliases.add(ALIAS)
         return {"version": mv.version, "stage": mv.current_stage, "run_id": mv.run_id,
-                "aliases": list(getattr(mv, "aliases", []) or []), "tags": dict(mv.tags or {}),
+                "aliases": sorted(aliases), "tags": dict(mv.tags or {}),
                 "source": mv.source, "created": mv.creation_timestamp}
+
+    def describe_all(self) -> list[dict[str, Any]]:
+        """Every version, described (one alias lookup for all)."""
+        champion = self.alias_version()
+        return [self.describe(mv, champion) for mv in self.versions()]
 
 
 def import_head(cfg: Any, head_dir: str | Path, note: str = "imported") -> Any:

@@ -1,5 +1,7 @@
 """`adapt demo` configuration (the demo itself runs from scripts/demo.sh)."""
 
+import pytest
+
 from adapt.config import load_config
 from adapt.demo import demo_config, with_overrides
 
@@ -24,7 +26,57 @@ def test_with_overrides_validates(tmp_path, monkeypatch):
     cfg = with_overrides(load_config(), capture={"heldout_hours": 0.01}, training={"max_steps": 7})
     assert cfg.capture.heldout_hours == 0.01 and cfg.training.max_steps == 7
     import pydantic
-    import pytest
 
     with pytest.raises(pydantic.ValidationError):
         with_overrides(load_config(), training={"max_steps": -1})
+
+
+@pytest.mark.services
+def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(tiny_model, tmp_path, monkeypatch):
+    """The whole `adapt demo` on the tiny target, small sizes.
+
+    Tiny random heads rarely clear the real gate, so the gate is made to pass here:
+    what this test pins is the wiring after it (promotion, hot-swap, rollback by
+    stage change followed by the controller, the report), which a rejected cycle
+    never reaches. The gate itself is tested in test_gate and test_loop.
+    """
+    import json
+
+    from adapt import gate
+    from adapt.config import dump_toml
+    from adapt.demo import render, run_demo
+    from tests.services import free_ports
+
+    monkeypatch.delenv("ADAPT_CONFIG", raising=False)
+    monkeypatch.setattr(gate, "decide", lambda bench, g: gate.Verdict(True, "forced to pass by the test", []))
+    base, router = free_ports(2)
+    cfg = load_config(overrides={
+        "state_dir": str(tmp_path / "state"), "target": {"model": str(tiny_model)},
+        "head": {"draft_vocab_size": 256},
+        "serving": {"base_port": base, "router_port": router},
+        "training": {"batch_tokens": 1024},
+        "bench": {"concurrencies": [1, 2], "max_prompts": 4, "max_tokens": 16, "rounds": 1},
+        "demo": {"general_prompts": 8, "drifted_train_prompts": 6, "drifted_heldout_prompts": 3, "max_tokens": 16,
+                 "concurrency": 4, "gap_seconds": 2, "bootstrap_steps": 6, "adapt_steps": 6, "train_minutes": 1},
+    })
+    cfg_file = tmp_path / "demo.toml"
+    cfg_file.write_text(dump_toml(cfg))
+    lines: list[str] = []
+    report = run_demo(load_config(cfg_file), lines.append)
+
+    assert report["cycle1"]["promoted"] and report["cycle2"]["promoted"]
+    assert report["pool_after_cycles"][0]["head_version"] == str(report["cycle2"]["version"]) == "2"
+    rb = report["rollback"]
+    assert rb["to_version"] == "1" and rb["pool_followed_after_s"] < 30
+    assert all(h["head_version"] == "1" for h in rb["pool"])
+    prod = [v for v in rb["registry"] if v.get("stage") == "Production"]
+    assert [v["version"] for v in prod] == ["1"] and prod[0]["aliases"] == ["champion"]  # alias follows the stage
+    assert all(v["aliases"] == [] for v in rb["registry"] if v["version"] != "1")
+    for key in ("cycle1", "cycle2"):
+        b = report[key]["bench"]
+        assert b["before"]["mean_acceptance_length"] >= 1.0 and b["after"]["output_tok_per_s"]
+    saved = json.loads((tmp_path / "state" / "demo" / "report.json").read_text())
+    assert saved["rollback"]["to_version"] == "1"
+    text = render(report)
+    assert "rollback: version 1 moved to Production" in text and "cycle 2: adapt to drifted traffic" in text
+    assert any("the pool serves version 1 again" in line for line in lines)
