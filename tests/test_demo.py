@@ -70,8 +70,8 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     assert rb["to_version"] == "1" and rb["pool_followed_after_s"] < 30
     assert all(h["head_version"] == "1" for h in rb["pool"])
     prod = [v for v in rb["registry"] if v.get("stage") == "Production"]
-    assert [v["version"] for v in prod] == ["1"] and prod[0]["aliases"] == ["champion"]  # alias follows the stage
-    assert all(v["aliases"] == [] for v in rb["registry"] if v["version"] != "1")
+    assert [str(v["version"]) for v in prod] == ["1"] and prod[0]["aliases"] == ["champion"]  # alias follows the stage
+    assert all(v["aliases"] == [] for v in rb["registry"] if str(v["version"]) != "1")
     for key in ("cycle1", "cycle2"):
         b = report[key]["bench"]
         assert b["before"]["mean_acceptance_length"] >= 1.0 and b["after"]["output_tok_per_s"]
