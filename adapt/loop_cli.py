@@ -134,7 +134,8 @@ def register(app: typer.Typer) -> None:
 
         cfg = get_config(config)
         mv = import_head(cfg, head)
-        out = Registry(cfg).describe(mv)
+        reg = Registry(cfg)
+        out = reg.describe(mv, reg.alias_version())
         if promote:
-            out["promotion"] = Registry(cfg).promote(mv.version, reason="imported and promoted")
+            out["promotion"] = reg.promote(mv.version, reason="imported and promoted")
         emit(out, json_, human=f"version {mv.version}" + (" (Production)" if promote else ""))

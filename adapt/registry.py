@@ -193,11 +193,9 @@ class Registry:
             raise RegistryError(f"version {version} has no head directory (looked in {path})")
         return path
 
-    def describe(self, mv: Any, champion: str | None | bool = True) -> dict[str, Any]:
+    def describe(self, mv: Any, champion: str | None) -> dict[str, Any]:
         """A version as a plain dict. Searched versions carry no aliases in MLflow, so the
-        ``champion`` alias is looked up (pass its version, or None, to save the call in a loop)."""
-        if champion is True:
-            champion = self.alias_version()
+        caller passes the ``champion`` alias's version (:meth:`alias_version`)."""
         aliases = set(getattr(mv, "aliases", []) or [])
         if champion is not None and str(champion) == str(mv.version):
             aliases.add(ALIAS)
