@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from typing import Any, Union
 
 from capture.formats import ROLE_MAP, Conversation
@@ -169,8 +170,8 @@ def _max_tokens(p: Any) -> int | None:
 
 def _stream(text: str) -> tuple[str, str | None]:
     # Split on "data:" in C instead of walking lines in Python. Safe only when every
-    # "data:" starts a line (a JSON chunk holds no raw newline, so none is inside a
-    # chunk) and there are no other SSE fields; anything else is declined.
+    # "data:" starts a line, no chunk spans lines and there are no other SSE fields;
+    # anything else is declined.
     n = text.count("data:")
     if n == 0 or n != text.count("\ndata:") + text.lstrip().startswith("data:"):
         raise _Decline
@@ -183,7 +184,12 @@ def _stream(text: str) -> tuple[str, str | None]:
     parts = [p for p in parts if p]
     if not parts:
         raise _Decline
-    chunks = _chunks_dec.decode("[" + ",".join(parts) + "]")
+    joined = ",".join(parts)
+    # The reference parser splits on every str.splitlines() break; JSON allows "\r\n"
+    # between tokens and U+2028 raw inside strings, so a chunk holding one is declined.
+    if len(joined.splitlines()) != 1:
+        raise _Decline
+    chunks = _chunks_dec.decode("[" + joined + "]")
     if len(chunks) != len(parts):
         raise _Decline  # a chunk that was itself a list of values
     out = []
@@ -196,18 +202,19 @@ def _stream(text: str) -> tuple[str, str | None]:
         for c in ch.choices or ():
             if c.index != 0:
                 continue
-            if c.delta is not None:
-                if c.delta.content is not None:
-                    out.append(c.delta.content)
+            d = c.delta
+            if d is not None:
+                if d.content is not None:
+                    out.append(d.content)
             elif c.text is not None:
                 out.append(c.text)
     return "".join(out), model
 
 
-def _openai_answer(resp: Payload, chat: bool) -> tuple[str, str | None]:
-    if _looks_sse(resp):
-        return _stream(resp.text)
-    r = _resp_dec.decode(resp.text)
+def _openai_answer(text: str, ct: str | None, chat: bool) -> tuple[str, str | None]:
+    if _looks_sse(text, ct):
+        return _stream(text)
+    r = _resp_dec.decode(text)
     if r.error is not UNSET or r.object == "error" or not r.choices:
         raise _Decline
     c = r.choices[0]
@@ -220,10 +227,10 @@ def _openai_answer(resp: Payload, chat: bool) -> tuple[str, str | None]:
     return c.text, r.model
 
 
-def _tgi_answer(resp: Payload) -> str:
-    if _looks_sse(resp):
+def _tgi_answer(text: str, ct: str | None) -> str:
+    if _looks_sse(text, ct):
         raise _Decline
-    g = _gen_dec.decode(resp.text)
+    g = _gen_dec.decode(text)
     if isinstance(g, list):
         if not g:
             raise _Decline
@@ -239,27 +246,38 @@ def _tgi_answer(resp: Payload) -> str:
     raise _Decline
 
 
-def _looks_sse(p: Payload) -> bool:
-    if p.content_type and "event-stream" in p.content_type.lower():
+def _looks_sse(text: str, ct: str | None) -> bool:
+    if ct and "event-stream" in ct.lower():
         return True
-    return p.text.lstrip()[:6].startswith("data:")
+    return text.lstrip()[:6].startswith("data:")
 
 
-def _conversation(req_text: str, resp: Payload) -> Conversation:
+# A \u escape of a printable ASCII character can spell a key ("m\u0065ssages") that the
+# substring dispatch below would not see, while the reference decoder would.
+_ASCII_ESCAPE = re.compile(r"\\u00[2-7][0-9a-fA-F]")
+
+
+def escapes_ascii(text: str) -> bool:
+    """True if ``text`` (JSON) holds a \\u escape of a printable ASCII character."""
+    return "\\u00" in text and _ASCII_ESCAPE.search(text) is not None
+
+
+def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Conversation:
+    """The conversation of one exchange of a common format; raises to decline."""
     head = req_text.lstrip()[:1]
-    if head != "{":
+    if head != "{" or escapes_ascii(req_text):
         raise _Decline
     if '"messages"' in req_text:
         r = _chat_dec.decode(req_text)
         if not r.messages:
             raise _Decline
         turns = _turns(r.messages)
-        answer, model = _openai_answer(resp, chat=True)
+        answer, model = _openai_answer(resp_text, resp_ct, chat=True)
         conv = Conversation(turns=turns, format="openai_chat", model=r.model if r.model is not None else model,
                             temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
     elif '"prompt"' in req_text:
         r = _completion_dec.decode(req_text)
-        answer, model = _openai_answer(resp, chat=False)
+        answer, model = _openai_answer(resp_text, resp_ct, chat=False)
         conv = Conversation(turns=[("human", r.prompt)], format="openai_completion", raw=True,
                             model=r.model if r.model is not None else model,
                             temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
@@ -267,7 +285,7 @@ def _conversation(req_text: str, resp: Payload) -> Conversation:
         after = req_text.split('"inputs"', 1)[1].lstrip().lstrip(":").lstrip()[:2]
         if after[:1] == '"':
             r = _tgi_dec.decode(req_text)
-            answer = _tgi_answer(resp)
+            answer = _tgi_answer(resp_text, resp_ct)
             if r.inputs and answer.startswith(r.inputs):
                 answer = answer[len(r.inputs):]
             turns, fmt, raw = [("human", r.inputs)], "tgi", True
@@ -276,11 +294,11 @@ def _conversation(req_text: str, resp: Payload) -> Conversation:
             if len(r.inputs) != 1:
                 raise _Decline
             turns, fmt, raw = _turns(r.inputs[0]), "jumpstart_chat", False
-            answer = _tgi_answer(resp)
+            answer = _tgi_answer(resp_text, resp_ct)
         else:
             r = _dialog_dec.decode(req_text)
             turns, fmt, raw = _turns(r.inputs), "jumpstart_chat", False
-            answer = _tgi_answer(resp)
+            answer = _tgi_answer(resp_text, resp_ct)
         p = r.parameters
         conv = Conversation(turns=turns, format=fmt, raw=raw, model=r.model,
                             temperature=p.temperature if p else None, top_p=p.top_p if p else None,
@@ -305,7 +323,7 @@ def fast_decode(line: bytes) -> tuple[CaptureRecord, Conversation] | None:
         req, resp = _payload(cap.endpointInput), _payload(cap.endpointOutput)
         if req.content_type and req.content_type.split(";")[0].strip().lower() == "text/csv":
             raise _Decline
-        conv = _conversation(req.text, resp)
+        conv = _conversation(req.text, resp.text, resp.content_type)
     except (_Decline, *_Invalid):
         return None
     meta = rec.eventMetadata

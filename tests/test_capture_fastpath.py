@@ -97,6 +97,14 @@ VARIANTS = [
     (CHAT, "data: 1,2\n\n"),
     (CHAT, 'data: {"choices":[{"delta":{"content":"x"}}]},{"choices":[]}\n\n'),
     (CHAT, "data: [DONE]\n\n"),
+    # Keys spelled with \u escapes, which a substring dispatch would miss.
+    ('{"m\\u0065ssages": [{"role": "user", "content": "q"}], "prompt": "p"}', {"choices": [{"text": "y"}]}),
+    ('{"inputs": "x", "m\\u0065ssages": 1}', [{"generated_text": "y"}]),
+    # Line breaks inside a chunk: the reference splits lines on every str.splitlines() break.
+    (CHAT, 'data: {"choices":[{"delta":{"content":\n"x"}}]}\n\n'),
+    (CHAT, 'data: {"choices":[{"delta":{"content":"x\u2028y"}}]}\n\n'),
+    (CHAT, 'data: {"choices":[{"delta":{"content":"x\x85y"}}]}\n\n'),
+    (CHAT, 'data: {"choices":[{"delta":{"content":"x"}}]}\r\n\r\ndata: [DONE]\r\n\r\n'),
 ]
 
 
