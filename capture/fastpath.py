@@ -30,7 +30,10 @@ except ImportError:  # pragma: no cover - exercised only where vLLM (and so msgs
 AVAILABLE = msgspec is not None
 
 if AVAILABLE:
-    from msgspec import UNSET, Struct, UnsetType
+    from msgspec import UNSET, UnsetType
+
+    class Struct(msgspec.Struct, gc=False):
+        """Decoded JSON holds no reference cycles, so the cyclic GC need not track these."""
 
     class _Side(Struct):
         data: str
@@ -149,14 +152,29 @@ def _payload(side: "_Side") -> Payload:
     return Payload(text=text, content_type=side.observedContentType, encoding=enc)
 
 
-def _turns(msgs: list) -> list[tuple[str, str]]:
+_FROM: dict[str, str | None] = {}  # role as sent → ShareGPT "from" (memo of ROLE_MAP[role.lower()])
+
+
+def _from(role: str) -> str | None:
+    frm = _FROM.get(role, _FROM)
+    if frm is _FROM:
+        frm = ROLE_MAP.get(role.lower())
+        if len(_FROM) < 256:  # capped against hostile input
+            _FROM[role] = frm
+    return frm
+
+
+def _turns(msgs: list) -> tuple[list[tuple[str, str]], bool]:
+    """Turns of role/content messages, and whether one is the user's."""
     turns = []
+    human = False
     for m in msgs:
-        frm = ROLE_MAP.get(m.role.lower())
+        frm = _from(m.role)
         if frm is None or not m.content:
             raise _Decline  # unknown roles and empty content (tool calls) need the reference rules
+        human = human or frm == "human"
         turns.append((frm, m.content))
-    return turns
+    return turns, human
 
 
 def _max_tokens(p: Any) -> int | None:
@@ -168,7 +186,49 @@ def _max_tokens(p: Any) -> int | None:
     return None
 
 
+_SSE_HEAD, _SSE_SEP, _SSE_TAIL = "data: ", "\n\ndata: ", "\n\ndata: [DONE]\n\n"
+
+
+def _canonical_sse(text: str) -> str | None:
+    """``data: c0⏎⏎data: c1 … ⏎⏎data: [DONE]⏎⏎`` (what servers write) → ``[c0,c1,…]``, else ``None``.
+
+    One replace instead of a split and a strip per event. The JSON array is the one the
+    reference parser builds, as long as every line break was a separator: the reference
+    reads line by line, and JSON allows "\r" between tokens and U+0085/U+2028/U+2029 raw
+    in strings, so text holding one of those is left to the general parser below.
+    """
+    if not (text.startswith(_SSE_HEAD) and text.endswith(_SSE_TAIL)):
+        return None
+    arr = "[" + text[len(_SSE_HEAD):-len(_SSE_TAIL)].replace(_SSE_SEP, ",") + "]"
+    if "\n" in arr or "\r" in arr or (not arr.isascii() and ("\x85" in arr or "\u2028" in arr or "\u2029" in arr)):
+        return None
+    return arr
+
+
 def _stream(text: str) -> tuple[str, str | None]:
+    arr = _canonical_sse(text)
+    chunks = _chunks_dec.decode(arr if arr is not None else _sse_array(text))
+    out = []
+    model = None
+    for ch in chunks:
+        if ch.error is not UNSET or ch.token is not UNSET or ch.generated_text is not UNSET:
+            raise _Decline  # error events and TGI token streams
+        if ch.model is not None:
+            model = ch.model
+        for c in ch.choices or ():
+            if c.index != 0:
+                continue
+            d = c.delta
+            if d is not None:
+                if d.content is not None:
+                    out.append(d.content)
+            elif c.text is not None:
+                out.append(c.text)
+    return "".join(out), model
+
+
+def _sse_array(text: str) -> str:
+    """The JSON array of an SSE body's ``data:`` events as the reference parser builds it."""
     # Split on "data:" in C instead of walking lines in Python. Safe only when every
     # "data:" starts a line, no chunk spans lines and there are no other SSE fields;
     # anything else is declined.
@@ -189,26 +249,7 @@ def _stream(text: str) -> tuple[str, str | None]:
     # between tokens and U+2028 raw inside strings, so a chunk holding one is declined.
     if len(joined.splitlines()) != 1:
         raise _Decline
-    chunks = _chunks_dec.decode("[" + joined + "]")
-    if len(chunks) != len(parts):
-        raise _Decline  # a chunk that was itself a list of values
-    out = []
-    model = None
-    for ch in chunks:
-        if ch.error is not UNSET or ch.token is not UNSET or ch.generated_text is not UNSET:
-            raise _Decline  # error events and TGI token streams
-        if ch.model is not None:
-            model = ch.model
-        for c in ch.choices or ():
-            if c.index != 0:
-                continue
-            d = c.delta
-            if d is not None:
-                if d.content is not None:
-                    out.append(d.content)
-            elif c.text is not None:
-                out.append(c.text)
-    return "".join(out), model
+    return "[" + joined + "]"
 
 
 def _openai_answer(text: str, ct: str | None, chat: bool) -> tuple[str, str | None]:
@@ -246,9 +287,18 @@ def _tgi_answer(text: str, ct: str | None) -> str:
     raise _Decline
 
 
+_SSE_CT: dict[str, bool] = {}
+
+
 def _looks_sse(text: str, ct: str | None) -> bool:
-    if ct and "event-stream" in ct.lower():
-        return True
+    if ct:
+        sse = _SSE_CT.get(ct)
+        if sse is None:
+            sse = "event-stream" in ct.lower()
+            if len(_SSE_CT) < 256:
+                _SSE_CT[ct] = sse
+        if sse:
+            return True
     return text.lstrip()[:6].startswith("data:")
 
 
@@ -259,7 +309,7 @@ _ASCII_ESCAPE = re.compile(r"\\u00[2-7][0-9a-fA-F]")
 
 def escapes_ascii(text: str) -> bool:
     """True if ``text`` (JSON) holds a \\u escape of a printable ASCII character."""
-    return "\\u00" in text and _ASCII_ESCAPE.search(text) is not None
+    return "\\" in text and "\\u00" in text and _ASCII_ESCAPE.search(text) is not None
 
 
 def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Conversation:
@@ -271,13 +321,14 @@ def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Convers
         r = _chat_dec.decode(req_text)
         if not r.messages:
             raise _Decline
-        turns = _turns(r.messages)
+        turns, human = _turns(r.messages)
         answer, model = _openai_answer(resp_text, resp_ct, chat=True)
         conv = Conversation(turns=turns, format="openai_chat", model=r.model if r.model is not None else model,
                             temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
     elif '"prompt"' in req_text:
         r = _completion_dec.decode(req_text)
         answer, model = _openai_answer(resp_text, resp_ct, chat=False)
+        human = True
         conv = Conversation(turns=[("human", r.prompt)], format="openai_completion", raw=True,
                             model=r.model if r.model is not None else model,
                             temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
@@ -288,16 +339,16 @@ def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Convers
             answer = _tgi_answer(resp_text, resp_ct)
             if r.inputs and answer.startswith(r.inputs):
                 answer = answer[len(r.inputs):]
-            turns, fmt, raw = [("human", r.inputs)], "tgi", True
+            (turns, human), fmt, raw = ([("human", r.inputs)], True), "tgi", True
         elif after == "[[" or after.replace(" ", "")[:2] == "[[":
             r = _dialogs_dec.decode(req_text)
             if len(r.inputs) != 1:
                 raise _Decline
-            turns, fmt, raw = _turns(r.inputs[0]), "jumpstart_chat", False
+            (turns, human), fmt, raw = _turns(r.inputs[0]), "jumpstart_chat", False
             answer = _tgi_answer(resp_text, resp_ct)
         else:
             r = _dialog_dec.decode(req_text)
-            turns, fmt, raw = _turns(r.inputs), "jumpstart_chat", False
+            (turns, human), fmt, raw = _turns(r.inputs), "jumpstart_chat", False
             answer = _tgi_answer(resp_text, resp_ct)
         p = r.parameters
         conv = Conversation(turns=turns, format=fmt, raw=raw, model=r.model,
@@ -305,11 +356,12 @@ def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Convers
                             max_tokens=_max_tokens(p))
     else:
         raise _Decline
-    if not answer.strip() or not any(frm == "human" for frm, _ in conv.turns):
+    if not answer or answer.isspace() or not human:  # isspace: "not answer.strip()" without the copy
         raise _Decline
     conv.turns.append(("gpt", answer))
-    if any("\x00" in v for _, v in conv.turns):
-        raise _Decline
+    for _, v in conv.turns:
+        if "\x00" in v:
+            raise _Decline
     return conv
 
 

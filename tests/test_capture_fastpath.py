@@ -63,6 +63,7 @@ def test_fast_path_on_real_fixtures():
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+D_A, D_B = '{"choices":[{"delta":{"content":"a"}}]}', '{"choices":[{"delta":{"content":"b"}}],"model":"m"}'
 OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
 
 VARIANTS = [
@@ -105,7 +106,20 @@ VARIANTS = [
     (CHAT, 'data: {"choices":[{"delta":{"content":"x\u2028y"}}]}\n\n'),
     (CHAT, 'data: {"choices":[{"delta":{"content":"x\x85y"}}]}\n\n'),
     (CHAT, 'data: {"choices":[{"delta":{"content":"x"}}]}\r\n\r\ndata: [DONE]\r\n\r\n'),
-]
+] + [(CHAT, "data: " + body + "\n\ndata: [DONE]\n\n") for body in (
+    # The canonical shape, which is parsed with one replace: its edge cases.
+    D_A + "\n\ndata: [DONE]\n\ndata: " + D_B,  # [DONE] mid-stream: the rest is ignored
+    D_A + "\n\ndata: \n\ndata: " + D_B,  # an empty event
+    D_A + "\n\ndata: \t " + D_B + "  ",  # padded events
+    D_A + "," + D_B,  # two objects in one event
+    '{"choices":[{"delta":{"content":"a data: b"}}]}',
+    D_A + "\ndata: " + D_B,  # events not separated by a blank line
+    '{"choices":[{"delta":{"content":\r"a"}}]}',
+    '{"choices":[{"delta":{"content":"a\u2029"}}]}',
+    D_A + "\xa0",  # whitespace that str.strip() removes but JSON does not allow
+    '{"choices":[{"delta":{"content":"a"}}],"error":null}',
+)]
+CANONICAL_ACCEPTED = (len(VARIANTS) - 8, len(VARIANTS) - 7, len(VARIANTS) - 6)
 
 
 @pytest.mark.parametrize("req, resp", VARIANTS, ids=range(len(VARIANTS)))
@@ -113,6 +127,16 @@ def test_edge_variants_agree_or_decline(req, resp):
     ct = "text/event-stream" if isinstance(resp, str) else "application/json"
     for enc in ("JSON", "BASE64"):
         assert same(make_capture_record(req, resp, response_content_type=ct, response_encoding=enc).encode())
+
+
+def test_canonical_streams_take_the_one_replace_parse():
+    pool = TextPool(random.Random(3))
+    body = exchange("openai_chat_stream", pool, 0)["response"]
+    assert fastpath._canonical_sse(body) is not None
+    for i in CANONICAL_ACCEPTED:
+        req, resp = VARIANTS[i]
+        assert fastpath._canonical_sse(resp) is not None
+        assert fastpath.fast_decode(make_capture_record(req, resp, response_content_type="text/event-stream").encode())
 
 
 def test_bad_lines_are_declined():
