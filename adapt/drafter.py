@@ -408,13 +408,17 @@ class PEagleDrafter(nn.Module):
         aux_hidden: torch.Tensor,
         is_mask: torch.Tensor,
         attn_mask: torch.Tensor,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Draft logits [B,N,draft_vocab].
+        """Draft logits [B,N,draft_vocab], or [n,draft_vocab] for the slots where ``select`` (Bool[B,N]) holds.
 
         input_ids/positions Long[B,N]; aux_hidden [B,N,n_aux*Ht]; is_mask Bool[B,N]
         (slot uses ``mask_hidden``); attn_mask Bool[B,N,N], True = may attend.
         """
-        return self.lm_head(self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask))
+        h = self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask)
+        # Training scores only labelled slots: prompt slots are attention context, and
+        # lm_head + the loss over the draft vocabulary would otherwise be half the step.
+        return self.lm_head(h if select is None else h[select])
 
 
 def build_draft_inputs(

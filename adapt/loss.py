@@ -109,19 +109,25 @@ def peagle_loss(logits: torch.Tensor, batch: Batch, d2t: torch.Tensor, depth_wei
                 k: int) -> LossOutput:
     """Depth-weighted mean KL(target_draft_vocab || drafter) over valid slots.
 
+    ``logits`` cover every slot [B,S,V] or only the valid ones [n,V] (in
+    ``batch.valid`` order, as ``forward(..., select=batch.valid)`` returns them).
     ``loss = sum_d w_d * mean_{slots of depth d} KL``; a depth with no valid slot
     in the batch contributes nothing.
     """
     w = list(depth_weights) + [depth_weights[-1] if depth_weights else 1.0] * max(0, k - len(depth_weights))
+    valid = batch.valid
+    if logits.dim() == 3:
+        logits = logits[valid]
+    depth = batch.depth[valid]
     logq = F.log_softmax(logits.float(), dim=-1)
-    logp = F.log_softmax(batch.target_logits.float(), dim=-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # [B,S]
+    logp = F.log_softmax(batch.target_logits[valid].float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # [n]
     pred = logits.argmax(-1)
-    agree = (pred + d2t[pred]) == batch.target_argmax
+    agree = (pred + d2t[pred]) == batch.target_argmax[valid]
     total = logits.new_zeros((), dtype=torch.float32)
     dl, da, dc = [], [], []
     for d in range(1, k + 1):
-        sel = batch.valid & (batch.depth == d)
+        sel = depth == d
         n = sel.sum()
         mean = (kl * sel).sum() / n.clamp(min=1)
         total = total + w[d - 1] * mean

@@ -392,7 +392,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc.learning_rate, tc.warmup_steps, total_for_schedule)
         with autocast():
-            logits = ddp_model(**batch.model_inputs())
+            logits = ddp_model(**batch.model_inputs(), select=batch.valid)
         out = peagle_loss(logits, batch, model.d2t, tc.depth_weights, K)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

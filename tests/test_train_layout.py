@@ -130,6 +130,30 @@ def test_loss_zero_when_drafter_matches_target_and_counts_agreement():
     assert (out.depth_loss > 0).all()
 
 
+def test_loss_over_selected_slots_equals_loss_over_all_slots():
+    m = _tiny_drafter(3)
+    g = torch.Generator().manual_seed(5)
+    feats = []
+    for n, mask in ((7, [F, F, F, T, T, T, T]), (5, [F, T, T, F, T])):
+        feats.append(Features(torch.randint(0, 39, (n,), generator=g), torch.tensor(mask),
+                              torch.randn(n, m.config.fc_input_size, generator=g), torch.randn(n, 24, generator=g),
+                              torch.randint(0, 39, (n,), generator=g)))
+    batch = collate([feats], 3, m.config.ptd_token_id)
+    assert 0 < int(batch.valid.sum()) < batch.valid.numel()
+    grads = []
+    for select in (None, batch.valid):
+        m.zero_grad()
+        out = peagle_loss(m(**batch.model_inputs(), select=select), batch, m.d2t, [1.0, 0.8, 0.6], 3)
+        out.loss.backward()
+        grads.append((out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (full, g_full), (sel, g_sel) = grads
+    torch.testing.assert_close(full.loss, sel.loss)
+    assert full.depth_acc.tolist() == sel.depth_acc.tolist() and full.depth_count.tolist() == sel.depth_count.tolist()
+    assert g_full.keys() == g_sel.keys() and "fc.weight" in g_full
+    for n in g_full:
+        torch.testing.assert_close(g_full[n], g_sel[n], rtol=1e-4, atol=1e-6)
+
+
 def test_build_draft_vocab_frequency_specials_and_offsets():
     counts = torch.tensor([0, 5, 9, 1, 9, 0, 3, 0])
     d2t, t2d = build_draft_vocab(counts, 4, special_ids=[7])
