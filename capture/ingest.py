@@ -8,7 +8,6 @@ accounted for: ``read = normalized + duplicates + quarantined + skipped``.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import logging
 import multiprocessing as mp
@@ -20,14 +19,16 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from botocore.exceptions import BotoCoreError
 
+from capture.batchpath import ROW_SCHEMA, decode_chunk, rows_batch
 from capture.fastpath import fast_decode
 from capture.formats import to_conversation
 from capture.records import Reject, decode_line
-from capture.redact import redact_values
+from capture.redact import redact_array
 from capture.sources import ObjectMissing, SourceObject, iter_lines, list_objects, parse_when, s3_client
 from capture.warehouse import SCHEMA, TURN, Warehouse
 
@@ -108,64 +109,112 @@ def _client() -> Any:
     return _WORKER["client"]
 
 
-def process_file(obj: SourceObject) -> FileResult:
-    """Decode, normalize and redact every line of one capture file (runs in a worker)."""
+# Lines per batch-path chunk: large enough to amortize the per-chunk work, small enough
+# that a chunk's lines and objects stay a few tens of MB.
+CHUNK_LINES = 4096
+CHUNK_BYTES = 16 << 20
+
+
+class _PerLine:
+    """Rows of the lines the per-line path decided, as columns."""
+
+    def __init__(self) -> None:
+        self.cols: dict[str, list] = {k: [] for k in ("line_no", "event_id", "inference_id", "inference_time", "format",
+                                                      "raw", "model", "temperature", "top_p", "max_tokens")}
+        self.offsets = [0]
+        self.t_from: list[str] = []
+        self.t_value: list[str] = []
+
+    def decide(self, line: bytes, line_no: int, obj: SourceObject, max_line: int, res: FileResult) -> None:
+        """Decode one line with the fast path, else the reference path; file its row or its reject."""
+        try:
+            if len(line) > max_line:
+                raise Reject("quarantine", "line_too_large", f"{len(line)} bytes > {max_line}")
+            fast = fast_decode(line)
+            if fast is not None:
+                rec, conv = fast
+            else:
+                rec = decode_line(line)
+                conv = to_conversation(rec.request, rec.response)
+            when = rec.inference_time or obj.hour
+            if when is None:
+                raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")
+            turns = conv.turns
+        except Reject as rej:
+            if rej.kind == "skip":
+                res.skips[rej.reason] += 1
+            else:
+                res.quarantine.append(
+                    {"source_uri": obj.uri, "line_no": line_no, "reason": rej.reason, "detail": rej.detail[:500],
+                     "excerpt": _excerpt(line), "event_id": None}
+                )
+            return
+        except Exception as exc:  # a decoder bug must not lose the rest of the file
+            res.quarantine.append(
+                {"source_uri": obj.uri, "line_no": line_no, "reason": "internal_error",
+                 "detail": f"{type(exc).__name__}: {exc}"[:500], "excerpt": _excerpt(line), "event_id": None}
+            )
+            return
+        for frm, v in turns:
+            self.t_from.append(frm)
+            self.t_value.append(v)
+        self.offsets.append(len(self.t_from))
+        c = self.cols
+        c["line_no"].append(line_no)
+        c["event_id"].append(rec.event_id)
+        c["inference_id"].append(rec.inference_id)
+        c["inference_time"].append(when)
+        c["format"].append(conv.format)
+        c["raw"].append(conv.raw)
+        c["model"].append(conv.model)
+        c["temperature"].append(conv.temperature)
+        c["top_p"].append(conv.top_p)
+        c["max_tokens"].append(conv.max_tokens)
+
+    def batch(self) -> pa.RecordBatch:
+        return rows_batch(offsets=self.offsets, t_from=self.t_from, t_value=self.t_value, **self.cols)
+
+
+def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
+    """Decode, normalize and redact every line of one capture file (runs in a worker).
+
+    Lines go through the batch path (:mod:`capture.batchpath`) a chunk at a time; the
+    lines it declines, and every line when ``batch`` is false, go through the per-line path.
+    """
     redact: bool = _WORKER["redact"]
     max_line: int = _WORKER["max_line_bytes"]
     res = FileResult(obj=obj)
-    cols: dict[str, list] = {k: [] for k in ("id", "event_id", "inference_id", "inference_time", "line_no", "format",
-                                             "raw", "model", "temperature", "top_p", "max_tokens", "content_hash", "dt")}
-    offsets = [0]
-    t_from: list[str] = []
-    t_value: list[str] = []
-    client = _client() if obj.uri.startswith("s3://") else None
+    parts: list[pa.RecordBatch] = []
+    per_line = _PerLine()
+    chunk: list[bytes] = []
+    chunk_bytes = 0
     line_no = 0
+
+    def flush() -> None:
+        first = line_no - len(chunk) + 1
+        if batch:
+            got = decode_chunk(chunk, first, max_line, obj.hour)
+            if got.batch.num_rows:
+                parts.append(got.batch)
+            res.skips.update(got.skips)
+            for i in got.declined:
+                per_line.decide(chunk[i], first + i, obj, max_line, res)
+        else:
+            for i, line in enumerate(chunk):
+                per_line.decide(line, first + i, obj, max_line, res)
+        chunk.clear()
+
+    client = _client() if obj.uri.startswith("s3://") else None
     try:
         for line in iter_lines(obj.uri, client=client):
             line_no += 1
-            try:
-                if len(line) > max_line:
-                    raise Reject("quarantine", "line_too_large", f"{len(line)} bytes > {max_line}")
-                fast = fast_decode(line)
-                if fast is not None:
-                    rec, conv = fast
-                else:
-                    rec = decode_line(line)
-                    conv = to_conversation(rec.request, rec.response)
-                when = rec.inference_time or obj.hour
-                if when is None:
-                    raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")
-                turns = conv.turns
-            except Reject as rej:
-                if rej.kind == "skip":
-                    res.skips[rej.reason] += 1
-                else:
-                    res.quarantine.append(
-                        {"source_uri": obj.uri, "line_no": line_no, "reason": rej.reason, "detail": rej.detail[:500],
-                         "excerpt": _excerpt(line), "event_id": None}
-                    )
-                continue
-            except Exception as exc:  # a decoder bug must not lose the rest of the file
-                res.quarantine.append(
-                    {"source_uri": obj.uri, "line_no": line_no, "reason": "internal_error",
-                     "detail": f"{type(exc).__name__}: {exc}"[:500], "excerpt": _excerpt(line), "event_id": None}
-                )
-                continue
-            for frm, v in turns:
-                t_from.append(frm)
-                t_value.append(v)
-            offsets.append(len(t_from))
-            cols["event_id"].append(rec.event_id)
-            cols["inference_id"].append(rec.inference_id)
-            cols["inference_time"].append(when)
-            cols["line_no"].append(line_no)
-            cols["format"].append(conv.format)
-            cols["raw"].append(conv.raw)
-            cols["model"].append(conv.model)
-            cols["temperature"].append(conv.temperature)
-            cols["top_p"].append(conv.top_p)
-            cols["max_tokens"].append(conv.max_tokens)
-            cols["dt"].append(when.date())
+            chunk.append(line)
+            chunk_bytes += len(line)
+            if len(chunk) >= CHUNK_LINES or chunk_bytes >= CHUNK_BYTES:
+                flush()
+                chunk_bytes = 0
+        if chunk:
+            flush()
     except ObjectMissing:
         res.missing = True
         return res
@@ -176,29 +225,47 @@ def process_file(obj: SourceObject) -> FileResult:
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.read = line_no
-    n = len(cols["event_id"])
+    if len(per_line.offsets) > 1:
+        parts.append(per_line.batch())
+    rows = pa.Table.from_batches(parts, schema=ROW_SCHEMA)
+    if len(parts) > 1 and len(per_line.offsets) > 1:
+        rows = rows.sort_by("line_no")  # per-line rows interleave with the batch rows
+    res.table, res.row_redactions = _finish(rows, obj, redact)
+    return res
+
+
+def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, list[tuple[int, dict[str, int]]]]:
+    """Redact the turns, hash each conversation and lay the rows out in :data:`SCHEMA`."""
+    n = rows.num_rows
+    convs = rows.column("conversations").combine_chunks()
+    if isinstance(convs, pa.ChunkedArray):  # no chunks at all
+        convs = pa.array([], convs.type)
+    offsets = convs.offsets
+    if n and offsets[0].as_py():
+        offsets = pc.subtract(offsets, offsets[0])
+    turns = convs.flatten()
+    t_from, t_value = turns.field("from"), turns.field("value")
+    row_redactions: list[tuple[int, dict[str, int]]] = []
     if redact:
         # Vectorized over every turn of the file; see capture.redact for why.
-        changed = redact_values(t_value)
+        t_value, changed = redact_array(t_value)
         if changed:
+            offs = offsets.to_numpy()
             per_row: dict[int, dict[str, int]] = {}
             for i, counts in changed.items():
-                row = bisect.bisect_right(offsets, i) - 1
+                row = int(np.searchsorted(offs, i, side="right")) - 1
                 acc = per_row.setdefault(row, {})
                 for k, c in counts.items():
                     acc[k] = acc.get(k, 0) + c
-            res.row_redactions = sorted(per_row.items())
+            row_redactions = sorted(per_row.items())
+            convs = pa.ListArray.from_arrays(offsets, pa.StructArray.from_arrays([t_from, t_value], fields=list(TURN)))
     # The hash is of the stored (redacted) text: what dedupe compares is what is kept.
-    hashes = [content_hash(zip(t_from[offsets[r]:offsets[r + 1]], t_value[offsets[r]:offsets[r + 1]])) for r in range(n)]
-    cols["id"] = hashes
-    cols["content_hash"] = hashes
-    convs = pa.ListArray.from_arrays(
-        pa.array(offsets, pa.int32()),
-        pa.StructArray.from_arrays([pa.array(t_from, pa.string()), pa.array(t_value, pa.string())], fields=list(TURN)),
-    )
+    hashes = content_hashes(offsets, t_from, t_value)
     arrays = []
     for f in SCHEMA:
-        if f.name == "conversations":
+        if f.name in ("id", "content_hash"):
+            arrays.append(hashes)
+        elif f.name == "conversations":
             arrays.append(convs)
         elif f.name in ("endpoint", "variant", "source_uri"):
             v = {"endpoint": obj.endpoint, "variant": obj.variant, "source_uri": obj.uri}[f.name]
@@ -206,9 +273,32 @@ def process_file(obj: SourceObject) -> FileResult:
         elif f.name == "run_id":
             arrays.append(pa.nulls(n, f.type))
         else:
-            arrays.append(pa.array(cols[f.name], f.type))
-    res.table = pa.Table.from_arrays(arrays, schema=SCHEMA)
-    return res
+            arrays.append(rows.column(f.name))
+    return pa.Table.from_arrays(arrays, schema=SCHEMA), row_redactions
+
+
+def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa.Array:
+    """:func:`content_hash` of each row of a turn column (``offsets`` per row), as an Arrow array.
+
+    The length-prefixed serialization is assembled by Arrow kernels (``len`` there counts
+    code points, as Python's does) and the hex digests in one go, so only the blake2b
+    call per row is left to Python.
+    """
+    n = len(offsets) - 1
+    if n <= 0:
+        return pa.array([], pa.string())
+    lens = pc.cast(pc.utf8_length(t_value), pa.string())
+    flat = pc.binary_join_element_wise(t_from, lens, t_value, ":")
+    joined = pc.binary_join(pa.ListArray.from_arrays(offsets, flat), "")
+    if joined.null_count or joined.offset:
+        joined = pa.array(joined.to_pylist(), pa.large_string())  # not expected; keeps the buffer walk simple
+    width = np.int64 if pa.types.is_large_string(joined.type) else np.int32
+    ends = np.frombuffer(joined.buffers()[1], dtype=width)[: n + 1].tolist()
+    data = memoryview(joined.buffers()[2] or b"")
+    blake = hashlib.blake2b
+    digests = b"".join([blake(data[a:b], digest_size=16).digest() for a, b in zip(ends, ends[1:])])
+    hexes = digests.hex().encode("ascii")
+    return pa.StringArray.from_buffers(n, pa.py_buffer(np.arange(0, 32 * (n + 1), 32, dtype=np.int32)), pa.py_buffer(hexes))
 
 
 class _Run:

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 PLACEHOLDER = "[REDACTED_{}]"
 
@@ -152,21 +156,48 @@ GATE = (
 )
 
 
+def _flagged(values: "pa.Array") -> list[int]:
+    import pyarrow.compute as pc
+
+    return pc.indices_nonzero(pc.match_substring_regex(values, GATE)).to_pylist()
+
+
 def redact_values(values: list[str]) -> dict[int, dict[str, int]]:
     """Redact ``values`` in place; returns ``{index: {type: count}}`` for the strings that changed."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     if not values:
         return {}
-    flagged = pc.indices_nonzero(pc.match_substring_regex(pa.array(values, pa.string()), GATE)).to_pylist()
     out: dict[int, dict[str, int]] = {}
-    for i in flagged:
+    for i in _flagged(pa.array(values, pa.string())):
         r = Redactor()
         values[i] = r.redact(values[i])
         if r.counts:
             out[i] = r.counts
     return out
+
+
+def redact_array(values: "pa.Array") -> tuple["pa.Array", dict[int, dict[str, int]]]:
+    """:func:`redact_values` for an Arrow string array: the redacted array and the counts."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not len(values):
+        return values, {}
+    out: dict[int, dict[str, int]] = {}
+    new: list[str] = []
+    for i in _flagged(values):
+        r = Redactor()
+        text = r.redact(values[i].as_py())
+        if r.counts:  # no count means nothing was replaced
+            out[i] = r.counts
+            new.append(text)
+    if not out:
+        return values, out
+    mask = np.zeros(len(values), dtype=bool)
+    mask[list(out)] = True
+    return pc.replace_with_mask(values, pa.array(mask), pa.array(new, pa.string())), out
 
 
 def redact_text(text: str) -> tuple[str, dict[str, int]]:

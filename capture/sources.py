@@ -220,22 +220,26 @@ def iter_lines(uri: str, client: Any = None, s3: Any = None, chunk_size: int = 1
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise ObjectMissing(uri) from exc
             raise
-        pending = b""
         try:
-            for chunk in body.iter_chunks(chunk_size):
-                buf = pending + chunk if pending else chunk
-                lines = buf.split(b"\n")
-                pending = lines.pop()
-                yield from lines
+            yield from _split_lines(body.iter_chunks(chunk_size))
         finally:
             body.close()
-        if pending:
-            yield pending
         return
     try:
         f = open(uri, "rb")
     except FileNotFoundError as exc:
         raise ObjectMissing(uri) from exc
     with f:
-        for line in f:
-            yield line[:-1] if line.endswith(b"\n") else line
+        # Blocks split in C: iterating the file object would cost a slice per line.
+        yield from _split_lines(iter(lambda: f.read(chunk_size), b""))
+
+
+def _split_lines(blocks: Iterator[bytes]) -> Iterator[bytes]:
+    pending = b""
+    for block in blocks:
+        buf = pending + block if pending else block
+        lines = buf.split(b"\n")
+        pending = lines.pop()
+        yield from lines
+    if pending:
+        yield pending
