@@ -8,10 +8,12 @@ accounted for: ``read = normalized + duplicates + quarantined + skipped``.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import multiprocessing as mp
 import os
+import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Iterable
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.ipc as ipc
 from botocore.exceptions import BotoCoreError
 
 from capture.batchpath import ROW_SCHEMA, decode_chunk, rows_batch
@@ -79,6 +82,8 @@ class FileResult:
     error: str | None = None
     read: int = 0
     table: pa.Table | None = None
+    table_file: str | None = None  # the table, handed over in shared memory (see _handoff)
+    file_duplicates: int = 0  # rows dropped as replays of an earlier row of the same file
     row_redactions: list[tuple[int, dict[str, int]]] = field(default_factory=list)
     quarantine: list[dict] = field(default_factory=list)
     skips: Counter = field(default_factory=Counter)
@@ -230,12 +235,16 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
     rows = pa.Table.from_batches(parts, schema=ROW_SCHEMA)
     if len(parts) > 1 and len(per_line.offsets) > 1:
         rows = rows.sort_by("line_no")  # per-line rows interleave with the batch rows
-    res.table, res.row_redactions = _finish(rows, obj, redact)
+    res.table, res.row_redactions, res.file_duplicates = _finish(rows, obj, redact)
     return res
 
 
-def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, list[tuple[int, dict[str, int]]]]:
-    """Redact the turns, hash each conversation and lay the rows out in :data:`SCHEMA`."""
+def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, list[tuple[int, dict[str, int]]], int]:
+    """Redact the turns, hash each conversation, drop in-file replays, lay the rows out in :data:`SCHEMA`.
+
+    Replays within the file are dropped here (the first copy is kept, as the run-wide
+    dedupe in the parent would) so that the parent, which runs alone, copies less.
+    """
     n = rows.num_rows
     convs = rows.column("conversations").combine_chunks()
     if isinstance(convs, pa.ChunkedArray):  # no chunks at all
@@ -269,12 +278,20 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
             arrays.append(convs)
         elif f.name in ("endpoint", "variant", "source_uri"):
             v = {"endpoint": obj.endpoint, "variant": obj.variant, "source_uri": obj.uri}[f.name]
-            arrays.append(pa.array([v] * n, f.type))
+            arrays.append(pa.repeat(pa.scalar(v, f.type), n))
         elif f.name == "run_id":
             arrays.append(pa.nulls(n, f.type))
         else:
             arrays.append(rows.column(f.name))
-    return pa.Table.from_arrays(arrays, schema=SCHEMA), row_redactions
+    table = pa.Table.from_arrays(arrays, schema=SCHEMA)
+    first: set[str] = set()
+    keep = [not (h in first or first.add(h)) for h in hashes.to_pylist()]
+    dropped = n - sum(keep)
+    if dropped:
+        table = table.filter(pa.array(keep))
+        new_index = np.cumsum(keep) - 1
+        row_redactions = [(int(new_index[i]), c) for i, c in row_redactions if keep[i]]
+    return table, row_redactions, dropped
 
 
 def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa.Array:
@@ -299,6 +316,45 @@ def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa
     digests = b"".join([blake(data[a:b], digest_size=16).digest() for a, b in zip(ends, ends[1:])])
     hexes = digests.hex().encode("ascii")
     return pa.StringArray.from_buffers(n, pa.py_buffer(np.arange(0, 32 * (n + 1), 32, dtype=np.int32)), pa.py_buffer(hexes))
+
+
+def _handoff_dir() -> str:
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _handoff_prefix(parent_pid: int) -> str:
+    return f"drafter-ingest-{parent_pid}-"
+
+
+def _process_in_pool(obj: SourceObject) -> FileResult:
+    """:func:`process_file` in a pool worker: the table goes back as an Arrow file in shared memory.
+
+    Pickling a table through the pool's pipe costs two copies and a pickle pass on each side;
+    the parent maps this file instead, and reads it without copying.
+    """
+    fr = process_file(obj)
+    if fr.table is not None and fr.table.num_rows:
+        fd, path = tempfile.mkstemp(prefix=_handoff_prefix(os.getppid()), suffix=".arrow", dir=_handoff_dir())
+        with os.fdopen(fd, "wb") as f, ipc.new_file(f, fr.table.schema) as w:
+            w.write_table(fr.table)
+        fr.table, fr.table_file = None, path
+    return fr
+
+
+def _take_over(path: str) -> pa.Table:
+    # The mapping outlives the unlink; the memory goes when the table does.
+    table = ipc.open_file(pa.memory_map(path)).read_all()
+    os.unlink(path)
+    return table
+
+
+def _drop_handoffs() -> None:
+    """Remove handoff files a failed run left behind (the parent unlinks each one it reads)."""
+    for p in glob.glob(os.path.join(_handoff_dir(), _handoff_prefix(os.getpid()) + "*.arrow")):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 class _Run:
@@ -338,6 +394,8 @@ class _Run:
             self.pending_skips.append({"source_uri": fr.obj.uri, "reason": reason, "count": c})
         self.pending_quarantine.extend(fr.quarantine)
         kept = 0
+        if fr.table_file is not None:
+            fr.table = _take_over(fr.table_file)
         t = fr.table
         if t is not None and t.num_rows:
             hashes = t.column("content_hash").to_pylist()
@@ -357,10 +415,10 @@ class _Run:
                     for k, c in counts.items():
                         r.redactions[k] = r.redactions.get(k, 0) + c
             if kept:
-                t = t.set_column(SCHEMA.get_field_index("run_id"), "run_id", pa.array([self.run_id] * kept, pa.string()))
+                t = t.set_column(SCHEMA.get_field_index("run_id"), "run_id", pa.repeat(pa.scalar(self.run_id), kept))
                 self.pending_hashes.extend(t.column("content_hash").to_pylist())
                 self._buffer(t)
-        dups = (fr.table.num_rows if fr.table is not None else 0) - kept
+        dups = fr.file_duplicates + (fr.table.num_rows if fr.table is not None else 0) - kept
         r.normalized += kept
         r.duplicates += dups
         if fr.read != kept + dups + n_q + n_s:
@@ -469,10 +527,13 @@ def ingest(
                     run.checkpoint(final=False)
         else:
             # spawn, not fork: the parent has pyarrow/duckdb threads that fork would copy mid-state.
-            with mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init) as pool:
-                for fr in pool.imap(process_file, objs, chunksize=1):
-                    run.add(fr)
-                    if run.pending_bytes >= CHECKPOINT_BYTES:
-                        run.checkpoint(final=False)
+            try:
+                with mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init) as pool:
+                    for fr in pool.imap(_process_in_pool, objs, chunksize=1):
+                        run.add(fr)
+                        if run.pending_bytes >= CHECKPOINT_BYTES:
+                            run.checkpoint(final=False)
+            finally:
+                _drop_handoffs()
         run.checkpoint(final=True)
     return result

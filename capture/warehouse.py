@@ -75,6 +75,14 @@ CREATE TABLE IF NOT EXISTS parquet_files (path VARCHAR PRIMARY KEY, run_id VARCH
 CREATE TABLE IF NOT EXISTS content_hashes (content_hash VARCHAR, run_id VARCHAR);
 """
 
+# zstd everywhere; dictionary encoding only where values repeat (ids, hashes and the text
+# are unique, and building a dictionary for them only to abandon it costs time).
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "use_dictionary": ["conversations.list.element.from", "endpoint", "variant", "source_uri", "format", "raw",
+                       "model", "temperature", "top_p", "max_tokens", "run_id", "dt"],
+}
+
 RUN_COUNTS = ("objects", "missing_objects", "read", "normalized", "duplicates", "quarantined", "skipped")
 
 
@@ -183,14 +191,14 @@ class Warehouse:
             # aws-chunked streaming signatures that some S3-compatible stores reject.
             # A PUT (or completed multipart upload) becomes visible whole or not at all.
             sink = pa.BufferOutputStream()
-            pq.write_table(table, sink, compression="zstd")
+            pq.write_table(table, sink, **PARQUET_OPTIONS)
             body = sink.getvalue().to_pybytes()
             bucket, key = path.split("/", 1)
             self._client().upload_fileobj(io.BytesIO(body), bucket, key)
             return path, len(body)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(table, tmp, **PARQUET_OPTIONS)
         os.replace(tmp, path)
         return path, os.path.getsize(path)
 

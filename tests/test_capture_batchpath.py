@@ -37,7 +37,7 @@ def obj_of(path: Path, hour: datetime | None = None) -> SourceObject:
 def both(obj: SourceObject):
     """Run one file through both paths; assert they agree on everything; return the batch result."""
     fast, slow = process_file(obj, batch=True), process_file(obj, batch=False)
-    assert (fast.read, fast.missing, fast.error) == (slow.read, slow.missing, slow.error)
+    assert (fast.read, fast.missing, fast.error, fast.file_duplicates) == (slow.read, slow.missing, slow.error, slow.file_duplicates)
     assert fast.skips == slow.skips
     assert fast.quarantine == slow.quarantine
     assert fast.row_redactions == slow.row_redactions
@@ -45,7 +45,7 @@ def both(obj: SourceObject):
     for name in fast.table.column_names:
         assert fast.table[name].to_pylist() == slow.table[name].to_pylist(), name
     assert fast.table.equals(slow.table)
-    assert fast.read == fast.table.num_rows + len(fast.quarantine) + sum(fast.skips.values())
+    assert fast.read == fast.table.num_rows + fast.file_duplicates + len(fast.quarantine) + sum(fast.skips.values())
     return fast
 
 
@@ -135,7 +135,7 @@ def test_bad_input_goes_to_the_per_line_path_by_line_number(tmp_path):
     assert declined(p, None) != [] and 1 not in declined(p, None)
     # With a layout hour the line without a time is kept, stamped with the hour.
     hour = both(obj_of(p, hour=T0))
-    assert hour.table.num_rows == res.table.num_rows + 2
+    assert hour.table.num_rows + hour.file_duplicates == res.table.num_rows + res.file_duplicates + 2
 
 
 def test_declined_lines_interleave_in_line_order_across_chunks(tmp_path, monkeypatch):
@@ -177,6 +177,17 @@ def test_redaction_counts_and_switch(tmp_path):
     ingest_mod._init_worker(None, False, 8 << 20)
     off = both(obj_of(p))
     assert off.row_redactions == [] and "bob@example.com" in off.table["conversations"][0].as_py()[0]["value"]
+
+
+@pytest.mark.parametrize("content", [b"", b"a", b"a\n", b"a\nb", b"\n\n", b"a\r\n\nb\n", b"x" * 3000 + b"\ny"])
+def test_local_files_are_split_on_newlines_across_read_blocks(tmp_path, content):
+    p = tmp_path / "f.jsonl"
+    p.write_bytes(content)
+    expected = content.split(b"\n")
+    if expected[-1] == b"":
+        expected.pop()
+    for block in (1, 7, 1 << 20):
+        assert list(iter_lines(str(p), chunk_size=block)) == expected
 
 
 def test_parse_times_matches_parse_time():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -282,6 +284,8 @@ def test_worker_pool_matches_inline(tmp_path):
         results.append((res.summary() | {"run_id": None}, sorted(r["content_hash"] for r in rows)))
     assert results[0] == results[1]
     assert results[0][0]["normalized"] > 400 and results[0][0]["skipped"] > 0
+    # Tables come back from the workers through shared-memory files; none may be left behind.
+    assert not glob.glob(os.path.join(ingest_mod._handoff_dir(), ingest_mod._handoff_prefix(os.getpid()) + "*"))
 
 
 def test_cli_ingest_stats_export(tmp_path):
