@@ -29,7 +29,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from capture.fastpath import _Decline, _Invalid, _Meta, _Side, _conversation
+from capture.fastpath import _Decline, _Invalid, _Meta, _Side, exchange
 from capture.records import parse_time
 from capture.warehouse import TURN
 
@@ -163,11 +163,24 @@ def decode_chunk(lines: list[bytes], first_line_no: int, max_line: int, hour: da
                 continue
             cap = rec.captureData
             inp, out = cap.endpointInput, cap.endpointOutput
-            ikind = _kind(inp.encoding)
-            req = _text(inp, ikind)
+            # Sides as the reference decodes them (inlined for the usual JSON encoding).
+            enc = inp.encoding
+            if enc is None or enc == "JSON":
+                ikind, req = "JSON", inp.data
+                if "\x00" in req:
+                    req = None
+            else:
+                ikind = _kind(enc)
+                req = _text(inp, ikind)
             resp = None
             if out is not None:
-                resp = _text(out, _kind(out.encoding))
+                enc = out.encoding
+                if enc is None or enc == "JSON":
+                    resp = out.data
+                    if "\x00" in resp:
+                        resp = None
+                else:
+                    resp = _text(out, _kind(enc))
                 if resp is None:
                     declined.append(i)  # the reference quarantines the bad output side
                     continue
@@ -181,7 +194,7 @@ def decode_chunk(lines: list[bytes], first_line_no: int, max_line: int, hour: da
                 declined.append(i)
                 continue
             try:
-                conv = _conversation(req, resp, out.observedContentType)
+                conv_turns, f, r, m, t, p, mt = exchange(req, resp, out.observedContentType)
             except (_Decline, *_Invalid):
                 declined.append(i)
                 continue
@@ -195,14 +208,14 @@ def decode_chunk(lines: list[bytes], first_line_no: int, max_line: int, hour: da
                 inf.append(meta.inferenceId)
                 tm.append(meta.inferenceTime)
             idx.append(i)
-            fmt.append(conv.format)
-            raw.append(conv.raw)
-            model.append(conv.model)
-            temp.append(conv.temperature)
-            top_p.append(conv.top_p)
-            max_tok.append(conv.max_tokens)
-            n_turns.append(len(conv.turns))
-            turns += conv.turns
+            fmt.append(f)
+            raw.append(r)
+            model.append(m)
+            temp.append(t)
+            top_p.append(p)
+            max_tok.append(mt)
+            n_turns.append(len(conv_turns))
+            turns += conv_turns
     when = parse_times(tm)
     if when.null_count:
         if hour is not None:

@@ -312,8 +312,12 @@ def escapes_ascii(text: str) -> bool:
     return "\\" in text and "\\u00" in text and _ASCII_ESCAPE.search(text) is not None
 
 
-def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Conversation:
-    """The conversation of one exchange of a common format; raises to decline."""
+# What one exchange yields: turns, format, raw, model, temperature, top_p, max_tokens.
+Exchange = tuple[list[tuple[str, str]], str, bool, Union[str, None], Union[float, None], Union[float, None], Union[int, None]]
+
+
+def exchange(req_text: str, resp_text: str, resp_ct: str | None) -> Exchange:
+    """The conversation of one exchange of a common format, as a plain tuple; raises to decline."""
     head = req_text.lstrip()[:1]
     if head != "{" or escapes_ascii(req_text):
         raise _Decline
@@ -323,15 +327,14 @@ def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Convers
             raise _Decline
         turns, human = _turns(r.messages)
         answer, model = _openai_answer(resp_text, resp_ct, chat=True)
-        conv = Conversation(turns=turns, format="openai_chat", model=r.model if r.model is not None else model,
-                            temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
+        out = (turns, "openai_chat", False, r.model if r.model is not None else model, r.temperature, r.top_p,
+               _max_tokens(r))
     elif '"prompt"' in req_text:
         r = _completion_dec.decode(req_text)
         answer, model = _openai_answer(resp_text, resp_ct, chat=False)
         human = True
-        conv = Conversation(turns=[("human", r.prompt)], format="openai_completion", raw=True,
-                            model=r.model if r.model is not None else model,
-                            temperature=r.temperature, top_p=r.top_p, max_tokens=_max_tokens(r))
+        out = ([("human", r.prompt)], "openai_completion", True, r.model if r.model is not None else model,
+               r.temperature, r.top_p, _max_tokens(r))
     elif '"inputs"' in req_text:
         after = req_text.split('"inputs"', 1)[1].lstrip().lstrip(":").lstrip()[:2]
         if after[:1] == '"':
@@ -351,18 +354,23 @@ def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Convers
             (turns, human), fmt, raw = _turns(r.inputs), "jumpstart_chat", False
             answer = _tgi_answer(resp_text, resp_ct)
         p = r.parameters
-        conv = Conversation(turns=turns, format=fmt, raw=raw, model=r.model,
-                            temperature=p.temperature if p else None, top_p=p.top_p if p else None,
-                            max_tokens=_max_tokens(p))
+        out = (turns, fmt, raw, r.model, p.temperature if p else None, p.top_p if p else None, _max_tokens(p))
     else:
         raise _Decline
     if not answer or answer.isspace() or not human:  # isspace: "not answer.strip()" without the copy
         raise _Decline
-    conv.turns.append(("gpt", answer))
-    for _, v in conv.turns:
+    turns = out[0]
+    turns.append(("gpt", answer))
+    for _, v in turns:
         if "\x00" in v:
             raise _Decline
-    return conv
+    return out
+
+
+def _conversation(req_text: str, resp_text: str, resp_ct: str | None) -> Conversation:
+    turns, fmt, raw, model, temperature, top_p, max_tokens = exchange(req_text, resp_text, resp_ct)
+    return Conversation(turns=turns, format=fmt, raw=raw, model=model, temperature=temperature, top_p=top_p,
+                        max_tokens=max_tokens)
 
 
 def fast_decode(line: bytes) -> tuple[CaptureRecord, Conversation] | None:

@@ -334,9 +334,15 @@ def _process_in_pool(obj: SourceObject) -> FileResult:
     """
     fr = process_file(obj)
     if fr.table is not None and fr.table.num_rows:
-        fd, path = tempfile.mkstemp(prefix=_handoff_prefix(os.getppid()), suffix=".arrow", dir=_handoff_dir())
-        with os.fdopen(fd, "wb") as f, ipc.new_file(f, fr.table.schema) as w:
-            w.write_table(fr.table)
+        path = None
+        try:
+            fd, path = tempfile.mkstemp(prefix=_handoff_prefix(os.getppid()), suffix=".arrow", dir=_handoff_dir())
+            with os.fdopen(fd, "wb") as f, ipc.new_file(f, fr.table.schema) as w:
+                w.write_table(fr.table)
+        except OSError:  # shared memory full or unwritable: send the table through the pipe instead
+            if path is not None:
+                os.unlink(path)
+            return fr
         fr.table, fr.table_file = None, path
     return fr
 

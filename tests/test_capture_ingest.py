@@ -357,3 +357,19 @@ def test_layout_key_round_trips_through_the_reader(tmp_path):
     write(tmp_path / "cap" / (key + ".tmp"), [chat(2, when)])  # in-progress file: ignored
     res = ingest(make_cfg(tmp_path), source=str(tmp_path / "cap"), endpoint="ep")
     assert (res.objects, res.normalized) == (1, 1)
+
+
+def test_worker_hands_tables_over_in_shared_memory_or_through_the_pipe(tmp_path, monkeypatch):
+    src = tmp_path / "cap"
+    write_layout(src, 50, per_file=50, seed=3)
+    obj = next(iter(ingest_mod.list_objects(str(src))))
+    monkeypatch.setattr(ingest_mod, "_WORKER", {})
+    ingest_mod._init_worker(None, True, 8 << 20)
+    direct = ingest_mod.process_file(obj)
+    handed = ingest_mod._process_in_pool(obj)
+    assert handed.table is None and os.path.exists(handed.table_file)
+    assert ingest_mod._take_over(handed.table_file).equals(direct.table)
+    assert not os.path.exists(handed.table_file)
+    monkeypatch.setattr(ingest_mod, "_handoff_dir", lambda: str(tmp_path / "missing"))
+    piped = ingest_mod._process_in_pool(obj)
+    assert piped.table_file is None and piped.table.equals(direct.table)
