@@ -288,10 +288,22 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
     keep = [not (h in first or first.add(h)) for h in hashes.to_pylist()]
     dropped = n - sum(keep)
     if dropped:
-        table = table.filter(pa.array(keep))
+        table = _select(table, keep)
         new_index = np.cumsum(keep) - 1
         row_redactions = [(int(new_index[i]), c) for i, c in row_redactions if keep[i]]
     return table, row_redactions, dropped
+
+
+def _select(table: pa.Table, keep: list[bool]) -> pa.Table:
+    """``table.filter(keep)``, but as zero-copy slices when the kept rows form few runs.
+
+    Replays are a few rows here and there; filtering would copy every byte of the rest.
+    """
+    mask = np.asarray(keep, dtype=np.int8)
+    edges = np.flatnonzero(np.diff(mask, prepend=0, append=0))  # run starts and ends, alternating
+    if len(edges) > 128:
+        return table.filter(pa.array(keep))
+    return pa.concat_tables([table.slice(a, b - a) for a, b in zip(edges[::2], edges[1::2])] or [table.slice(0, 0)])
 
 
 def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa.Array:
@@ -415,7 +427,7 @@ class _Run:
                     mask.append(True)
             kept = sum(mask)
             if kept < len(mask):
-                t = t.filter(pa.array(mask))
+                t = _select(t, mask)
             for i, counts in fr.row_redactions:
                 if mask[i]:
                     for k, c in counts.items():
