@@ -295,13 +295,14 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
 
 
 def _select(table: pa.Table, keep: list[bool]) -> pa.Table:
-    """``table.filter(keep)``, but as zero-copy slices when the kept rows form few runs.
+    """``table.filter(keep)``, but as zero-copy slices when the kept rows form a few long runs.
 
-    Replays are a few rows here and there; filtering would copy every byte of the rest.
+    Filtering copies every byte of the rows kept; slicing copies nothing, but many short
+    slices slow the Parquet writer down more than the copy would.
     """
     mask = np.asarray(keep, dtype=np.int8)
     edges = np.flatnonzero(np.diff(mask, prepend=0, append=0))  # run starts and ends, alternating
-    if len(edges) > 128:
+    if len(edges) > 32:
         return table.filter(pa.array(keep))
     return pa.concat_tables([table.slice(a, b - a) for a, b in zip(edges[::2], edges[1::2])] or [table.slice(0, 0)])
 
