@@ -7,7 +7,9 @@ JumpStart chat in BASE64, 5% tabular CSV, 2% replays) is generated once and cach
 under --data. Each contender then runs in its own fresh process so that its peak
 RSS (resource.getrusage, self and children) is its own:
 
-* ``capture``: ``capture.ingest.ingest`` (decode, normalize, redact, dedupe, Parquet, catalog).
+* ``capture``: ``capture.ingest.ingest`` (decode, normalize, redact, dedupe, Parquet, catalog):
+  worker processes decode each file a chunk of lines at a time (``capture.batchpath``; the
+  lines it declines go through the per-line path) and hand tables back in shared memory.
 * ``naive``: a ``json.loads`` loop into a pandas DataFrame, then ``to_parquet`` — the
   outer capture JSON only, no payload decoding, redaction or dedupe.
 * ``duckdb-floor``: DuckDB's multi-threaded C++ JSON reader over the outer documents,

@@ -1,12 +1,13 @@
 """Batch path: a chunk of capture lines → columns, with the per-line path as the arbiter.
 
-The per-line path (:func:`capture.fastpath.fast_decode`, else the reference decoder) costs
-~10 µs a line, most of it not JSON decoding but what surrounds it: per-line objects
-(payloads, records), exceptions, a ``datetime`` per line and cyclic-GC passes over the
-millions of small objects a file leaves alive. Here one chunk of lines goes through the
-*same* typed msgspec decoders and format rules (so the same strictness), in one loop that
-appends straight to columns, with the garbage collector paused; inference times are then
-parsed by Arrow for the whole chunk.
+Typed msgspec decoding of a line and its two payloads costs ~7 µs; the per-line path
+(:func:`capture.fastpath.fast_decode`, else the reference decoder) spent as much again
+around it: payload/record/conversation objects, a ``datetime`` per line, row-wise
+appends, and cyclic-GC passes over the millions of small objects a file keeps alive.
+Here a chunk of lines goes through the *same* typed decoders and format rules
+(:func:`capture.fastpath.exchange`, so the same strictness) in one loop that appends
+straight to columns, with the garbage collector paused; inference times are parsed by
+Arrow for the whole chunk.
 
 Every line this path cannot decide exactly (bad JSON, odd shapes, quarantines, anything
 but the common formats and tabular CSV) is returned by index, and the caller hands it to
@@ -52,13 +53,13 @@ ROW_SCHEMA = pa.schema(
 )
 
 
-class _Cap(msgspec.Struct):
+class _Cap(msgspec.Struct, gc=False):
     endpointInput: _Side
     # Optional here (unlike the fast path) so that tabular lines without output stay in the batch.
     endpointOutput: Union[_Side, None] = None
 
 
-class _Line(msgspec.Struct):
+class _Line(msgspec.Struct, gc=False):
     captureData: _Cap
     eventMetadata: Union[_Meta, None] = None
 
