@@ -196,3 +196,12 @@ def test_parse_times_matches_parse_time():
               "2024-01-01T10:00:00+02:00", "2024-01-01T10:00:00.123Z", "{%s}", "", None, " 2024-01-01T10:00:00Z ",
               "2024-01-01", "2024-13-01T00:00:00Z", "2024-01-01T10:00:00z", "2024-01-01 10:00:00Z"]
     assert batchpath.parse_times(values).to_pylist() == [parse_time(v) for v in values]
+
+
+@pytest.mark.parametrize("lines", [[], [b""], [b"not json", b"{}"], [b"x" * 100]], ids=["no lines", "one empty", "all bad", "one long"])
+def test_files_without_a_single_row(tmp_path, lines):
+    ingest_mod._init_worker(None, True, 50)
+    p = tmp_path / "f.jsonl"
+    p.write_bytes(b"\n".join(lines) + (b"\n" if lines else b""))
+    res = both(obj_of(p))
+    assert res.table.num_rows == 0 and res.read == len(lines)
