@@ -310,21 +310,20 @@ def _select(table: pa.Table, keep: list[bool]) -> pa.Table:
 def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa.Array:
     """:func:`content_hash` of each row of a turn column (``offsets`` per row), as an Arrow array.
 
-    The length-prefixed serialization is assembled by Arrow kernels (``len`` there counts
-    code points, as Python's does) and the hex digests in one go, so only the blake2b
-    call per row is left to Python.
+    One Arrow kernel lays out every turn's ``from:len:value`` (``len`` there counts code
+    points, as Python's does) back to back, so a row's serialization is a slice of that
+    buffer; the hex digests are made in one go. Only the blake2b call per row is Python.
     """
     n = len(offsets) - 1
     if n <= 0:
         return pa.array([], pa.string())
     lens = pc.cast(pc.utf8_length(t_value), pa.string())
     flat = pc.binary_join_element_wise(t_from, lens, t_value, ":")
-    joined = pc.binary_join(pa.ListArray.from_arrays(offsets, flat), "")
-    if joined.null_count or joined.offset:
-        joined = pa.array(joined.to_pylist(), pa.large_string())  # not expected; keeps the buffer walk simple
-    width = np.int64 if pa.types.is_large_string(joined.type) else np.int32
-    ends = np.frombuffer(joined.buffers()[1], dtype=width)[: n + 1].tolist()
-    data = memoryview(joined.buffers()[2] or b"")
+    if flat.null_count or flat.offset or pa.types.is_large_string(flat.type):
+        flat = pa.array(flat.to_pylist(), pa.string())  # not expected; keeps the buffer walk simple
+    turn_ends = np.frombuffer(flat.buffers()[1], dtype=np.int32)[: len(flat) + 1]
+    ends = turn_ends[offsets.to_numpy(zero_copy_only=False)].tolist()
+    data = memoryview(flat.buffers()[2] or b"")
     blake = hashlib.blake2b
     digests = b"".join([blake(data[a:b], digest_size=16).digest() for a, b in zip(ends, ends[1:])])
     hexes = digests.hex().encode("ascii")

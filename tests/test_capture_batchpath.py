@@ -7,6 +7,7 @@ import random
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from capture import batchpath
@@ -205,3 +206,22 @@ def test_files_without_a_single_row(tmp_path, lines):
     p.write_bytes(b"\n".join(lines) + (b"\n" if lines else b""))
     res = both(obj_of(p))
     assert res.table.num_rows == 0 and res.read == len(lines)
+
+
+def test_content_hashes_equal_content_hash_of_each_row():
+    """Stored hashes must not change: later runs dedupe against the ones already stored."""
+    rng = random.Random(4)
+    alphabet = ["a", "Z", " ", ":", "0", "é", "😀", "\n", "中"]
+    rows = [[(rng.choice(["system", "human", "gpt"]), "".join(rng.choices(alphabet, k=rng.randrange(0, 40))))
+             for _ in range(rng.randrange(1, 5))] for _ in range(300)]
+    rows.append([("human", "x" * 100_000), ("gpt", "")])
+    offsets, t_from, t_value = [0], [], []
+    for turns in rows:
+        for frm, value in turns:
+            t_from.append(frm)
+            t_value.append(value)
+        offsets.append(len(t_from))
+    got = ingest_mod.content_hashes(pa.array(offsets, pa.int32()), pa.array(t_from), pa.array(t_value))
+    assert got.to_pylist() == [ingest_mod.content_hash(turns) for turns in rows]
+    # The definition itself, pinned: a change here would split replays across runs.
+    assert ingest_mod.content_hash([("human", "hi"), ("gpt", "yo")]) == "f3c4e63129a60f7ac077c2c8b0bbb3b2"
