@@ -257,7 +257,9 @@ def rows_batch(*, line_no: list[int], offsets: list[int], t_from: list[str], t_v
         pa.array(offsets, pa.int32()),
         pa.StructArray.from_arrays([pa.array(t_from, pa.string()), pa.array(t_value, pa.string())], fields=list(TURN)),
     )
-    when = inference_time if isinstance(inference_time, pa.Array) else pa.array(inference_time, ROW_SCHEMA.field("inference_time").type)
+    when = inference_time
+    if not isinstance(when, pa.Array):
+        when = pa.array(when, ROW_SCHEMA.field("inference_time").type)
     arrays = []
     for f in ROW_SCHEMA:
         if f.name == "conversations":

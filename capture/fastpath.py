@@ -313,7 +313,8 @@ def escapes_ascii(text: str) -> bool:
 
 
 # What one exchange yields: turns, format, raw, model, temperature, top_p, max_tokens.
-Exchange = tuple[list[tuple[str, str]], str, bool, Union[str, None], Union[float, None], Union[float, None], Union[int, None]]
+Exchange = tuple[list[tuple[str, str]], str, bool, Union[str, None], Union[float, None], Union[float, None],
+                 Union[int, None]]
 
 
 def exchange(req_text: str, resp_text: str, resp_ct: str | None) -> Exchange:

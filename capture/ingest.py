@@ -327,7 +327,8 @@ def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa
     blake = hashlib.blake2b
     digests = b"".join([blake(data[a:b], digest_size=16).digest() for a, b in zip(ends, ends[1:])])
     hexes = digests.hex().encode("ascii")
-    return pa.StringArray.from_buffers(n, pa.py_buffer(np.arange(0, 32 * (n + 1), 32, dtype=np.int32)), pa.py_buffer(hexes))
+    bounds = np.arange(0, 32 * (n + 1), 32, dtype=np.int32)
+    return pa.StringArray.from_buffers(n, pa.py_buffer(bounds), pa.py_buffer(hexes))
 
 
 def _handoff_dir() -> str:
@@ -386,7 +387,7 @@ class _Run:
         self.pending_manifest: list[dict] = []
         self.pending_quarantine: list[dict] = []
         self.pending_skips: list[dict] = []
-        self.pending_hashes: list[str] = []
+        self.pending_hashes: list[pa.Array] = []
         self.pending_files: list[dict] = []
         self.pending_bytes = 0
 
@@ -434,7 +435,7 @@ class _Run:
                         r.redactions[k] = r.redactions.get(k, 0) + c
             if kept:
                 t = t.set_column(SCHEMA.get_field_index("run_id"), "run_id", pa.repeat(pa.scalar(self.run_id), kept))
-                self.pending_hashes.extend(t.column("content_hash").to_pylist())
+                self.pending_hashes.extend(t.column("content_hash").chunks)
                 self._buffer(t)
         dups = fr.file_duplicates + (fr.table.num_rows if fr.table is not None else 0) - kept
         r.normalized += kept
@@ -478,7 +479,8 @@ class _Run:
         try:
             self.wh.commit(
                 con, self.run_id, manifest=self.pending_manifest, quarantine=self.pending_quarantine,
-                skipped=self.pending_skips, hashes=self.pending_hashes, files=self.pending_files, totals=totals,
+                skipped=self.pending_skips, hashes=pa.chunked_array(self.pending_hashes, pa.string()),
+                files=self.pending_files, totals=totals,
                 final=final,
             )
         finally:

@@ -230,7 +230,7 @@ class Warehouse:
         manifest: list[dict],
         quarantine: list[dict],
         skipped: list[dict],
-        hashes: list[str],
+        hashes: list[str] | pa.Array | pa.ChunkedArray,
         files: list[dict],
         totals: dict[str, Any],
         final: bool,
@@ -270,8 +270,9 @@ class Warehouse:
                 con.register("_s", t)
                 con.execute("INSERT INTO skipped BY NAME SELECT run_id, source_uri, reason, count FROM _s")
                 con.unregister("_s")
-            if hashes:
-                t = pa.table({"content_hash": pa.array(hashes, pa.string()), "run_id": pa.array([run_id] * len(hashes), pa.string())})
+            if len(hashes):
+                h = hashes if isinstance(hashes, (pa.Array, pa.ChunkedArray)) else pa.array(hashes, pa.string())
+                t = pa.table({"content_hash": h, "run_id": pa.repeat(pa.scalar(run_id), len(h))})
                 con.register("_h", t)
                 con.execute("INSERT INTO content_hashes BY NAME SELECT * FROM _h")
                 con.unregister("_h")

@@ -38,7 +38,8 @@ def obj_of(path: Path, hour: datetime | None = None) -> SourceObject:
 def both(obj: SourceObject):
     """Run one file through both paths; assert they agree on everything; return the batch result."""
     fast, slow = process_file(obj, batch=True), process_file(obj, batch=False)
-    assert (fast.read, fast.missing, fast.error, fast.file_duplicates) == (slow.read, slow.missing, slow.error, slow.file_duplicates)
+    for attr in ("read", "missing", "error", "file_duplicates"):
+        assert getattr(fast, attr) == getattr(slow, attr), attr
     assert fast.skips == slow.skips
     assert fast.quarantine == slow.quarantine
     assert fast.row_redactions == slow.row_redactions
@@ -199,7 +200,8 @@ def test_parse_times_matches_parse_time():
     assert batchpath.parse_times(values).to_pylist() == [parse_time(v) for v in values]
 
 
-@pytest.mark.parametrize("lines", [[], [b""], [b"not json", b"{}"], [b"x" * 100]], ids=["no lines", "one empty", "all bad", "one long"])
+@pytest.mark.parametrize("lines", [[], [b""], [b"not json", b"{}"], [b"x" * 100]],
+                         ids=["no lines", "one empty", "all bad", "one long"])
 def test_files_without_a_single_row(tmp_path, lines):
     ingest_mod._init_worker(None, True, 50)
     p = tmp_path / "f.jsonl"
