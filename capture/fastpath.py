@@ -182,6 +182,8 @@ def _max_tokens(p: Any) -> int | None:
         return None
     for v in (p.max_tokens, p.max_completion_tokens, p.max_new_tokens):
         if v is not None:
+            if not -(1 << 63) <= v < 1 << 63:
+                raise _Decline  # the reference skips it for the next key
             return v
     return None
 

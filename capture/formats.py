@@ -62,7 +62,8 @@ def _num(v: Any) -> float | None:
 
 
 def _int(v: Any) -> int | None:
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+    # Out of int64 a value is no usable token count (and Parquet could not store it).
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < 1 << 63 else None
 
 
 def _is_csv(p: Payload) -> bool:

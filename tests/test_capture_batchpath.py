@@ -227,3 +227,13 @@ def test_content_hashes_equal_content_hash_of_each_row():
     assert got.to_pylist() == [ingest_mod.content_hash(turns) for turns in rows]
     # The definition itself, pinned: a change here would split replays across runs.
     assert ingest_mod.content_hash([("human", "hi"), ("gpt", "yo")]) == "f3c4e63129a60f7ac077c2c8b0bbb3b2"
+
+
+def test_token_counts_beyond_int64_are_dropped_not_fatal(tmp_path):
+    resp = {"choices": [{"message": {"content": "a"}}]}
+    lines = [make_capture_record({"messages": [{"role": "user", "content": "q"}], "max_tokens": 10**20}, resp,
+                                 inference_time=T0),
+             make_capture_record({"inputs": "q2", "parameters": {"max_new_tokens": -(2**64), "max_tokens": 7}},
+                                 [{"generated_text": "a"}], inference_time=T0)]
+    res = both(obj_of(write(tmp_path / "big.jsonl", lines)))
+    assert res.table["max_tokens"].to_pylist() == [None, 7]
