@@ -120,6 +120,17 @@ CHUNK_LINES = 4096
 CHUNK_BYTES = 16 << 20
 
 
+def _storable(*texts: str | None) -> bool:
+    """False if a text holds a lone surrogate, which JSON escapes allow and UTF-8 (so Arrow) cannot."""
+    for t in texts:
+        if t is not None and not t.isascii():
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+    return True
+
+
 class _PerLine:
     """Rows of the lines the per-line path decided, as columns."""
 
@@ -145,6 +156,8 @@ class _PerLine:
             if when is None:
                 raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")
             turns = conv.turns
+            if not _storable(rec.event_id, rec.inference_id, conv.model, *(v for _, v in turns)):
+                raise Reject("quarantine", "invalid_utf8", "decoded text holds a lone surrogate (a \\ud800-style escape)")
         except Reject as rej:
             if rej.kind == "skip":
                 res.skips[rej.reason] += 1

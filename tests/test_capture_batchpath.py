@@ -237,3 +237,13 @@ def test_token_counts_beyond_int64_are_dropped_not_fatal(tmp_path):
                                  [{"generated_text": "a"}], inference_time=T0)]
     res = both(obj_of(write(tmp_path / "big.jsonl", lines)))
     assert res.table["max_tokens"].to_pylist() == [None, 7]
+
+
+def test_lone_surrogates_are_quarantined_not_fatal(tmp_path):
+    resp = {"choices": [{"message": {"content": "a"}}]}
+    lines = [make_capture_record('{"messages": [{"role": "user", "content": "q\\ud800"}]}', resp, inference_time=T0),
+             make_capture_record('{"model": "m\\udfff", "messages": [{"role": "user", "content": "q2"}]}', resp,
+                                 inference_time=T0),
+             make_capture_record({"messages": [{"role": "user", "content": "ok \U0001F600"}]}, resp, inference_time=T0)]
+    res = both(obj_of(write(tmp_path / "s.jsonl", lines)))
+    assert [q["reason"] for q in res.quarantine] == ["invalid_utf8", "invalid_utf8"] and res.table.num_rows == 1
