@@ -114,9 +114,10 @@ def _client() -> Any:
     return _WORKER["client"]
 
 
-# Lines per batch-path chunk: large enough to amortize the per-chunk work, small enough
-# that a chunk's lines and objects stay a few tens of MB.
-CHUNK_LINES = 4096
+# Lines per batch-path chunk: large enough that a usual capture file is one chunk (one
+# table chunk, nothing to combine), small enough that a chunk's lines and objects stay
+# a few tens of MB.
+CHUNK_LINES = 8192
 CHUNK_BYTES = 16 << 20
 
 
