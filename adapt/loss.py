@@ -22,18 +22,38 @@ class Features:
     """One example with everything training needs from the target, computed once.
 
     ``target_logits`` are the target's logits restricted to the draft vocabulary
-    (columns in draft-id order); ``target_argmax`` is the target's greedy token
+    (columns in draft-id order), for every position or only for ``logit_rows``
+    (see :func:`label_rows`); ``target_argmax`` is the target's greedy token
     over its full vocabulary, so tokens outside the draft vocab count as misses.
     """
 
     input_ids: torch.Tensor  # Long[N]
     loss_mask: torch.Tensor  # Bool[N]
     aux_hidden: torch.Tensor  # [N, n_aux*Ht]
-    target_logits: torch.Tensor  # [N, draft_vocab]
+    target_logits: torch.Tensor  # [N, draft_vocab], or [R, draft_vocab] for logit_rows
     target_argmax: torch.Tensor  # Long[N]
+    logit_rows: torch.Tensor | None = None  # Long[R]: positions target_logits holds (None = all)
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
+
+    def logit_index(self) -> torch.Tensor:
+        """Long[N]: row of ``target_logits`` for each position, -1 where not kept."""
+        if self.logit_rows is None:
+            return torch.arange(len(self))
+        idx = torch.full((len(self),), -1, dtype=torch.long)
+        idx[self.logit_rows] = torch.arange(self.logit_rows.numel())
+        return idx
+
+
+def label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions whose target distribution some slot is trained on: those followed by an assistant token.
+
+    Prompt positions only serve as attention context, so a feature cache keeps
+    the draft-vocabulary logits of these rows alone (most of a tool-call
+    request is its prompt).
+    """
+    return loss_mask[1:].nonzero().squeeze(1)
 
 
 @dataclass
@@ -71,6 +91,10 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
         r_ids = torch.cat([f.input_ids for f in row])
         r_aux = torch.cat([f.aux_hidden for f in row])
         r_tl = torch.cat([f.target_logits for f in row])
+        starts = [0]
+        for f in row[:-1]:
+            starts.append(starts[-1] + f.target_logits.shape[0])
+        r_li = torch.cat([torch.where(ix >= 0, ix + s0, ix) for ix, s0 in zip((f.logit_index() for f in row), starts)])
         r_ta = torch.cat([f.target_argmax for f in row])
         real = lay.tok_index >= 0
         x = torch.full((S,), ptd_token_id, dtype=torch.long)
@@ -78,8 +102,12 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
         h = r_aux.new_zeros(S, r_aux.shape[-1])
         h[real] = r_aux[lay.hid_index[real]]
         has_t = lay.tgt_index >= 0
+        src = torch.full((S,), -1, dtype=torch.long)
+        src[has_t] = r_li[lay.tgt_index[has_t]]
+        if (lay.valid & (src < 0)).any():
+            raise ValueError("a labelled slot's target logits were not kept (logit_rows too narrow)")
         t = r_tl.new_zeros(S, r_tl.shape[-1])
-        t[has_t] = r_tl[lay.tgt_index[has_t]]
+        t[src >= 0] = r_tl[src[src >= 0]]
         a = torch.full((S,), -1, dtype=torch.long)
         a[has_t] = r_ta[lay.tgt_index[has_t]]
         ids.append(x), aux.append(h), tl.append(t), ta.append(a)

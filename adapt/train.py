@@ -41,7 +41,7 @@ from adapt.data import (
     tokenize_rows,
 )
 from adapt.drafter import DrafterConfig, PEagleDrafter
-from adapt.loss import Features, collate, peagle_loss
+from adapt.loss import Features, collate, label_rows, peagle_loss
 
 RUN_STATE = "train_state.json"
 RUN_MODEL = "model.safetensors"
@@ -105,6 +105,20 @@ def pick_device(name: str) -> torch.device:
             return torch.device("cuda", local)
         return torch.device("cpu")
     return torch.device(name)
+
+
+def use_bf16_autocast(dtype: str, device: torch.device) -> bool:
+    """bf16 autocast when asked for, or on ``auto`` where matmuls run natively in bf16.
+
+    That is CUDA, and CPUs with AMX tiles, where oneDNN's bf16 kernels make a
+    drafter step ~2x faster than fp32. Master weights and the loss stay fp32.
+    """
+    if dtype != "auto":
+        return dtype == "bf16"
+    if device.type == "cuda":
+        return True
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return device.type == "cpu" and amx is not None and bool(amx())
 
 
 # --- model --------------------------------------------------------------------------
@@ -198,12 +212,14 @@ class TargetFeatures:
     def compute(self, ex: Example) -> Features:
         t0 = time.perf_counter()
         aux, logits = self.runner.forward(ex.input_ids)
+        rows = label_rows(ex.loss_mask)
         f = Features(
             input_ids=ex.input_ids,
             loss_mask=ex.loss_mask,
             aux_hidden=aux.to(torch.bfloat16).cpu(),
-            target_logits=logits[:, self.draft_ids].to(torch.bfloat16).cpu(),
+            target_logits=logits[rows.to(logits.device)][:, self.draft_ids].to(torch.bfloat16).cpu(),
             target_argmax=logits.argmax(-1).cpu(),
+            logit_rows=rows,
         )
         self.seconds += time.perf_counter() - t0
         return f
@@ -353,7 +369,7 @@ def train(
     ddp_model = model
     if dd.world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    use_bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")
+    use_bf16 = use_bf16_autocast(tc.dtype, device)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
     lengths = [len(e) for e in examples]
@@ -433,7 +449,8 @@ def train(
             "config": {"training": tc.model_dump(mode="json"), "head": cfg.head.model_dump(mode="json")},
             "target": target_identity(target_dir),
             "training": {"steps": step, "tokens": state["tokens"], "final_depth_loss": depth_loss,
-                         "final_depth_acc": depth_acc, "world_size": dd.world, "device": str(device)},
+                         "final_depth_acc": depth_acc, "world_size": dd.world, "device": str(device),
+                         "bf16_autocast": use_bf16},
             "draft_vocab_refresh": vocab_refresh,
         }
         save_head(model.cpu(), out_dir, manifest)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from adapt.data import build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts, Example
 from adapt.drafter import DrafterConfig, PEagleDrafter, build_draft_inputs
 from adapt.layout import build_layout, chain_depths
-from adapt.loss import Features, collate, peagle_loss
+from adapt.loss import Features, collate, label_rows, peagle_loss
 
 T, F = True, False
 
@@ -152,6 +153,29 @@ def test_loss_over_selected_slots_equals_loss_over_all_slots():
     assert g_full.keys() == g_sel.keys() and "fc.weight" in g_full
     for n in g_full:
         torch.testing.assert_close(g_full[n], g_sel[n], rtol=1e-4, atol=1e-6)
+
+
+def test_compact_target_logits_collate_like_full_ones():
+    g = torch.Generator().manual_seed(6)
+    full, compact = [], []
+    for n, mask in ((7, [F, F, F, T, T, T, T]), (6, [F, T, T, F, F, T])):
+        lm = torch.tensor(mask)
+        f = Features(torch.randint(0, 39, (n,), generator=g), lm, torch.randn(n, 8, generator=g),
+                     torch.randn(n, 24, generator=g), torch.randint(0, 39, (n,), generator=g))
+        rows = label_rows(lm)
+        assert rows.tolist() == [j for j in range(n - 1) if mask[j + 1]]
+        full.append(f)
+        compact.append(Features(f.input_ids, lm, f.aux_hidden, f.target_logits[rows], f.target_argmax, rows))
+    a, b = collate([full], 3, 38), collate([compact], 3, 38)
+    assert torch.equal(a.valid, b.valid) and int(a.valid.sum()) > 0
+    torch.testing.assert_close(a.target_logits[a.valid], b.target_logits[b.valid], rtol=0, atol=0)
+    assert torch.equal(a.target_argmax, b.target_argmax)
+    # Keeping too few rows is caught, not trained on zeros.
+    narrow = compact[0]
+    narrow = Features(narrow.input_ids, narrow.loss_mask, narrow.aux_hidden, narrow.target_logits[:1],
+                      narrow.target_argmax, narrow.logit_rows[:1])
+    with pytest.raises(ValueError, match="logit_rows"):
+        collate([[narrow]], 3, 38)
 
 
 def test_build_draft_vocab_frequency_specials_and_offsets():
