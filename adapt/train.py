@@ -187,6 +187,22 @@ def refresh_draft_vocab(model: PEagleDrafter, examples: Sequence[Example], eos_i
 
 # --- target features -------------------------------------------------------------
 
+def default_cache_bytes() -> int:
+    """Feature-cache budget: half the memory available now (Linux), else 6 GiB.
+
+    Recomputing features past the budget runs the target again every epoch,
+    which slows a CPU run several-fold, so the budget follows the machine.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return 6 << 30
+
+
 class TargetFeatures:
     """Aux hidden states and draft-vocab logits of the target, computed once per example.
 
@@ -198,13 +214,13 @@ class TargetFeatures:
     """
 
     def __init__(self, target_dir: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor,
-                 device: torch.device, cache_bytes: int = 6 << 30) -> None:
+                 device: torch.device, cache_bytes: int | None = None) -> None:
         from adapt.hidden_states import TargetRunner
 
         self.runner = TargetRunner(target_dir, aux_layer_ids, device=str(device), dtype=torch.bfloat16)
         self.draft_ids = draft_ids.to(self.runner.device)
         self.cache: dict[int, Features] = {}
-        self.cache_bytes = cache_bytes
+        self.cache_bytes = default_cache_bytes() if cache_bytes is None else cache_bytes
         self.used_bytes = 0
         self.seconds = 0.0
 
