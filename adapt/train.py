@@ -440,7 +440,7 @@ def train(
         if bar is not None:
             el = time.perf_counter() - t_start
             bar.update(1)
-            bar.set_postfix(loss=f"{float(out.loss):.3f}", acc1=f"{float(out.depth_acc[0]):.2f}",
+            bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc1=f"{float(out.depth_acc[0]):.2f}",
                             tok_s=f"{tokens_run / max(el, 1e-9):.0f}")
         if step % tc.checkpoint_steps == 0 and dd.main:
             save_run_state(run_dir, model, opt,

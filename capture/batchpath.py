@@ -32,25 +32,12 @@ import pyarrow.compute as pc
 
 from capture.fastpath import _Decline, _Invalid, _Meta, _Side, exchange
 from capture.records import parse_time
-from capture.warehouse import TURN
+from capture.warehouse import SCHEMA, TURN
 
-# The columns a decoded line yields; capture.ingest adds hashes and provenance.
-ROW_SCHEMA = pa.schema(
-    [
-        ("line_no", pa.int64()),
-        ("conversations", pa.list_(TURN)),
-        ("event_id", pa.string()),
-        ("inference_id", pa.string()),
-        ("inference_time", pa.timestamp("us", tz="UTC")),
-        ("format", pa.string()),
-        ("raw", pa.bool_()),
-        ("model", pa.string()),
-        ("temperature", pa.float64()),
-        ("top_p", pa.float64()),
-        ("max_tokens", pa.int64()),
-        ("dt", pa.date32()),
-    ]
-)
+# The columns a decoded line yields (typed as in the warehouse); capture.ingest adds hashes and provenance.
+ROW_SCHEMA = pa.schema([SCHEMA.field(name) for name in (
+    "line_no", "conversations", "event_id", "inference_id", "inference_time", "format", "raw", "model",
+    "temperature", "top_p", "max_tokens", "dt")])
 
 
 class _Cap(msgspec.Struct, gc=False):
