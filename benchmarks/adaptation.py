@@ -2,9 +2,10 @@
 
 With SmolLM2-135M-Instruct served by vLLM(-cpu), in one run:
 
-1. generate training responses with the target itself (one no-spec vLLM server, greedy):
-   MT-Bench first turns (general chat) and HumanEval + BFCL prompts (drifted traffic),
-   the drifted prompts split deterministically into adapt-train and held-out;
+1. generate training responses with the target itself (one no-spec vLLM server, greedy,
+   plus ``--gen-samples`` seeded samples per drifted prompt): MT-Bench first turns (general
+   chat) and HumanEval + BFCL prompts (drifted traffic), the drifted prompts split
+   deterministically into adapt-train and held-out;
 2. bootstrap a head on MT-Bench (``adapt.train.train(cfg, rows, None, ...)``);
 3. adapt it on the drifted train split, replaying general chat (``replay_ratio``);
 4. offline acceptance of the adapted head on the held-out prompts (``adapt.evaluate``);
