@@ -91,10 +91,13 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
         r_ids = torch.cat([f.input_ids for f in row])
         r_aux = torch.cat([f.aux_hidden for f in row])
         r_tl = torch.cat([f.target_logits for f in row])
-        starts = [0]
-        for f in row[:-1]:
-            starts.append(starts[-1] + f.target_logits.shape[0])
-        r_li = torch.cat([torch.where(ix >= 0, ix + s0, ix) for ix, s0 in zip((f.logit_index() for f in row), starts)])
+        # Each example's logit rows, shifted to where its target_logits start in r_tl.
+        li, start = [], 0
+        for f in row:
+            ix = f.logit_index()
+            li.append(torch.where(ix >= 0, ix + start, ix))
+            start += f.target_logits.shape[0]
+        r_li = torch.cat(li)
         r_ta = torch.cat([f.target_argmax for f in row])
         real = lay.tok_index >= 0
         x = torch.full((S,), ptd_token_id, dtype=torch.long)

@@ -298,14 +298,24 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
         else:
             arrays.append(rows.column(f.name))
     table = pa.Table.from_arrays(arrays, schema=SCHEMA)
-    first: set[str] = set()
-    keep = [not (h in first or first.add(h)) for h in hashes.to_pylist()]
+    keep = _first_seen(hashes.to_pylist(), set())
     dropped = n - sum(keep)
     if dropped:
         table = _select(table, keep)
         new_index = np.cumsum(keep) - 1
         row_redactions = [(int(new_index[i]), c) for i, c in row_redactions if keep[i]]
     return table, row_redactions, dropped
+
+
+def _first_seen(hashes: list[str], seen: set[str]) -> list[bool]:
+    """True for each hash not in ``seen`` nor earlier in ``hashes``; adds the new ones to ``seen``."""
+    keep = []
+    for h in hashes:
+        new = h not in seen
+        if new:
+            seen.add(h)
+        keep.append(new)
+    return keep
 
 
 def _select(table: pa.Table, keep: list[bool]) -> pa.Table:
@@ -431,15 +441,7 @@ class _Run:
             fr.table = _take_over(fr.table_file)
         t = fr.table
         if t is not None and t.num_rows:
-            hashes = t.column("content_hash").to_pylist()
-            mask = []
-            seen = self.seen
-            for h in hashes:
-                if h in seen:
-                    mask.append(False)
-                else:
-                    seen.add(h)
-                    mask.append(True)
+            mask = _first_seen(t.column("content_hash").to_pylist(), self.seen)
             kept = sum(mask)
             if kept < len(mask):
                 t = _select(t, mask)

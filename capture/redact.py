@@ -1,7 +1,7 @@
 """PII and secret redaction: typed placeholders, counted per type.
 
 Python's regex engine scans prose at ~15 ns a character per pattern, which would
-cost more than all the JSON decoding of a record. So :func:`redact_values` first
+cost more than all the JSON decoding of a record. So :func:`redact_array` first
 runs one RE2 pattern (pyarrow, linear time, vectorized) that matches a superset of
 every detector, and only the strings it flags go through the precise detectors
 (lookarounds, Luhn check, per-type counts) of :class:`Redactor`.
@@ -168,17 +168,14 @@ def redact_values(values: list[str]) -> dict[int, dict[str, int]]:
 
     if not values:
         return {}
-    out: dict[int, dict[str, int]] = {}
-    for i in _flagged(pa.array(values, pa.string())):
-        r = Redactor()
-        values[i] = r.redact(values[i])
-        if r.counts:
-            out[i] = r.counts
+    redacted, out = redact_array(pa.array(values, pa.string()))
+    for i in out:
+        values[i] = redacted[i].as_py()
     return out
 
 
 def redact_array(values: "pa.Array") -> tuple["pa.Array", dict[int, dict[str, int]]]:
-    """:func:`redact_values` for an Arrow string array: the redacted array and the counts."""
+    """Redact an Arrow string array: the redacted array and ``{index: {type: count}}`` for the strings that changed."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
