@@ -220,7 +220,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attn_mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, attn_mask, segments=None) -> torch.Tensor:
         B, N, _ = x.shape
         q = self.q_proj(x).view(B, N, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, N, self.nkv, self.hd).transpose(1, 2)
@@ -229,8 +229,45 @@ class Attention(nn.Module):
         if self.nkv != self.nh:
             rep = self.nh // self.nkv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None])
+        if segments is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None])
+        else:
+            out = segment_attention(q, k, v, attn_mask, segments)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, self.nh * self.hd))
+
+
+def segment_attention(q, k, v, attn_mask, segments) -> torch.Tensor:
+    """Attention of a packed training row, example by example; equal to the dense masked pass.
+
+    ``segments[b]`` lists each example of row ``b`` as ``(start, n_real, end)``:
+    slots ``start..start+n_real`` are its real slots, which attend causally among
+    themselves only, and the rest up to ``end`` its mask slots (masked by
+    ``attn_mask``). Examples never attend across each other, so the dense S x S
+    pass spent most of its work on masked-out pairs; this skips them and runs the
+    real slots as plain causal attention. Slots after the last example (padding)
+    get zeros.
+    """
+    rows = []
+    N = q.shape[2]
+    for b, segs in enumerate(segments):
+        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
+        parts, used = [], 0
+        for start, n_real, end in segs:
+            if start != used:
+                raise ValueError("segments must tile the row from slot 0 in order")
+            mid = start + n_real
+            if n_real:
+                parts.append(F.scaled_dot_product_attention(qb[:, :, start:mid], kb[:, :, start:mid],
+                                                            vb[:, :, start:mid], is_causal=True))
+            if end > mid:
+                parts.append(F.scaled_dot_product_attention(
+                    qb[:, :, mid:end], kb[:, :, start:end], vb[:, :, start:end],
+                    attn_mask=attn_mask[b:b + 1, None, mid:end, start:end]))
+            used = end
+        if used < N:
+            parts.append(qb.new_zeros(1, qb.shape[1], N - used, qb.shape[3]))
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
 
 
 class MLP(nn.Module):
@@ -260,7 +297,7 @@ class DecoderLayer(nn.Module):
             # vLLM creates hidden_norm on every layer but only layer 0 uses it.
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def forward(self, embeds, hidden, residual, cos, sin, attn_mask):
+    def forward(self, embeds, hidden, residual, cos, sin, attn_mask, segments=None):
         if self.layer_idx == 0:
             normed = self.hidden_norm(hidden)
             residual = normed if self.norm_before_residual else hidden
@@ -268,7 +305,7 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden + residual
             x = self.input_layernorm(residual)
-        x = self.self_attn(x, cos, sin, attn_mask)
+        x = self.self_attn(x, cos, sin, attn_mask, segments)
         residual = x + residual
         x = self.mlp(self.post_attention_layernorm(residual))
         return x, residual
@@ -389,6 +426,7 @@ class PEagleDrafter(nn.Module):
         aux_hidden: torch.Tensor,
         is_mask: torch.Tensor,
         attn_mask: torch.Tensor,
+        segments: list[list[tuple[int, int, int]]] | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states [B,N,H] (before ``lm_head``)."""
         dtype = self.fc.weight.dtype
@@ -398,7 +436,7 @@ class PEagleDrafter(nn.Module):
         cos, sin = self.rope(positions, dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(embeds, hidden, residual, cos, sin, attn_mask)
+            hidden, residual = layer(embeds, hidden, residual, cos, sin, attn_mask, segments)
         return self.norm(hidden + residual)
 
     def forward(
@@ -409,13 +447,16 @@ class PEagleDrafter(nn.Module):
         is_mask: torch.Tensor,
         attn_mask: torch.Tensor,
         select: torch.Tensor | None = None,
+        segments: list[list[tuple[int, int, int]]] | None = None,
     ) -> torch.Tensor:
         """Draft logits [B,N,draft_vocab], or [n,draft_vocab] for the slots where ``select`` (Bool[B,N]) holds.
 
         input_ids/positions Long[B,N]; aux_hidden [B,N,n_aux*Ht]; is_mask Bool[B,N]
-        (slot uses ``mask_hidden``); attn_mask Bool[B,N,N], True = may attend.
+        (slot uses ``mask_hidden``); attn_mask Bool[B,N,N], True = may attend;
+        ``segments`` (packed training rows, see :func:`segment_attention`) skips
+        the pairs ``attn_mask`` rules out between examples.
         """
-        h = self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask)
+        h = self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask, segments)
         # Training scores only labelled slots: prompt slots are attention context, and
         # lm_head + the loss over the draft vocabulary would otherwise be half the step.
         return self.lm_head(h if select is None else h[select])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,8 @@ class Features:
     ``target_logits`` are the target's logits restricted to the draft vocabulary
     (columns in draft-id order), for every position or only for ``logit_rows``
     (see :func:`label_rows`); ``target_argmax`` is the target's greedy token
-    over its full vocabulary, so tokens outside the draft vocab count as misses.
+    over its full vocabulary, so tokens outside the draft vocab count as misses
+    (-1 where no slot is labelled with that position).
     """
 
     input_ids: torch.Tensor  # Long[N]
@@ -68,16 +70,34 @@ class Batch:
     target_logits: torch.Tensor  # [B,S,Vd]
     target_argmax: torch.Tensor  # Long[B,S]
     num_tokens: int  # real tokens in the batch (for throughput)
+    # Per row, each example's slots as (start, n_real, end): see adapt.drafter.segment_attention.
+    segments: list[list[tuple[int, int, int]]] | None = None
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
+    def model_inputs(self) -> dict[str, Any]:
         return {"input_ids": self.input_ids, "positions": self.positions, "aux_hidden": self.aux_hidden,
-                "is_mask": self.is_mask, "attn_mask": self.attn_mask}
+                "is_mask": self.is_mask, "attn_mask": self.attn_mask, "segments": self.segments}
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Batch":
         mv = lambda t: t.to(device, dtype=dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
         return Batch(*(mv(getattr(self, f)) for f in
                        ("input_ids", "positions", "aux_hidden", "is_mask", "attn_mask", "depth", "valid",
-                        "target_logits", "target_argmax")), num_tokens=self.num_tokens)
+                        "target_logits", "target_argmax")), num_tokens=self.num_tokens, segments=self.segments)
+
+
+def row_segments(lay: Layout) -> list[tuple[int, int, int]]:
+    """``(start, n_real, end)`` of each example in a layout (examples are contiguous, real slots first)."""
+    segs = []
+    seg, real = lay.seg.tolist(), (lay.tok_index >= 0).tolist()
+    start = 0
+    for i in range(1, len(seg) + 1):
+        if i == len(seg) or seg[i] != seg[start]:
+            if seg[start] >= 0:
+                n_real = sum(real[start:i])
+                if not all(real[start:start + n_real]):
+                    raise ValueError("an example's real slots must precede its mask slots")
+                segs.append((start, n_real, i))
+            start = i
+    return segs
 
 
 def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth_keep: Sequence[float] = (),
@@ -125,6 +145,7 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
         target_logits=torch.stack(tl),
         target_argmax=torch.stack(ta),
         num_tokens=sum(len(f) for row in rows for f in row),
+        segments=[row_segments(lay) for lay in layouts],
     )
 
 

@@ -155,6 +155,35 @@ def test_loss_over_selected_slots_equals_loss_over_all_slots():
         torch.testing.assert_close(g_full[n], g_sel[n], rtol=1e-4, atol=1e-6)
 
 
+def test_segment_attention_equals_the_dense_masked_pass():
+    """Example-by-example attention (causal real slots, masked chains) gives the dense pass's logits and grads."""
+    m = _tiny_drafter(3).train()
+    g = torch.Generator().manual_seed(7)
+
+    def feat(n, mask):
+        return Features(torch.randint(0, 39, (n,), generator=g), torch.tensor(mask),
+                        torch.randn(n, m.config.fc_input_size, generator=g), torch.randn(n, 24, generator=g),
+                        torch.randint(0, 39, (n,), generator=g))
+
+    rows = [[feat(7, [F, F, F, T, T, T, T]), feat(5, [F, T, T, F, T]), feat(3, [F, T, T])],
+            [feat(6, [F, F, T, T, T, T])]]  # shorter row: padded
+    batch = collate(rows, 3, m.config.ptd_token_id, [0.7, 0.4], torch.Generator().manual_seed(3))
+    assert [len(s) for s in batch.segments] == [3, 1]
+    assert batch.segments[1][-1][2] < batch.valid.shape[1]  # the second row has padding slots
+    results = []
+    for segments in (None, batch.segments):
+        m.zero_grad()
+        inputs = {**batch.model_inputs(), "segments": segments}
+        logits = m(**inputs)
+        peagle_loss(logits, batch, m.d2t, [1.0, 0.8, 0.6], 3).loss.backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (dense, g_dense), (seg, g_seg) = results
+    real = batch.depth > 0
+    torch.testing.assert_close(seg[real], dense[real], rtol=1e-4, atol=1e-5)
+    for n in g_dense:
+        torch.testing.assert_close(g_seg[n], g_dense[n], rtol=1e-4, atol=1e-6)
+
+
 def test_compact_target_logits_collate_like_full_ones():
     g = torch.Generator().manual_seed(6)
     full, compact = [], []
