@@ -112,10 +112,16 @@ class TargetRunner:
     # --- forward --------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Aux hidden [N, n_aux*H] and next-token logits [N, V] (float32) for one sequence."""
+    def forward(self, input_ids: torch.Tensor, with_logits: bool = True,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Aux hidden [N, n_aux*H] and next-token logits [N, V] (float32) for one sequence.
+
+        ``rows`` (Long[R]) limits the logits to those positions ([R, V]): the
+        output layer over the full vocabulary is a fifth of a small target's forward.
+        """
         ids = input_ids.to(self.device).view(1, -1)
-        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        keep = rows.to(self.device) if (with_logits and rows is not None) else (0 if with_logits else 1)
+        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=keep)
         parts = []
         for L in self.aux_layer_ids:
             parts.append(self._prenorm if L == self.num_layers else out.hidden_states[L])

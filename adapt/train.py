@@ -227,14 +227,17 @@ class TargetFeatures:
     @torch.no_grad()
     def compute(self, ex: Example) -> Features:
         t0 = time.perf_counter()
-        aux, logits = self.runner.forward(ex.input_ids)
         rows = label_rows(ex.loss_mask)
+        aux, logits = self.runner.forward(ex.input_ids, rows=rows)
+        # Only labelled slots read the target's argmax (their agreement metric).
+        argmax = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
+        argmax[rows] = logits.argmax(-1).cpu()
         f = Features(
             input_ids=ex.input_ids,
             loss_mask=ex.loss_mask,
             aux_hidden=aux.to(torch.bfloat16).cpu(),
-            target_logits=logits[rows.to(logits.device)][:, self.draft_ids].to(torch.bfloat16).cpu(),
-            target_argmax=logits.argmax(-1).cpu(),
+            target_logits=logits[:, self.draft_ids].to(torch.bfloat16).cpu(),
+            target_argmax=argmax,
             logit_rows=rows,
         )
         self.seconds += time.perf_counter() - t0
