@@ -67,7 +67,7 @@ class Batch:
     attn_mask: torch.Tensor  # Bool[B,S,S]
     depth: torch.Tensor  # Long[B,S], 0 = padding
     valid: torch.Tensor  # Bool[B,S]
-    target_logits: torch.Tensor  # [B,S,Vd]
+    target_logits: torch.Tensor  # [n,Vd]: the valid slots' rows, in ``valid`` order (kept in the features' dtype)
     target_argmax: torch.Tensor  # Long[B,S]
     num_tokens: int  # real tokens in the batch (for throughput)
     # Per row, each example's slots as (start, n_real, end): see adapt.drafter.segment_attention.
@@ -79,9 +79,11 @@ class Batch:
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Batch":
         mv = lambda t: t.to(device, dtype=dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
-        return Batch(*(mv(getattr(self, f)) for f in
-                       ("input_ids", "positions", "aux_hidden", "is_mask", "attn_mask", "depth", "valid",
-                        "target_logits", "target_argmax")), num_tokens=self.num_tokens, segments=self.segments)
+        moved = {f: mv(getattr(self, f)) for f in ("input_ids", "positions", "aux_hidden", "is_mask", "attn_mask",
+                                                     "depth", "valid", "target_argmax")}
+        # The loss upcasts the target logits itself; an fp32 copy here would be the largest tensor of the step.
+        return Batch(**moved, target_logits=self.target_logits.to(device), num_tokens=self.num_tokens,
+                     segments=self.segments)
 
 
 def row_segments(lay: Layout) -> list[tuple[int, int, int]]:
@@ -129,8 +131,7 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
         src[has_t] = r_li[lay.tgt_index[has_t]]
         if (lay.valid & (src < 0)).any():
             raise ValueError("a labelled slot's target logits were not kept (logit_rows too narrow)")
-        t = r_tl.new_zeros(S, r_tl.shape[-1])
-        t[src >= 0] = r_tl[src[src >= 0]]
+        t = r_tl[src[lay.valid]]
         a = torch.full((S,), -1, dtype=torch.long)
         a[has_t] = r_ta[lay.tgt_index[has_t]]
         ids.append(x), aux.append(h), tl.append(t), ta.append(a)
@@ -142,7 +143,7 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
         attn_mask=torch.stack([lay.attn_mask for lay in layouts]),
         depth=torch.stack([lay.depth for lay in layouts]),
         valid=torch.stack([lay.valid for lay in layouts]),
-        target_logits=torch.stack(tl),
+        target_logits=torch.cat(tl),
         target_argmax=torch.stack(ta),
         num_tokens=sum(len(f) for row in rows for f in row),
         segments=[row_segments(lay) for lay in layouts],
@@ -172,7 +173,8 @@ def peagle_loss(logits: torch.Tensor, batch: Batch, d2t: torch.Tensor, depth_wei
         logits = logits[valid]
     depth = batch.depth[valid]
     logq = F.log_softmax(logits.float(), dim=-1)
-    logp = F.log_softmax(batch.target_logits[valid].float(), dim=-1)
+    target = batch.target_logits
+    logp = F.log_softmax((target[valid] if target.dim() == 3 else target).float(), dim=-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # [n]
     pred = logits.argmax(-1)
     agree = (pred + d2t[pred]) == batch.target_argmax[valid]

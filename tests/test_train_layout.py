@@ -197,7 +197,12 @@ def test_compact_target_logits_collate_like_full_ones():
         compact.append(Features(f.input_ids, lm, f.aux_hidden, f.target_logits[rows], f.target_argmax, rows))
     a, b = collate([full], 3, 38), collate([compact], 3, 38)
     assert torch.equal(a.valid, b.valid) and int(a.valid.sum()) > 0
-    torch.testing.assert_close(a.target_logits[a.valid], b.target_logits[b.valid], rtol=0, atol=0)
+    torch.testing.assert_close(a.target_logits, b.target_logits, rtol=0, atol=0)
+    # Each valid slot's row is the target distribution at the position its label follows.
+    lay = build_layout([f.loss_mask for f in full], 3)
+    want = torch.cat([f.target_logits for f in full])[lay.tgt_index[lay.valid]]
+    assert a.target_logits.shape == (int(a.valid.sum()), 24)
+    torch.testing.assert_close(a.target_logits, want, rtol=0, atol=0)
     assert torch.equal(a.target_argmax, b.target_argmax)
     # Keeping too few rows is caught, not trained on zeros.
     narrow = compact[0]
