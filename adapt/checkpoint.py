@@ -435,6 +435,33 @@ def _target_embeddings(target_dir: Path) -> torch.Tensor:
     raise HeadError(f"{target_dir}: no embed_tokens weight found in its safetensors")
 
 
+def target_output_layer(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's final norm weight [H] and output embedding [V,H] (its lm_head, or the tied embeddings)."""
+    found: dict[str, torch.Tensor] = {}
+    for p in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(p), framework="pt") as f:
+            for name in ("model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"):
+                if name in f.keys():
+                    found[name] = f.get_tensor(name).float()
+    head = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
+    if "model.norm.weight" not in found or head is None:
+        raise HeadError(f"{target_dir}: no final norm / lm_head weights found in its safetensors")
+    return found["model.norm.weight"], head
+
+
+def init_output_from_target(model: PEagleDrafter, target_dir: str | Path) -> None:
+    """Start ``norm`` and ``lm_head`` from the target's final norm and output rows of the draft vocabulary.
+
+    The drafter then only has to learn to produce a hidden state like the
+    target's; its logits start on the target's scale and token geometry.
+    """
+    norm, head = target_output_layer(Path(target_dir))
+    ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device)).cpu()
+    with torch.no_grad():
+        model.norm.weight.copy_(norm.to(model.norm.weight))
+        model.lm_head.weight.copy_(head[ids].to(model.lm_head.weight))
+
+
 def new_head(target_dir: str | Path, k: int = 3, draft_vocab_size: int | None = None,
              aux_layer_ids: list[int] | None = None, num_layers: int = 1, seed: int = 0) -> PEagleDrafter:
     """A randomly initialised drafter for ``target_dir`` (embeddings copied from the target)."""

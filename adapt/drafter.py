@@ -351,11 +351,12 @@ class PEagleDrafter(nn.Module):
         self.t2d.zero_()
         self.t2d[ids.to(dev)] = True
 
-    def remap_draft_vocab(self, target_ids: torch.Tensor) -> int:
+    def remap_draft_vocab(self, target_ids: torch.Tensor, output_rows: torch.Tensor | None = None) -> int:
         """Hold ``target_ids`` in the draft vocabulary instead (same size); returns how many are new.
 
-        A token that stays keeps its ``lm_head`` row; a new one starts at the mean row,
-        i.e. at an average logit, and is learned from there.
+        A token that stays keeps its ``lm_head`` row. A new one starts from the
+        target's own output row (``output_rows`` [vocab, H]), rescaled to the
+        norm of the rows kept, or at the mean row (an average logit) without it.
         """
         ids = torch.as_tensor(target_ids, dtype=torch.long).flatten().sort().values
         old = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device)).cpu()
@@ -367,6 +368,10 @@ class PEagleDrafter(nn.Module):
             w = self.lm_head.weight
             rows = w.mean(0, keepdim=True).expand_as(w).clone()
             rows[keep.to(w.device)] = w[src[keep].to(w.device)]
+            if output_rows is not None and bool(keep.any()) and bool((~keep).any()):
+                kept = output_rows[ids[keep]].to(w)
+                scale = rows[keep.to(w.device)].norm(dim=-1).mean() / kept.norm(dim=-1).mean().clamp(min=1e-12)
+                rows[(~keep).to(w.device)] = output_rows[ids[~keep]].to(w) * scale
             w.copy_(rows)
         self.set_draft_vocab(ids)
         return int((~keep).sum())

@@ -146,6 +146,18 @@ def test_warm_start_refreshes_the_draft_vocabulary_for_drifted_traffic(bootstrap
     assert r["coverage_after"] == 1.0 > r["coverage_before"]
 
 
+def test_output_layer_starts_from_the_targets_draft_vocab_rows(tiny_model):
+    from adapt.checkpoint import init_output_from_target, new_head, target_output_layer
+
+    model = new_head(tiny_model, 3, 256)
+    ids = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:256].sort().values
+    model.set_draft_vocab(ids)
+    init_output_from_target(model, tiny_model)
+    norm, out_rows = target_output_layer(tiny_model)
+    torch.testing.assert_close(model.norm.weight, norm)
+    torch.testing.assert_close(model.lm_head.weight, out_rows[ids])
+
+
 def test_remap_draft_vocab_moves_rows_with_their_tokens(bootstrapped):
     from adapt.checkpoint import load_head
 
@@ -161,6 +173,23 @@ def test_remap_draft_vocab_moves_rows_with_their_tokens(bootstrapped):
     for i, t in enumerate(got.tolist()):
         want = mean if t in outside else row[t]
         assert torch.allclose(model.lm_head.weight[i], want)
+
+
+def test_remap_draft_vocab_starts_new_tokens_from_the_target_rows(bootstrapped, tiny_model):
+    from adapt.checkpoint import load_head, target_output_layer
+
+    model, _ = load_head(bootstrapped[0])
+    _, out_rows = target_output_layer(tiny_model)
+    ids = model.draft_to_target(torch.arange(256))
+    row = {int(t): model.lm_head.weight[i].clone() for i, t in enumerate(ids)}
+    outside = sorted(set(range(model.config.vocab_size)) - set(ids.tolist()))[:5]
+    kept = ids.tolist()[5:]
+    new_ids = torch.tensor(sorted(kept + outside))
+    assert model.remap_draft_vocab(new_ids, out_rows) == 5
+    scale = torch.stack([row[t] for t in kept]).norm(dim=-1).mean() / out_rows[kept].norm(dim=-1).mean()
+    for i, t in enumerate(model.draft_to_target(torch.arange(256)).tolist()):
+        want = out_rows[t] * scale if t in outside else row[t]
+        torch.testing.assert_close(model.lm_head.weight[i], want)
 
 
 def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
