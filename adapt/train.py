@@ -273,13 +273,17 @@ class TargetFeatures:
 
 # --- schedule / checkpoints ------------------------------------------------------
 
-def lr_at(step: int, base_lr: float, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10% of ``base_lr`` at ``total`` (constant if total unknown)."""
+def lr_at(step: int, base_lr: float, warmup: int, total: int, time_used: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to 10% of ``base_lr`` at ``total`` steps.
+
+    ``time_used`` (0..1, the share of a wall-time cap spent) moves the decay ahead
+    when the cap will end the run before ``total``: a capped run still anneals.
+    Without either bound the rate stays constant after warmup.
+    """
     if warmup and step < warmup:
         return base_lr * (step + 1) / warmup
-    if total <= warmup:
-        return base_lr
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    by_steps = (step - warmup) / max(1, total - warmup) if total > warmup else 0.0
+    progress = min(1.0, max(by_steps, time_used))
     return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
@@ -425,6 +429,9 @@ def train(
     max_steps = tc.max_steps if tc.max_steps > 0 else (1 << 62)
     total_for_schedule = tc.max_steps
     deadline = time.monotonic() + tc.max_minutes * 60 if tc.max_minutes > 0 else None
+
+    def time_used() -> float:
+        return 1.0 - (deadline - time.monotonic()) / (tc.max_minutes * 60) if deadline is not None else 0.0
     bar = None
     if progress and dd.main:
         from tqdm import tqdm
@@ -434,7 +441,9 @@ def train(
     tokens_run = 0
     step = state["step"]
     while step < max_steps:
-        if deadline is not None and _any_rank(time.monotonic() > deadline, dd):
+        # One value for all ranks: they must stop at the same step and use the same rate.
+        used = _max_over_ranks(time_used(), dd) if deadline is not None else 0.0
+        if used >= 1.0:
             break
         if stop_after_steps is not None and step >= stop_after_steps:
             break
@@ -443,7 +452,7 @@ def train(
         gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + dd.rank)
         batch = collate(feats, K, model.config.ptd_token_id, tc.depth_keep, gen).to(device)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, tc.learning_rate, tc.warmup_steps, total_for_schedule)
+            g["lr"] = lr_at(step, tc.learning_rate, tc.warmup_steps, total_for_schedule, used)
         with autocast():
             logits = ddp_model(**batch.model_inputs(), select=batch.valid)
         out = peagle_loss(logits, batch, model.d2t, tc.depth_weights, K)
@@ -504,13 +513,13 @@ def train(
     )
 
 
-def _any_rank(flag: bool, dd: Dist) -> bool:
-    """True on every rank when any rank says so (ranks must stop at the same step)."""
+def _max_over_ranks(value: float, dd: Dist) -> float:
+    """The largest ``value`` of all ranks, on every rank."""
     if dd.world <= 1:
-        return flag
-    t = torch.tensor([1 if flag else 0])
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return float(t.item())
 
 
 def offline_acceptance(head_dir: Path, target: TargetFeatures, rows: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:

@@ -146,6 +146,20 @@ def test_warm_start_refreshes_the_draft_vocabulary_for_drifted_traffic(bootstrap
     assert r["coverage_after"] == 1.0 > r["coverage_before"]
 
 
+def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
+    from adapt.train import lr_at
+
+    assert lr_at(0, 1.0, 10, 110) == pytest.approx(0.1)
+    assert lr_at(10, 1.0, 10, 110) == pytest.approx(1.0)
+    assert lr_at(60, 1.0, 10, 110) == pytest.approx(0.55)  # cosine half way: 0.1 + 0.9 / 2
+    assert lr_at(110, 1.0, 10, 110) == pytest.approx(0.1)
+    # A wall-time cap that will end the run first moves the decay ahead; it never slows it.
+    assert lr_at(10, 1.0, 10, 110, time_used=0.5) == pytest.approx(0.55)
+    assert lr_at(10, 1.0, 10, 110, time_used=1.0) == pytest.approx(0.1)
+    assert lr_at(60, 1.0, 10, 110, time_used=0.1) == pytest.approx(0.55)
+    assert lr_at(50, 1.0, 10, 0) == pytest.approx(1.0)  # no bound: constant after warmup
+
+
 def test_output_layer_starts_from_the_targets_draft_vocab_rows(tiny_model):
     from adapt.checkpoint import init_output_from_target, new_head, target_output_layer
 
@@ -200,7 +214,7 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
         "import json, sys\n"
         "from adapt.config import load_config\nfrom adapt.data import read_sharegpt_jsonl\nfrom adapt.train import train\n"
         f"cfg = load_config(None, {{'state_dir': {str(tmp_path / 'st')!r}, 'target': {{'model': {str(tiny_model)!r}}},"
-        " 'head': {'draft_vocab_size': 256}, 'training': {'max_steps': 3, 'batch_tokens': 200, 'max_seq_len': 100}})\n"
+        " 'head': {'draft_vocab_size': 256}, 'training': {'max_steps': 3, 'max_minutes': 30, 'batch_tokens': 200, 'max_seq_len': 100}})\n"
         f"r = train(cfg, read_sharegpt_jsonl({str(data)!r}), None, {str(tmp_path / 'ddp')!r}, progress=False)\n"
         "import os, pathlib\n"
         f"pathlib.Path({str(tmp_path)!r}, 'result-' + os.environ['RANK'] + '.json')"
