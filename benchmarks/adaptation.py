@@ -145,6 +145,9 @@ def cached_conversations(work: Path, name: str, prompts: list[dict], max_tokens:
 # --- training --------------------------------------------------------------------------
 
 
+RECIPE_FILES = ("train.py", "loss.py", "layout.py", "drafter.py", "data.py", "checkpoint.py", "hidden_states.py")
+
+
 def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: list[dict] | None,
                  target: Path, threads: int) -> dict:
     """``adapt.train.train`` once; a finished run's result is reused on rerun."""
@@ -152,8 +155,10 @@ def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: li
 
     from adapt.train import train
 
+    # The recipe's code is part of the key: a changed recipe must retrain, not reuse.
+    code = hashlib.sha256(b"".join((REPO / "adapt" / f).read_bytes() for f in RECIPE_FILES)).hexdigest()
     key = hashlib.sha256(json.dumps({
-        "rows": [r["id"] for r in rows], "replay": [r["id"] for r in replay or []],
+        "code": code, "rows": [r["id"] for r in rows], "replay": [r["id"] for r in replay or []],
         "base": str(base), "training": cfg.training.model_dump(mode="json"),
         "head": {k: v for k, v in cfg.head.model_dump(mode="json").items() if k != "heads_dir"},
     }, sort_keys=True).encode()).hexdigest()[:12]
