@@ -220,7 +220,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attn_mask, segments=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, attn_mask, segments=None, keep=None) -> torch.Tensor:
         B, N, _ = x.shape
         q = self.q_proj(x).view(B, N, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, N, self.nkv, self.hd).transpose(1, 2)
@@ -233,7 +233,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None])
         else:
             out = segment_attention(q, k, v, attn_mask, segments)
-        return self.o_proj(out.transpose(1, 2).reshape(B, N, self.nh * self.hd))
+        out = out.transpose(1, 2).reshape(B, N, self.nh * self.hd)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 def segment_attention(q, k, v, attn_mask, segments) -> torch.Tensor:
@@ -297,7 +298,8 @@ class DecoderLayer(nn.Module):
             # vLLM creates hidden_norm on every layer but only layer 0 uses it.
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def forward(self, embeds, hidden, residual, cos, sin, attn_mask, segments=None):
+    def forward(self, embeds, hidden, residual, cos, sin, attn_mask, segments=None, keep=None):
+        """``keep`` (Bool[B,N]): return only those slots' rows ([n,H]); every slot still serves as a key."""
         if self.layer_idx == 0:
             normed = self.hidden_norm(hidden)
             residual = normed if self.norm_before_residual else hidden
@@ -305,8 +307,8 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden + residual
             x = self.input_layernorm(residual)
-        x = self.self_attn(x, cos, sin, attn_mask, segments)
-        residual = x + residual
+        x = self.self_attn(x, cos, sin, attn_mask, segments, keep)
+        residual = x + (residual if keep is None else residual[keep])
         x = self.mlp(self.post_attention_layernorm(residual))
         return x, residual
 
@@ -432,16 +434,23 @@ class PEagleDrafter(nn.Module):
         is_mask: torch.Tensor,
         attn_mask: torch.Tensor,
         segments: list[list[tuple[int, int, int]]] | None = None,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final normed hidden states [B,N,H] (before ``lm_head``)."""
+        """Final normed hidden states [B,N,H] (before ``lm_head``), or [n,H] for the ``select`` slots.
+
+        Nothing reads the last layer's output at other slots, so its MLP runs on
+        the selected rows only (exact: every op after attention is per row).
+        """
         dtype = self.fc.weight.dtype
         aux = torch.where(is_mask.unsqueeze(-1), self.mask_hidden.to(dtype), aux_hidden.to(dtype))
         hidden = self.fc(aux)
         embeds = self.embed(input_ids).to(dtype)
         cos, sin = self.rope(positions, dtype)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(embeds, hidden, residual, cos, sin, attn_mask, segments)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(embeds, hidden, residual, cos, sin, attn_mask, segments,
+                                     select if i == last else None)
         return self.norm(hidden + residual)
 
     def forward(
@@ -461,10 +470,9 @@ class PEagleDrafter(nn.Module):
         ``segments`` (packed training rows, see :func:`segment_attention`) skips
         the pairs ``attn_mask`` rules out between examples.
         """
-        h = self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask, segments)
         # Training scores only labelled slots: prompt slots are attention context, and
         # lm_head + the loss over the draft vocabulary would otherwise be half the step.
-        return self.lm_head(h if select is None else h[select])
+        return self.lm_head(self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask, segments, select))
 
 
 def build_draft_inputs(

@@ -66,10 +66,10 @@ def test_depth_keep_gives_nested_chains():
         assert deep <= set(lay.anchor[lay.depth == d - 1].tolist())
 
 
-def _tiny_drafter(k: int = 3) -> PEagleDrafter:
+def _tiny_drafter(k: int = 3, num_layers: int = 1) -> PEagleDrafter:
     cfg = DrafterConfig(hidden_size=32, target_hidden_size=16, intermediate_size=48, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, vocab_size=40, draft_vocab_size=24,
-                        aux_layer_ids=[1, 2, 3], ptd_token_id=39, num_speculative_tokens=k)
+                        aux_layer_ids=[1, 2, 3], ptd_token_id=39, num_speculative_tokens=k, num_layers=num_layers)
     torch.manual_seed(0)
     m = PEagleDrafter(cfg)
     with torch.no_grad():
@@ -131,8 +131,9 @@ def test_loss_zero_when_drafter_matches_target_and_counts_agreement():
     assert (out.depth_loss > 0).all()
 
 
-def test_loss_over_selected_slots_equals_loss_over_all_slots():
-    m = _tiny_drafter(3)
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_loss_over_selected_slots_equals_loss_over_all_slots(num_layers):
+    m = _tiny_drafter(3, num_layers)
     g = torch.Generator().manual_seed(5)
     feats = []
     for n, mask in ((7, [F, F, F, T, T, T, T]), (5, [F, T, T, F, T])):
