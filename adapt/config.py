@@ -76,7 +76,7 @@ class TrainingConfig(_Section):
     max_minutes: float = Field(0.0, ge=0)
     batch_tokens: int = Field(2048, ge=16)
     max_seq_len: int = Field(1024, ge=16)
-    learning_rate: float = Field(3e-4, gt=0)
+    learning_rate: float = Field(1e-3, gt=0)
     weight_decay: float = 0.0
     warmup_steps: int = Field(10, ge=0)
     depth_weights: list[float] = [1.0, 0.8, 0.6]
