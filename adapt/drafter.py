@@ -243,10 +243,9 @@ def segment_attention(q, k, v, attn_mask, segments) -> torch.Tensor:
     ``segments[b]`` lists each example of row ``b`` as ``(start, n_real, end)``:
     slots ``start..start+n_real`` are its real slots, which attend causally among
     themselves only, and the rest up to ``end`` its mask slots (masked by
-    ``attn_mask``). Examples never attend across each other, so the dense S x S
-    pass spent most of its work on masked-out pairs; this skips them and runs the
-    real slots as plain causal attention. Slots after the last example (padding)
-    get zeros.
+    ``attn_mask``). Examples never attend across each other, yet the dense S x S
+    pass computes every such pair; this skips them and runs the real slots as
+    plain causal attention. Slots after the last example (padding) get zeros.
     """
     rows = []
     N = q.shape[2]
@@ -438,8 +437,8 @@ class PEagleDrafter(nn.Module):
     ) -> torch.Tensor:
         """Final normed hidden states [B,N,H] (before ``lm_head``), or [n,H] for the ``select`` slots.
 
-        Nothing reads the last layer's output at other slots, so its MLP runs on
-        the selected rows only (exact: every op after attention is per row).
+        Nothing reads the last layer's output at other slots, so its ``o_proj`` and
+        MLP run on the selected rows only (exact: every op after attention is per row).
         """
         dtype = self.fc.weight.dtype
         aux = torch.where(is_mask.unsqueeze(-1), self.mask_hidden.to(dtype), aux_hidden.to(dtype))
