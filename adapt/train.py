@@ -11,7 +11,9 @@ Read top to bottom, :func:`train` is the whole recipe:
 5. export  ``adapt.checkpoint.save_head`` with lineage in the manifest
 
 Every random choice (batch order, depth down-sampling) is a pure function of
-``(seed, step)``, so a resumed run replays exactly what an uninterrupted one does.
+``(seed, step)``, so a resumed run replays exactly what an uninterrupted one does
+(under a wall-time cap the learning rate also follows the clock, so only the
+data and sampling replay exactly).
 """
 
 from __future__ import annotations
