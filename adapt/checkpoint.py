@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -426,23 +427,27 @@ def validate_head(head_dir: str | Path, target_dir: str | Path | None = None,
 
 # --- random init / import ----------------------------------------------------------
 
-def _target_embeddings(target_dir: Path) -> torch.Tensor:
+def _target_tensors(target_dir: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Those of ``names`` the target's safetensors hold (float32), from whichever shard has them."""
+    found: dict[str, torch.Tensor] = {}
     for p in sorted(target_dir.glob("*.safetensors")):
         with safe_open(str(p), framework="pt") as f:
-            for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+            for name in names:
                 if name in f.keys():
-                    return f.get_tensor(name).float()
-    raise HeadError(f"{target_dir}: no embed_tokens weight found in its safetensors")
+                    found[name] = f.get_tensor(name).float()
+    return found
+
+
+def _target_embeddings(target_dir: Path) -> torch.Tensor:
+    found = _target_tensors(target_dir, ("model.embed_tokens.weight", "embed_tokens.weight"))
+    if not found:
+        raise HeadError(f"{target_dir}: no embed_tokens weight found in its safetensors")
+    return found.get("model.embed_tokens.weight", found.get("embed_tokens.weight"))
 
 
 def target_output_layer(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's final norm weight [H] and output embedding [V,H] (its lm_head, or the tied embeddings)."""
-    found: dict[str, torch.Tensor] = {}
-    for p in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(p), framework="pt") as f:
-            for name in ("model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"):
-                if name in f.keys():
-                    found[name] = f.get_tensor(name).float()
+    found = _target_tensors(target_dir, ("model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"))
     head = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
     if "model.norm.weight" not in found or head is None:
         raise HeadError(f"{target_dir}: no final norm / lm_head weights found in its safetensors")

@@ -120,7 +120,12 @@ class TargetRunner:
         output layer over the full vocabulary is a fifth of a small target's forward.
         """
         ids = input_ids.to(self.device).view(1, -1)
-        keep = rows.to(self.device) if (with_logits and rows is not None) else (0 if with_logits else 1)
+        if not with_logits:
+            keep = 1  # the model always scores some rows: one is the least
+        elif rows is None:
+            keep = 0  # all
+        else:
+            keep = rows.to(self.device)
         out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=keep)
         parts = []
         for L in self.aux_layer_ids:

@@ -173,8 +173,7 @@ def peagle_loss(logits: torch.Tensor, batch: Batch, d2t: torch.Tensor, depth_wei
         logits = logits[valid]
     depth = batch.depth[valid]
     logq = F.log_softmax(logits.float(), dim=-1)
-    target = batch.target_logits
-    logp = F.log_softmax((target[valid] if target.dim() == 3 else target).float(), dim=-1)
+    logp = F.log_softmax(batch.target_logits.float(), dim=-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # [n]
     pred = logits.argmax(-1)
     agree = (pred + d2t[pred]) == batch.target_argmax[valid]

@@ -117,7 +117,7 @@ def test_loss_zero_when_drafter_matches_target_and_counts_agreement():
     batch = collate([[feats]], 2, m.config.ptd_token_id)
     with torch.no_grad():
         logits = m(**batch.model_inputs())
-    batch.target_logits = logits.clone()
+    batch.target_logits = logits[batch.valid].clone()
     pred = logits.argmax(-1)
     batch.target_argmax = pred + m.d2t[pred]
     out = peagle_loss(logits, batch, m.d2t, [1.0, 0.5], 2)
@@ -125,7 +125,7 @@ def test_loss_zero_when_drafter_matches_target_and_counts_agreement():
     assert out.depth_acc.tolist() == [1.0, 1.0]
     assert out.depth_count.tolist() == [4.0, 3.0]  # depth 1: labels x2..x5; depth 2: x3..x5
     # A different target gives a positive loss and weights depths as configured.
-    batch.target_logits = torch.randn_like(logits)
+    batch.target_logits = torch.randn_like(logits[batch.valid])
     out = peagle_loss(logits, batch, m.d2t, [1.0, 0.5], 2)
     torch.testing.assert_close(out.loss, out.depth_loss[0] + 0.5 * out.depth_loss[1])
     assert (out.depth_loss > 0).all()
