@@ -222,6 +222,15 @@ def default_cache_bytes() -> int:
     return 6 << 30
 
 
+def process_rss_bytes() -> int | None:
+    """Resident memory of this process (Linux ``/proc``), else None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class TargetFeatures:
     """Aux hidden states and draft-vocab logits of the target, computed once per example.
 
@@ -230,6 +239,11 @@ class TargetFeatures:
     Target forwards dominate CPU training time, so features stay in memory (bf16)
     up to ``cache_bytes`` and every later epoch reuses them; past the budget they
     are recomputed (huge data sets trade compute for RAM).
+
+    The budget bounds the process's real growth too: featurizing sequences of
+    many lengths grows resident memory ~2x the cached tensors' bytes (allocator
+    and per-shape kernel caches), and a budget of tensor bytes alone let a
+    half-of-RAM default run a 24 GiB machine out of memory.
     """
 
     def __init__(self, target_dir: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor,
@@ -242,6 +256,7 @@ class TargetFeatures:
         self.cache_bytes = default_cache_bytes() if cache_bytes is None else cache_bytes
         self.used_bytes = 0
         self.seconds = 0.0
+        self.rss_start = process_rss_bytes()
 
     @torch.no_grad()
     def compute(self, ex: Example) -> Features:
@@ -267,7 +282,9 @@ class TargetFeatures:
             return self.cache[index]
         f = self.compute(ex)
         size = f.aux_hidden.numel() * 2 + f.target_logits.numel() * 2
-        if self.used_bytes + size <= self.cache_bytes:
+        rss = process_rss_bytes()
+        grown = rss - self.rss_start if rss is not None and self.rss_start is not None else 0
+        if max(self.used_bytes, grown) + size <= self.cache_bytes:
             self.cache[index] = f
             self.used_bytes += size
         return f

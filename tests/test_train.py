@@ -146,6 +146,37 @@ def test_warm_start_refreshes_the_draft_vocabulary_for_drifted_traffic(bootstrap
     assert r["coverage_after"] == 1.0 > r["coverage_before"]
 
 
+def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model, monkeypatch):
+    """Features are cached while both their bytes and the process's growth fit the budget; the rest are
+    recomputed on demand, identically."""
+    import adapt.train as T
+    from adapt.data import tokenize_rows
+    from adapt.drafter import default_aux_layer_ids
+
+    rss = {"now": 1 << 30}
+    monkeypatch.setattr(T, "process_rss_bytes", lambda: rss["now"])
+    tf = T.TargetFeatures(tiny_model, default_aux_layer_ids(4), torch.arange(64), torch.device("cpu"),
+                          cache_bytes=10 << 20)
+    examples = tokenize_rows(tf.runner.tokenizer, conversations(5), 160)
+    got = []
+    for i, ex in enumerate(examples):
+        rss["now"] += 4 << 20  # each featurization grows the process by 4 MiB, far above its tensors' bytes
+        got.append(tf.get(i, ex))
+    assert tf.used_bytes < 1 << 20  # the tensors alone would all have fit
+    assert sorted(tf.cache) == [0, 1]  # 8 MiB grown + the third's bytes > 10 MiB: not kept
+    again = tf.get(3, examples[3])
+    assert again is not got[3] and torch.equal(again.aux_hidden, got[3].aux_hidden)
+    assert torch.equal(again.target_logits, got[3].target_logits)
+    assert tf.get(1, examples[1]) is got[1]
+
+    monkeypatch.setattr(T, "process_rss_bytes", lambda: None)  # no /proc: the tensors' bytes alone count
+    tf2 = T.TargetFeatures(tiny_model, default_aux_layer_ids(4), torch.arange(64), torch.device("cpu"),
+                           cache_bytes=10 << 20)
+    for i, ex in enumerate(examples):
+        tf2.get(i, ex)
+    assert sorted(tf2.cache) == [0, 1, 2, 3, 4]
+
+
 def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
     from adapt.train import lr_at
 
