@@ -177,6 +177,24 @@ def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model,
     assert sorted(tf2.cache) == [0, 1, 2, 3, 4]
 
 
+def test_training_releases_its_feature_cache_when_done(tiny_model, tmp_path, monkeypatch):
+    """A finished run leaves no cached features behind and trims the heap (vLLM servers may start next)."""
+    import adapt.train as T
+
+    made, trims = [], []
+
+    class Recording(T.TargetFeatures):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(T, "TargetFeatures", Recording)
+    monkeypatch.setattr(T, "trim_heap", lambda: trims.append(1) or True)
+    res = train(make_cfg(tmp_path, tiny_model, max_steps=3), conversations(8), None, tmp_path / "head", progress=False)
+    assert len(made) == 1 and made[0].cache == {} and made[0].used_bytes == 0
+    assert trims == [1] and res.featurize_seconds > 0
+
+
 def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
     from adapt.train import lr_at
 
