@@ -289,8 +289,8 @@ class TargetFeatures:
         self.seconds += time.perf_counter() - t0
         return f
 
-    def release(self) -> float:
-        """Drop the cached features and hand the freed heap back to the OS; returns featurization seconds.
+    def release(self) -> None:
+        """Drop the cached features and hand the freed heap back to the OS.
 
         glibc keeps a fragmented heap after the cache's tensors are freed: a process
         that trains and then starts vLLM servers (the benchmark, a nightly cycle)
@@ -300,7 +300,6 @@ class TargetFeatures:
         self.used_bytes = 0
         gc.collect()
         trim_heap()
-        return self.seconds
 
     def get(self, index: int, ex: Example) -> Features:
         if index in self.cache:
@@ -546,13 +545,14 @@ def train(
         save_head(model.cpu(), out_dir, manifest)
         if evaluate_rows:
             acceptance = offline_acceptance(out_dir, target, evaluate_rows, cfg)
+    target.release()
     if dd.world > 1:
         dist.barrier()
     return TrainResult(
         out_dir=str(out_dir), steps=step, tokens=state["tokens"], seconds=round(elapsed, 3),
         tokens_per_s=round(tokens_run / max(elapsed, 1e-9), 1), loss_curve=state["loss_curve"],
         final_depth_loss=depth_loss, final_depth_acc=depth_acc, parent_sha=parent_sha, data_snapshot=snapshot,
-        num_examples=len(examples), featurize_seconds=round(target.release(), 3), acceptance=acceptance,
+        num_examples=len(examples), featurize_seconds=round(target.seconds, 3), acceptance=acceptance,
         extra={"draft_vocab_refresh": vocab_refresh} if vocab_refresh else {},
     )
 
