@@ -65,11 +65,16 @@ class TargetRunner:
             raise ValueError(f"aux layer ids {list(aux_layer_ids)} out of range for a {self.num_layers}-layer target")
         self.aux_layer_ids = ids
         self._prenorm: torch.Tensor | None = None
+        self._final: torch.Tensor | None = None
         if self.num_layers in ids:
             self.model.model.norm.register_forward_pre_hook(self._grab_prenorm)
+        self.model.model.norm.register_forward_hook(self._grab_final)
 
     def _grab_prenorm(self, _module, args):
         self._prenorm = args[0]
+
+    def _grab_final(self, _module, _args, output):
+        self._final = output
 
     # --- tokenisation -------------------------------------------------------
 
@@ -133,6 +138,12 @@ class TargetRunner:
         aux = torch.cat([p[0] for p in parts], dim=-1)
         logits = out.logits[0].float() if with_logits else None
         return aux, logits
+
+    def final_hidden(self) -> torch.Tensor:
+        """[N, H]: the last :meth:`forward`'s final-norm output, the input of the target's output layer."""
+        if self._final is None:
+            raise RuntimeError("final_hidden() before forward()")
+        return self._final[0]
 
     def run(self, row: dict[str, Any], with_logits: bool = True) -> TargetOutput:
         ids, mask = self.render(row)

@@ -24,20 +24,34 @@ class Features:
 
     ``target_logits`` are the target's logits restricted to the draft vocabulary
     (columns in draft-id order), for every position or only for ``logit_rows``
-    (see :func:`label_rows`); ``target_argmax`` is the target's greedy token
-    over its full vocabulary, so tokens outside the draft vocab count as misses
-    (-1 where no slot is labelled with that position).
+    (see :func:`label_rows`). Compact features hold ``target_hidden`` instead:
+    the target's final-norm output at those rows, which the trainer projects
+    through the target's output rows of the draft vocabulary (the same product
+    the target's output layer computes) at a fraction of the memory
+    (H_target instead of draft_vocab values per row). ``target_argmax`` is the
+    target's greedy token over its full vocabulary, so tokens outside the draft
+    vocab count as misses (-1 where no slot is labelled with that position).
     """
 
     input_ids: torch.Tensor  # Long[N]
     loss_mask: torch.Tensor  # Bool[N]
     aux_hidden: torch.Tensor  # [N, n_aux*Ht]
-    target_logits: torch.Tensor  # [N, draft_vocab], or [R, draft_vocab] for logit_rows
+    target_logits: torch.Tensor | None  # [N, draft_vocab], or [R, draft_vocab] for logit_rows; None if compact
     target_argmax: torch.Tensor  # Long[N]
-    logit_rows: torch.Tensor | None = None  # Long[R]: positions target_logits holds (None = all)
+    logit_rows: torch.Tensor | None = None  # Long[R]: positions the target rows hold (None = all)
+    target_hidden: torch.Tensor | None = None  # [R, H_target] final-norm output, in place of target_logits
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
+
+    @property
+    def target_rows(self) -> torch.Tensor:
+        """What this example keeps of the target per row: logits, or (compact) final hidden states."""
+        return self.target_logits if self.target_hidden is None else self.target_hidden
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.aux_hidden, self.target_rows))
 
     def logit_index(self) -> torch.Tensor:
         """Long[N]: row of ``target_logits`` for each position, -1 where not kept."""
@@ -67,11 +81,20 @@ class Batch:
     attn_mask: torch.Tensor  # Bool[B,S,S]
     depth: torch.Tensor  # Long[B,S], 0 = padding
     valid: torch.Tensor  # Bool[B,S]
-    target_logits: torch.Tensor  # [n,Vd]: the valid slots' rows, in ``valid`` order (kept in the features' dtype)
+    # [n,Vd]: the valid slots' rows, in ``valid`` order (kept in the features' dtype); from compact
+    # features, [n,H_target] final hidden states until the trainer projects them (see Features).
+    target_logits: torch.Tensor
     target_argmax: torch.Tensor  # Long[B,S]
     num_tokens: int  # real tokens in the batch (for throughput)
     # Per row, each example's slots as (start, n_real, end): see adapt.drafter.segment_attention.
     segments: list[list[tuple[int, int, int]]] | None = None
+    compact: bool = False  # target_logits still holds final hidden states
+
+    def project_targets(self, output_rows: torch.Tensor) -> None:
+        """Compact batch -> logits over the draft vocabulary: final hidden @ output_rows.T [Vd,H], in their dtype."""
+        if self.compact:
+            self.target_logits = self.target_logits.to(output_rows) @ output_rows.T
+            self.compact = False
 
     def model_inputs(self) -> dict[str, Any]:
         return {"input_ids": self.input_ids, "positions": self.positions, "aux_hidden": self.aux_hidden,
@@ -83,7 +106,7 @@ class Batch:
                                                      "depth", "valid", "target_argmax")}
         # The loss upcasts the target logits itself; an fp32 copy here would be the largest tensor of the step.
         return Batch(**moved, target_logits=self.target_logits.to(device), num_tokens=self.num_tokens,
-                     segments=self.segments)
+                     segments=self.segments, compact=self.compact)
 
 
 def row_segments(lay: Layout) -> list[tuple[int, int, int]]:
@@ -108,17 +131,20 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
     layouts: list[Layout] = [build_layout([f.loss_mask for f in row], k, depth_keep, generator) for row in rows]
     S = max(lay.num_slots for lay in layouts)
     layouts = [pad_layout(lay, S) for lay in layouts]
+    kinds = {f.target_hidden is not None for row in rows for f in row}
+    if len(kinds) > 1:
+        raise ValueError("a batch mixes compact (target_hidden) and full (target_logits) features")
     ids, aux, tl, ta = [], [], [], []
     for row, lay in zip(rows, layouts):
         r_ids = torch.cat([f.input_ids for f in row])
         r_aux = torch.cat([f.aux_hidden for f in row])
-        r_tl = torch.cat([f.target_logits for f in row])
-        # Each example's logit rows, shifted to where its target_logits start in r_tl.
+        r_tl = torch.cat([f.target_rows for f in row])
+        # Each example's logit rows, shifted to where its target rows start in r_tl.
         li, start = [], 0
         for f in row:
             ix = f.logit_index()
             li.append(torch.where(ix >= 0, ix + start, ix))
-            start += f.target_logits.shape[0]
+            start += f.target_rows.shape[0]
         r_li = torch.cat(li)
         r_ta = torch.cat([f.target_argmax for f in row])
         real = lay.tok_index >= 0
@@ -147,6 +173,7 @@ def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth
         target_argmax=torch.stack(ta),
         num_tokens=sum(len(f) for row in rows for f in row),
         segments=[row_segments(lay) for lay in layouts],
+        compact=kinds == {True},
     )
 
 
@@ -173,6 +200,8 @@ def peagle_loss(logits: torch.Tensor, batch: Batch, d2t: torch.Tensor, depth_wei
         logits = logits[valid]
     depth = batch.depth[valid]
     logq = F.log_softmax(logits.float(), dim=-1)
+    if batch.compact:
+        raise ValueError("compact batch: project_targets() before the loss")
     logp = F.log_softmax(batch.target_logits.float(), dim=-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # [n]
     pred = logits.argmax(-1)

@@ -244,13 +244,19 @@ def process_rss_bytes() -> int | None:
 
 
 class TargetFeatures:
-    """Aux hidden states and draft-vocab logits of the target, computed once per example.
+    """Aux hidden states and draft-vocab targets of the target, computed once per example.
 
     The target runs in bf16 through :class:`adapt.hidden_states.TargetRunner`
     (aux states exactly as vLLM records them, and the precision vLLM serves in).
     Target forwards dominate CPU training time, so features stay in memory (bf16)
     up to ``cache_bytes`` and every later epoch reuses them; past the budget they
     are recomputed (huge data sets trade compute for RAM).
+
+    Features are compact where the target's output layer is a plain product of
+    its final-norm output and its output embedding (checked on a probe, not
+    assumed): they keep that hidden state per labelled row (H_target values, 576
+    for SmolLM2) instead of the draft-vocab logits (8,192), and :meth:`project`
+    recomputes the logits in the step. That keeps ~2.5x more examples per GB.
 
     The budget bounds the process's real growth too: featurizing sequences of
     many lengths grows resident memory ~2x the cached tensors' bytes (allocator
@@ -259,16 +265,34 @@ class TargetFeatures:
     """
 
     def __init__(self, target_dir: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor,
-                 device: torch.device, cache_bytes: int | None = None) -> None:
+                 device: torch.device, cache_bytes: int | None = None, compact: bool = True) -> None:
         from adapt.hidden_states import TargetRunner
 
         self.runner = TargetRunner(target_dir, aux_layer_ids, device=str(device), dtype=torch.bfloat16)
         self.draft_ids = draft_ids.to(self.runner.device)
+        out_layer = self.runner.model.get_output_embeddings()
+        self.output_rows = out_layer.weight.detach()[self.draft_ids].contiguous()  # [Vd, H] bf16
+        self.compact = compact and out_layer.bias is None and self._projection_matches()
         self.cache: dict[int, Features] = {}
         self.cache_bytes = default_cache_bytes() if cache_bytes is None else cache_bytes
         self.used_bytes = 0
         self.seconds = 0.0
         self.rss_start = process_rss_bytes()
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, H] -> the target's draft-vocab logits [n, Vd] (bf16, as its output layer)."""
+        return hidden.to(self.output_rows) @ self.output_rows.T
+
+    @torch.no_grad()
+    def _projection_matches(self) -> bool:
+        """Whether final hidden @ output rows reproduces the target's logits (no soft-capping, scaling, ...)."""
+        n = min(32, self.runner.model.config.vocab_size)
+        ids = torch.arange(n) * (self.runner.model.config.vocab_size // n)
+        _, logits = self.runner.forward(ids)
+        want = logits[:, self.draft_ids]
+        got = self.project(self.runner.final_hidden()).float()
+        # Both are one bf16 matmul; only accumulation order may differ (an ulp or two of bf16).
+        return bool((got - want).abs().max() <= 2e-2 * want.abs().max().clamp(min=1.0))
 
     @torch.no_grad()
     def compute(self, ex: Example) -> Features:
@@ -278,14 +302,13 @@ class TargetFeatures:
         # Only labelled slots read the target's argmax (their agreement metric).
         argmax = torch.full((len(ex.input_ids),), -1, dtype=torch.long)
         argmax[rows] = logits.argmax(-1).cpu()
-        f = Features(
-            input_ids=ex.input_ids,
-            loss_mask=ex.loss_mask,
-            aux_hidden=aux.to(torch.bfloat16).cpu(),
-            target_logits=logits[:, self.draft_ids].to(torch.bfloat16).cpu(),
-            target_argmax=argmax,
-            logit_rows=rows,
-        )
+        if self.compact:
+            kept = {"target_logits": None,
+                    "target_hidden": self.runner.final_hidden()[rows.to(aux.device)].to(torch.bfloat16).cpu()}
+        else:
+            kept = {"target_logits": logits[:, self.draft_ids].to(torch.bfloat16).cpu()}
+        f = Features(input_ids=ex.input_ids, loss_mask=ex.loss_mask, aux_hidden=aux.to(torch.bfloat16).cpu(),
+                     target_argmax=argmax, logit_rows=rows, **kept)
         self.seconds += time.perf_counter() - t0
         return f
 
@@ -305,7 +328,7 @@ class TargetFeatures:
         if index in self.cache:
             return self.cache[index]
         f = self.compute(ex)
-        size = f.aux_hidden.numel() * 2 + f.target_logits.numel() * 2
+        size = f.nbytes
         rss = process_rss_bytes()
         grown = rss - self.rss_start if rss is not None and self.rss_start is not None else 0
         if max(self.used_bytes, grown) + size <= self.cache_bytes:
@@ -494,6 +517,7 @@ def train(
         feats = [[target.get(i, examples[i]) for i in row] for row in rows_idx]
         gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + dd.rank)
         batch = collate(feats, K, model.config.ptd_token_id, tc.depth_keep, gen).to(device)
+        batch.project_targets(target.output_rows)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc.learning_rate, tc.warmup_steps, total_for_schedule, used)
         with autocast():

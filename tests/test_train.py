@@ -166,7 +166,7 @@ def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model,
     assert sorted(tf.cache) == [0, 1]  # 8 MiB grown + the third's bytes > 10 MiB: not kept
     again = tf.get(3, examples[3])
     assert again is not got[3] and torch.equal(again.aux_hidden, got[3].aux_hidden)
-    assert torch.equal(again.target_logits, got[3].target_logits)
+    assert torch.equal(again.target_rows, got[3].target_rows)
     assert tf.get(1, examples[1]) is got[1]
 
     monkeypatch.setattr(T, "process_rss_bytes", lambda: None)  # no /proc: the tensors' bytes alone count
@@ -175,6 +175,48 @@ def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model,
     for i, ex in enumerate(examples):
         tf2.get(i, ex)
     assert sorted(tf2.cache) == [0, 1, 2, 3, 4]
+
+
+def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tiny_model, monkeypatch):
+    """Final hidden states projected through the output rows reproduce the full features' logits, batch for batch;
+    a target whose logits are not that plain product (here: scaled) keeps full logits."""
+    import adapt.hidden_states as H
+    import adapt.train as T
+    from adapt.data import tokenize_rows
+    from adapt.drafter import default_aux_layer_ids
+    from adapt.loss import collate
+
+    draft = torch.randperm(512, generator=torch.Generator().manual_seed(0))[:200]
+    args = (tiny_model, default_aux_layer_ids(4), draft, torch.device("cpu"))
+    compact, full = T.TargetFeatures(*args), T.TargetFeatures(*args, compact=False)
+    assert compact.compact and not full.compact
+    examples = tokenize_rows(compact.runner.tokenizer, conversations(4), 160)
+    fc = [compact.get(i, ex) for i, ex in enumerate(examples)]
+    ff = [full.get(i, ex) for i, ex in enumerate(examples)]
+    for c, f in zip(fc, ff):
+        assert c.target_logits is None and c.target_hidden.shape == (len(c.logit_rows), 128)
+        torch.testing.assert_close(c.aux_hidden, f.aux_hidden, rtol=0, atol=0)
+        assert torch.equal(c.target_argmax, f.target_argmax)
+        assert c.nbytes < f.nbytes
+    bc = collate([fc[:2], fc[2:]], 3, 0, (), torch.Generator().manual_seed(1))
+    bf = collate([ff[:2], ff[2:]], 3, 0, (), torch.Generator().manual_seed(1))
+    assert bc.compact and not bf.compact and torch.equal(bc.valid, bf.valid)
+    bc.project_targets(compact.output_rows)
+    assert bc.target_logits.shape == bf.target_logits.shape == (int(bf.valid.sum()), 200)
+    # One bf16 product either way: equal up to an ulp of the logits' scale.
+    torch.testing.assert_close(bc.target_logits.float(), bf.target_logits.float(), rtol=0,
+                               atol=float(bf.target_logits.float().abs().max()) * 2 ** -7)
+    with pytest.raises(ValueError, match="mixes"):
+        collate([[fc[0], ff[1]]], 3, 0)
+
+    plain = H.TargetRunner.forward
+
+    def scaled(self, *a, **k):
+        aux, logits = plain(self, *a, **k)
+        return aux, None if logits is None else logits * 0.5
+
+    monkeypatch.setattr(H.TargetRunner, "forward", scaled)
+    assert not T.TargetFeatures(*args).compact
 
 
 def test_training_releases_its_feature_cache_when_done(tiny_model, tmp_path, monkeypatch):
