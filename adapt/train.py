@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,6 +232,36 @@ def trim_heap() -> bool:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+# glibc mallopt parameters and their defaults (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+
+
+@contextmanager
+def heap_kept_between_steps():
+    """Inside, glibc serves large blocks from its heap and keeps freed ones for reuse.
+
+    By default a CPU step's large tensors (above glibc's 32 MiB mmap ceiling)
+    are mmapped, unmapped when freed and faulted in again page by page the next
+    step: measured on SmolLM2 features, 225k minor faults per step and 0.99 s
+    steps, against 5k faults and 0.77 s with the heap kept (peak RSS +6%). The
+    defaults come back on exit and the heap's free pages go back to the OS.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        yield False  # not glibc: nothing to tune
+        return
+    ok = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    try:
+        yield ok
+    finally:
+        mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        trim_heap()
 
 
 def process_rss_bytes() -> int | None:
@@ -506,42 +536,44 @@ def train(
     t_start = time.perf_counter()
     tokens_run = 0
     step = state["step"]
-    while step < max_steps:
-        # One value for all ranks: they must stop at the same step and use the same rate.
-        used = _max_over_ranks(time_used(), dd) if deadline is not None else 0.0
-        if used >= 1.0:
-            break
-        if stop_after_steps is not None and step >= stop_after_steps:
-            break
-        rows_idx = batch_for(step)
-        feats = [[target.get(i, examples[i]) for i in row] for row in rows_idx]
-        gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + dd.rank)
-        batch = collate(feats, K, model.config.ptd_token_id, tc.depth_keep, gen).to(device)
-        batch.project_targets(target.output_rows)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, tc.learning_rate, tc.warmup_steps, total_for_schedule, used)
-        with autocast():
-            logits = ddp_model(**batch.model_inputs(), select=batch.valid)
-        out = peagle_loss(logits, batch, model.d2t, tc.depth_weights, K)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        step += 1
-        ntok = batch.num_tokens * dd.world
-        tokens_run += ntok
-        state["tokens"] += ntok
-        state["loss_curve"].append(round(float(out.loss.detach()), 6))
-        state["depth_loss"], state["depth_acc"] = out.depth_loss.tolist(), out.depth_acc.tolist()
-        if bar is not None:
-            el = time.perf_counter() - t_start
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc1=f"{float(out.depth_acc[0]):.2f}",
-                            tok_s=f"{tokens_run / max(el, 1e-9):.0f}")
-        if step % tc.checkpoint_steps == 0 and dd.main:
-            save_run_state(run_dir, model, opt,
-                           {**state, "step": step, "seconds": state["seconds"] + time.perf_counter() - t_start})
+    # CPU steps reuse their freed large blocks instead of faulting fresh pages in (see heap_kept_between_steps).
+    with heap_kept_between_steps() if device.type == "cpu" else nullcontext():
+        while step < max_steps:
+            # One value for all ranks: they must stop at the same step and use the same rate.
+            used = _max_over_ranks(time_used(), dd) if deadline is not None else 0.0
+            if used >= 1.0:
+                break
+            if stop_after_steps is not None and step >= stop_after_steps:
+                break
+            rows_idx = batch_for(step)
+            feats = [[target.get(i, examples[i]) for i in row] for row in rows_idx]
+            gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + dd.rank)
+            batch = collate(feats, K, model.config.ptd_token_id, tc.depth_keep, gen).to(device)
+            batch.project_targets(target.output_rows)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, tc.learning_rate, tc.warmup_steps, total_for_schedule, used)
+            with autocast():
+                logits = ddp_model(**batch.model_inputs(), select=batch.valid)
+            out = peagle_loss(logits, batch, model.d2t, tc.depth_weights, K)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if tc.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            opt.step()
+            step += 1
+            ntok = batch.num_tokens * dd.world
+            tokens_run += ntok
+            state["tokens"] += ntok
+            state["loss_curve"].append(round(float(out.loss.detach()), 6))
+            state["depth_loss"], state["depth_acc"] = out.depth_loss.tolist(), out.depth_acc.tolist()
+            if bar is not None:
+                el = time.perf_counter() - t_start
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc1=f"{float(out.depth_acc[0]):.2f}",
+                                tok_s=f"{tokens_run / max(el, 1e-9):.0f}")
+            if step % tc.checkpoint_steps == 0 and dd.main:
+                save_run_state(run_dir, model, opt,
+                               {**state, "step": step, "seconds": state["seconds"] + time.perf_counter() - t_start})
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
