@@ -208,22 +208,27 @@ def refresh_draft_vocab(model: PEagleDrafter, examples: Sequence[Example], eos_i
 
 # --- target features -------------------------------------------------------------
 
-def default_cache_bytes() -> int:
-    """Feature-cache budget: 70% of the memory available now (Linux), else 6 GiB.
+def default_cache_bytes(local_world: int | None = None) -> int:
+    """Feature-cache budget: 70% of the memory available now (Linux), else 6 GiB, split between
+    the ranks ``torchrun`` starts on this machine (``LOCAL_WORLD_SIZE``; or ``local_world``).
 
     Recomputing features past the budget runs the target again every epoch,
     which slows a CPU run several-fold, so the budget follows the machine. It
     bounds the process's real growth (see :class:`TargetFeatures`), so the
     remaining 30% is left for the step itself and for other processes.
     """
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    total = 6 << 30
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 * 7 // 10
+                    total = int(line.split()[1]) * 1024 * 7 // 10
+                    break
     except OSError:
         pass
-    return 6 << 30
+    return total // max(1, local_world)
 
 
 def trim_heap() -> bool:

@@ -219,6 +219,17 @@ def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tin
     assert not T.TargetFeatures(*args).compact
 
 
+def test_feature_budget_is_shared_by_the_ranks_on_one_machine(monkeypatch):
+    from adapt.train import default_cache_bytes
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    one = default_cache_bytes()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    four = default_cache_bytes()
+    assert one > 0 and abs(four * 4 - one) < one * 0.05  # MemAvailable may move a little between reads
+    assert abs(default_cache_bytes(2) * 2 - one) < one * 0.05
+
+
 def test_training_releases_its_feature_cache_when_done(tiny_model, tmp_path, monkeypatch):
     """A finished run leaves no cached features behind and trims the heap (vLLM servers may start next)."""
     import adapt.train as T
