@@ -199,9 +199,9 @@ def peagle_loss(logits: torch.Tensor, batch: Batch, d2t: torch.Tensor, depth_wei
     if logits.dim() == 3:
         logits = logits[valid]
     depth = batch.depth[valid]
-    logq = F.log_softmax(logits.float(), dim=-1)
     if batch.compact:
         raise ValueError("compact batch: project_targets() before the loss")
+    logq = F.log_softmax(logits.float(), dim=-1)
     logp = F.log_softmax(batch.target_logits.float(), dim=-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # [n]
     pred = logits.argmax(-1)

@@ -184,7 +184,7 @@ def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tin
     import adapt.train as T
     from adapt.data import tokenize_rows
     from adapt.drafter import default_aux_layer_ids
-    from adapt.loss import collate
+    from adapt.loss import collate, peagle_loss
 
     draft = torch.randperm(512, generator=torch.Generator().manual_seed(0))[:200]
     args = (tiny_model, default_aux_layer_ids(4), draft, torch.device("cpu"))
@@ -201,6 +201,8 @@ def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tin
     bc = collate([fc[:2], fc[2:]], 3, 0, (), torch.Generator().manual_seed(1))
     bf = collate([ff[:2], ff[2:]], 3, 0, (), torch.Generator().manual_seed(1))
     assert bc.compact and not bf.compact and torch.equal(bc.valid, bf.valid)
+    with pytest.raises(ValueError, match="project_targets"):  # hidden states are not logits
+        peagle_loss(torch.zeros(int(bc.valid.sum()), 200), bc, torch.zeros(200, dtype=torch.long), [1.0], 3)
     bc.project_targets(compact.output_rows)
     assert bc.target_logits.shape == bf.target_logits.shape == (int(bf.valid.sum()), 200)
     # One bf16 product either way: equal up to an ulp of the logits' scale.
