@@ -72,6 +72,12 @@ def label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask[1:].nonzero().squeeze(1)
 
 
+def project_hidden(hidden: torch.Tensor, output_rows: torch.Tensor) -> torch.Tensor:
+    """The target's final hidden states [n,H] -> its logits over the draft vocabulary [n,Vd]:
+    ``hidden @ output_rows.T`` in the output rows' dtype, the product its output layer computes."""
+    return hidden.to(output_rows) @ output_rows.T
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # Long[B,S]
@@ -91,9 +97,9 @@ class Batch:
     compact: bool = False  # target_logits still holds final hidden states
 
     def project_targets(self, output_rows: torch.Tensor) -> None:
-        """Compact batch -> logits over the draft vocabulary: final hidden @ output_rows.T [Vd,H], in their dtype."""
+        """Compact batch -> logits over the draft vocabulary (see :func:`project_hidden`)."""
         if self.compact:
-            self.target_logits = self.target_logits.to(output_rows) @ output_rows.T
+            self.target_logits = project_hidden(self.target_logits, output_rows)
             self.compact = False
 
     def model_inputs(self) -> dict[str, Any]:

@@ -54,7 +54,7 @@ from adapt.data import (
     tokenize_rows,
 )
 from adapt.drafter import DrafterConfig, PEagleDrafter
-from adapt.loss import Features, collate, label_rows, peagle_loss
+from adapt.loss import Features, collate, label_rows, peagle_loss, project_hidden
 
 RUN_STATE = "train_state.json"
 RUN_MODEL = "model.safetensors"
@@ -231,12 +231,19 @@ def default_cache_bytes(local_world: int | None = None) -> int:
     return total // max(1, local_world)
 
 
+def _glibc() -> Any | None:
+    """glibc, for its malloc tuning calls; None on other C libraries."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
 def trim_heap() -> bool:
     """Return free heap pages to the OS (glibc ``malloc_trim``); False where unavailable."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 # glibc mallopt parameters and their defaults (malloc.h)
@@ -254,18 +261,16 @@ def heap_kept_between_steps():
     steps, against 5k faults and 0.77 s with the heap kept (peak RSS +6%). The
     defaults come back on exit and the heap's free pages go back to the OS.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         yield False  # not glibc: nothing to tune
         return
-    ok = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    ok = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     try:
         yield ok
     finally:
-        mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
         trim_heap()
 
 
@@ -290,8 +295,8 @@ class TargetFeatures:
     Features are compact where the target's output layer is a plain product of
     its final-norm output and its output embedding (checked on a probe, not
     assumed): they keep that hidden state per labelled row (H_target values, 576
-    for SmolLM2) instead of the draft-vocab logits (8,192), and :meth:`project`
-    recomputes the logits in the step. That keeps ~2.5x more examples per GB.
+    for SmolLM2) instead of the draft-vocab logits (8,192), and the step
+    recomputes the logits (:func:`adapt.loss.project_hidden`). That keeps ~2.5x more examples per GB.
 
     The budget bounds the process's real growth too: featurizing sequences of
     many lengths grows resident memory ~2x the cached tensors' bytes (allocator
@@ -314,10 +319,6 @@ class TargetFeatures:
         self.seconds = 0.0
         self.rss_start = process_rss_bytes()
 
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [n, H] -> the target's draft-vocab logits [n, Vd] (bf16, as its output layer)."""
-        return hidden.to(self.output_rows) @ self.output_rows.T
-
     @torch.no_grad()
     def _projection_matches(self) -> bool:
         """Whether final hidden @ output rows reproduces the target's logits (no soft-capping, scaling, ...)."""
@@ -325,7 +326,7 @@ class TargetFeatures:
         ids = torch.arange(n) * (self.runner.model.config.vocab_size // n)
         _, logits = self.runner.forward(ids)
         want = logits[:, self.draft_ids]
-        got = self.project(self.runner.final_hidden()).float()
+        got = project_hidden(self.runner.final_hidden(), self.output_rows).float()
         # Both are one bf16 matmul; only accumulation order may differ (an ulp or two of bf16).
         return bool((got - want).abs().max() <= 2e-2 * want.abs().max().clamp(min=1.0))
 
