@@ -27,12 +27,13 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 from botocore.exceptions import BotoCoreError
 
-from capture.batchpath import ROW_SCHEMA, decode_chunk, rows_batch
+from capture import native
+from capture.batchpath import ROW_SCHEMA, decode_block, rows_batch, split_block
 from capture.fastpath import fast_decode
 from capture.formats import to_conversation
 from capture.records import Reject, decode_line
 from capture.redact import redact_array
-from capture.sources import ObjectMissing, SourceObject, iter_lines, list_objects, parse_when, s3_client
+from capture.sources import ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when, s3_client
 from capture.warehouse import SCHEMA, TURN, Warehouse
 
 log = logging.getLogger("capture.ingest")
@@ -114,11 +115,9 @@ def _client() -> Any:
     return _WORKER["client"]
 
 
-# Lines per batch-path chunk: large enough that a usual capture file is one chunk (one
-# table chunk, nothing to combine), small enough that a chunk's lines and objects stay
-# a few tens of MB.
+# Lines per batch-path chunk, at most: a chunk is at most a block (a few MB) of lines,
+# but short lines would otherwise make a chunk's columns large.
 CHUNK_LINES = 8192
-CHUNK_BYTES = 16 << 20
 
 
 def _storable(*texts: str | None) -> bool:
@@ -197,43 +196,36 @@ class _PerLine:
 def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
     """Decode, normalize and redact every line of one capture file (runs in a worker).
 
-    Lines go through the batch path (:mod:`capture.batchpath`) a chunk at a time; the
-    lines it declines, and every line when ``batch`` is false, go through the per-line path.
+    The file is read in blocks of whole lines (:func:`capture.sources.iter_blocks`); the
+    batch path (:mod:`capture.batchpath`) decodes up to ``CHUNK_LINES`` lines of a block at
+    a time, finding the lines itself. The lines it declines, and every line when ``batch``
+    is false, go through the per-line path.
     """
     redact: bool = _WORKER["redact"]
     max_line: int = _WORKER["max_line_bytes"]
     res = FileResult(obj=obj)
     parts: list[pa.RecordBatch] = []
     per_line = _PerLine()
-    chunk: list[bytes] = []
-    chunk_bytes = 0
-    line_no = 0
-
-    def flush() -> None:
-        first = line_no - len(chunk) + 1
-        if batch:
-            got = decode_chunk(chunk, first, max_line, obj.hour)
-            if got.batch.num_rows:
-                parts.append(got.batch)
-            res.skips.update(got.skips)
-            for i in got.declined:
-                per_line.decide(chunk[i], first + i, obj, max_line, res)
-        else:
-            for i, line in enumerate(chunk):
-                per_line.decide(line, first + i, obj, max_line, res)
-        chunk.clear()
-
+    line_no = 0  # lines before the chunk at hand
     client = _client() if obj.uri.startswith("s3://") else None
     try:
-        for line in iter_lines(obj.uri, client=client):
-            line_no += 1
-            chunk.append(line)
-            chunk_bytes += len(line)
-            if len(chunk) >= CHUNK_LINES or chunk_bytes >= CHUNK_BYTES:
-                flush()
-                chunk_bytes = 0
-        if chunk:
-            flush()
+        for block in iter_blocks(obj.uri, client=client):
+            pos = 0
+            while pos < len(block):
+                if batch:
+                    got = decode_block(block, pos, line_no + 1, CHUNK_LINES, max_line, obj.hour)
+                    if got.batch.num_rows:
+                        parts.append(got.batch)
+                    res.skips.update(got.skips)
+                    for i, line in zip(got.declined, got.declined_lines):
+                        per_line.decide(line, line_no + 1 + i, obj, max_line, res)
+                    n, pos = got.lines, got.end
+                else:
+                    lines, pos = split_block(block, pos, CHUNK_LINES)
+                    for i, line in enumerate(lines):
+                        per_line.decide(line, line_no + 1 + i, obj, max_line, res)
+                    n = len(lines)
+                line_no += n
     except ObjectMissing:
         res.missing = True
         return res
@@ -292,14 +284,14 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
             arrays.append(convs)
         elif f.name in ("endpoint", "variant", "source_uri"):
             v = {"endpoint": obj.endpoint, "variant": obj.variant, "source_uri": obj.uri}[f.name]
-            arrays.append(pa.repeat(pa.scalar(v, f.type), n))
+            arrays.append(_repeat(v, n))
         elif f.name == "run_id":
             arrays.append(pa.nulls(n, f.type))
         else:
             arrays.append(rows.column(f.name))
     table = pa.Table.from_arrays(arrays, schema=SCHEMA)
-    keep = _first_seen(hashes.to_pylist(), set())
-    dropped = n - sum(keep)
+    keep = _first_in(hashes)
+    dropped = n - int(keep.sum())
     if dropped:
         table = _select(table, keep)
         new_index = np.cumsum(keep) - 1
@@ -318,7 +310,42 @@ def _first_seen(hashes: list[str], seen: set[str]) -> list[bool]:
     return keep
 
 
-def _select(table: pa.Table, keep: list[bool]) -> pa.Table:
+def _repeat(value: str, n: int) -> pa.Array:
+    """``pa.repeat(pa.scalar(value), n)`` built from buffers: pa.scalar imports pandas (see :func:`_numbers`)."""
+    data = value.encode("utf-8")
+    offsets = np.arange(n + 1, dtype=np.int64) * len(data)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        return pa.repeat(pa.scalar(value, pa.string()), n)
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data * n)])
+
+
+def _numbers(arr: pa.Array) -> np.ndarray:
+    """A signed integer Arrow array without nulls as numpy, read from its buffer.
+
+    ``to_numpy`` would import pandas: ~0.14 s of CPU in each worker process.
+    """
+    if not pa.types.is_signed_integer(arr.type) or arr.null_count:
+        return arr.to_numpy(zero_copy_only=False)
+    dtype = np.dtype(f"int{arr.type.bit_width}")
+    if not len(arr):
+        return np.empty(0, dtype)
+    return np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset: arr.offset + len(arr)]
+
+
+def _first_in(hashes: pa.Array) -> np.ndarray:
+    """``_first_seen(hashes, set())`` without a Python object per row (which also costs GC passes).
+
+    Dictionary codes are handed out in order of first appearance, so a row is the first of
+    its hash exactly where its code exceeds every code before it.
+    """
+    codes = _numbers(pc.dictionary_encode(hashes).indices)
+    keep = np.ones(len(codes), dtype=bool)
+    if len(codes) > 1:
+        keep[1:] = codes[1:] > np.maximum.accumulate(codes)[:-1]
+    return keep
+
+
+def _select(table: pa.Table, keep: list[bool] | np.ndarray) -> pa.Table:
     """``table.filter(keep)``, but as zero-copy slices when the kept rows form a few long runs.
 
     Filtering copies every byte of the rows kept; slicing copies nothing, but many short
@@ -327,20 +354,45 @@ def _select(table: pa.Table, keep: list[bool]) -> pa.Table:
     mask = np.asarray(keep, dtype=np.int8)
     edges = np.flatnonzero(np.diff(mask, prepend=0, append=0))  # run starts and ends, alternating
     if len(edges) > 32:
-        return table.filter(pa.array(keep))
+        # A bitmap from numpy: pa.array would import pandas (~0.14 s of CPU per worker process).
+        bits = np.packbits(mask.astype(bool), bitorder="little")
+        return table.filter(pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(bits)]))
     return pa.concat_tables([table.slice(a, b - a) for a, b in zip(edges[::2], edges[1::2])] or [table.slice(0, 0)])
 
 
 def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa.Array:
     """:func:`content_hash` of each row of a turn column (``offsets`` per row), as an Arrow array.
 
-    One Arrow kernel lays out every turn's ``from:len:value`` (``len`` there counts code
-    points, as Python's does) back to back, so a row's serialization is a slice of that
-    buffer; the hex digests are made in one go. Only the blake2b call per row is Python.
+    The native module hashes straight from the Arrow buffers; without it, one Arrow kernel
+    lays out every turn's ``from:len:value`` (``len`` there counts code points, as Python's
+    does) back to back, so a row's serialization is a slice of that buffer, and only the
+    blake2b call per row is Python.
     """
     n = len(offsets) - 1
     if n <= 0:
         return pa.array([], pa.string())
+    nat = native.get()
+    if nat is not None and _plain_utf8(t_from) and _plain_utf8(t_value) and len(t_from) == len(t_value):
+        rows = np.ascontiguousarray(_numbers(offsets), dtype=np.int32)
+        hexes = nat.content_hashes(rows, *_utf8_parts(t_from), *_utf8_parts(t_value))
+    else:
+        hexes = _content_hashes_hashlib(offsets, t_from, t_value)
+    bounds = np.arange(0, 32 * (n + 1), 32, dtype=np.int32)
+    return pa.StringArray.from_buffers(n, pa.py_buffer(bounds), pa.py_buffer(hexes))
+
+
+def _plain_utf8(arr: pa.Array) -> bool:
+    return arr.type == pa.string() and not arr.null_count
+
+
+def _utf8_parts(arr: pa.Array) -> tuple:
+    """(array offset, length, offsets buffer, data buffer) of a utf8 array, for the native hash."""
+    _, offsets, data = arr.buffers()
+    return arr.offset, len(arr), offsets, data if data is not None else b""
+
+
+def _content_hashes_hashlib(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> bytes:
+    """The hex digests of :func:`content_hashes`, concatenated, with hashlib."""
     lens = pc.cast(pc.utf8_length(t_value), pa.string())
     flat = pc.binary_join_element_wise(t_from, lens, t_value, ":")
     if flat.null_count or flat.offset or pa.types.is_large_string(flat.type):
@@ -350,9 +402,7 @@ def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa
     data = memoryview(flat.buffers()[2] or b"")
     blake = hashlib.blake2b
     digests = b"".join([blake(data[a:b], digest_size=16).digest() for a, b in zip(ends, ends[1:])])
-    hexes = digests.hex().encode("ascii")
-    bounds = np.arange(0, 32 * (n + 1), 32, dtype=np.int32)
-    return pa.StringArray.from_buffers(n, pa.py_buffer(bounds), pa.py_buffer(hexes))
+    return digests.hex().encode("ascii")
 
 
 def _handoff_dir() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -204,11 +204,18 @@ class ObjectMissing(Exception):
     """The object was listed but is gone (deleted or expired) when read."""
 
 
-def iter_lines(uri: str, client: Any = None, s3: Any = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:
-    """Stream the lines of one capture file, split on ``\\n`` only, without the newline.
+# Blocks of a few MB: large enough that per-block costs (a read call, a decode call, a
+# record batch) vanish per line, small enough to stay a modest part of a worker's memory.
+BLOCK_BYTES = 4 << 20
 
-    A final line without a newline is still yielded; a trailing newline yields no
-    empty line. Raises :class:`ObjectMissing` if the object is gone.
+
+def iter_blocks(uri: str, client: Any = None, s3: Any = None, block_size: int = BLOCK_BYTES) -> Iterator[memoryview]:
+    """Stream one capture file as blocks of whole lines: each ends with ``\\n``, but the last may not.
+
+    The lines of a block are :func:`iter_lines`'s. A block is about ``block_size`` bytes
+    (more where one line is longer) and is a view of a buffer that the next block reuses:
+    use it, or copy from it, before asking for the next. Raises :class:`ObjectMissing`
+    if the object is gone.
     """
     if is_s3(uri):
         bucket, key = split_s3(uri)
@@ -221,25 +228,74 @@ def iter_lines(uri: str, client: Any = None, s3: Any = None, chunk_size: int = 1
                 raise ObjectMissing(uri) from exc
             raise
         try:
-            yield from _split_lines(body.iter_chunks(chunk_size))
+            yield from _blocks(_readinto_of(body.read), block_size)
         finally:
             body.close()
         return
     try:
-        f = open(uri, "rb")
+        f = open(uri, "rb", buffering=0)  # unbuffered: each read lands straight in the block's buffer
     except FileNotFoundError as exc:
         raise ObjectMissing(uri) from exc
     with f:
-        # Blocks split in C: iterating the file object would cost a slice per line.
-        yield from _split_lines(iter(lambda: f.read(chunk_size), b""))
+        yield from _blocks(f.readinto, block_size)
 
 
-def _split_lines(blocks: Iterator[bytes]) -> Iterator[bytes]:
-    pending = b""
-    for block in blocks:
-        buf = pending + block if pending else block
-        lines = buf.split(b"\n")
-        pending = lines.pop()
+def _readinto_of(read: Callable[[int], bytes]) -> Callable[[memoryview], int]:
+    """``readinto`` for a stream that only has ``read(n)`` (botocore's StreamingBody)."""
+    def readinto(view: memoryview) -> int:
+        data = read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    return readinto
+
+
+def _blocks(readinto: Callable[[memoryview], int], block_size: int) -> Iterator[memoryview]:
+    """Fill a buffer, hand out its whole lines, carry the partial last line to the buffer's start.
+
+    The buffer is filled before each block (streams may read short), and doubled while
+    it holds no newline (a line longer than it).
+    """
+    buf = bytearray(max(1, block_size))
+    have = searched = 0  # bytes in buf; bytes of them known to hold no newline
+    while True:
+        view = memoryview(buf)
+        eof = False
+        while have < len(buf):
+            n = readinto(view[have:])
+            if not n:
+                eof = True
+                break
+            have += n
+        if eof:
+            if have:
+                yield view[:have]  # the last block: its last line may lack a newline
+            return
+        cut = buf.rfind(b"\n", searched, have) + 1
+        if not cut:
+            # No newline yet: the line is longer than the buffer. A new, larger buffer
+            # (the old one may still be viewed by the caller, so it cannot be resized).
+            bigger = bytearray(2 * len(buf))
+            bigger[:have] = view[:have]
+            buf, searched = bigger, have
+            continue
+        yield view[:cut]
+        rest = have - cut
+        # A copy first: the two ranges may overlap. Same length, so allowed while views exist.
+        buf[:rest] = bytes(view[cut:have])
+        have, searched = rest, rest
+
+
+def iter_lines(uri: str, client: Any = None, s3: Any = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+    """Stream the lines of one capture file, split on ``\\n`` only, without the newline.
+
+    Nothing else is stripped (``\\r``, a BOM: the decoders judge those), empty lines are
+    lines, a final line without a newline is still yielded, and a trailing newline yields
+    no empty line. ``chunk_size`` is the block size (see :func:`iter_blocks`). Raises
+    :class:`ObjectMissing` if the object is gone.
+    """
+    for block in iter_blocks(uri, client=client, s3=s3, block_size=chunk_size):
+        lines = bytes(block).split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()  # the block's final newline
         yield from lines
-    if pending:
-        yield pending

@@ -1,6 +1,8 @@
 # Airflow 3 with the project installed: DAG tasks import adapt.airflow_tasks.
 FROM apache/airflow:3.3.2-python3.11
 USER root
+# gcc builds the native capture decoder (capture/_native) below.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY --chown=airflow:root pyproject.toml /opt/drafter/pyproject.toml
 COPY --chown=airflow:root adapt /opt/drafter/adapt
 COPY --chown=airflow:root capture /opt/drafter/capture
@@ -9,3 +11,5 @@ COPY --chown=airflow:root dags /opt/airflow/dags
 USER airflow
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu "/opt/drafter[cpu]" psycopg2-binary
 ENV PYTHONPATH=/opt/drafter
+# Built into the image (a host's build directory is not reused).
+RUN rm -rf /opt/drafter/capture/_native/build && python -m capture.native

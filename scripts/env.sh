@@ -55,3 +55,7 @@ export VIRTUAL_ENV="$VENV"
 export PATH="$VENV/bin:$REPO_ROOT/scripts:$PATH"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export DRAFTER_ADAPT_HOME
+
+# The native capture decoder (capture/_native): built once per source change, silent when
+# already built; a failure only warns, as ingest then falls back to the msgspec path.
+"$VENV/bin/python" -m capture.native || echo "[env] the native capture decoder did not build (see above)" >&2

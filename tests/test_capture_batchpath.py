@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
+from collections import Counter
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from capture import batchpath
 from capture import ingest as ingest_mod
 from capture.ingest import process_file
 from capture.records import make_capture_record, parse_time
-from capture.sources import SourceObject, iter_lines, list_objects
+from capture.sources import SourceObject, iter_blocks, iter_lines, list_objects
 from capture.synth import FORMATS, TextPool, exchange, write_layout
 from tests.test_capture_fastpath import VARIANTS
 
@@ -247,3 +249,194 @@ def test_lone_surrogates_are_quarantined_not_fatal(tmp_path):
              make_capture_record({"messages": [{"role": "user", "content": "ok \U0001F600"}]}, resp, inference_time=T0)]
     res = both(obj_of(write(tmp_path / "s.jsonl", lines)))
     assert [q["reason"] for q in res.quarantine] == ["invalid_utf8", "invalid_utf8"] and res.table.num_rows == 1
+
+
+# -- blocks of whole lines: the reader and the native decoder split lines as iter_lines does ----------
+
+
+def _lines_of(content: bytes) -> list[bytes]:
+    """The lines of a file, by definition: split at \\n, no empty line after a final newline."""
+    lines = content.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def _edge_file() -> bytes:
+    """Small lines of every kind, CRLF, BOM and empty lines among them, and no final newline."""
+    good = [make_capture_record(CHAT | {"messages": [{"role": "user", "content": f"q{i}"}]}, OK, event_id=f"e{i}",
+                                inference_time=T0 + timedelta(seconds=i)).encode() for i in range(6)]
+    lines = [
+        good[0],
+        b"",
+        b"\xef\xbb\xbf" + good[1],  # BOM
+        good[2] + b"\r",  # CRLF
+        b"\r",
+        good[3][:40],  # truncated JSON
+        make_capture_record("1,2", "0.5", request_content_type="text/csv", request_encoding="CSV").encode(),
+        good[0],  # a replay
+        b"   ",
+        good[4].replace(b"q4", b"q\xff4"),  # invalid UTF-8
+        make_capture_record(CHAT, OK, inference_time="2025-02-30T00:00:00Z").encode(),  # no time, no hour
+        good[5],
+    ]
+    return b"\n".join(lines)  # no final newline
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"a", b"a\n", b"\n\n", b"a\r\n\nb\n", b"\xef\xbb\xbfa\nb",
+                                     b"x" * 3000 + b"\ny", _edge_file()])
+def test_blocks_hold_whole_lines(tmp_path, content):
+    p = tmp_path / "f.jsonl"
+    p.write_bytes(content)
+    for size in (1, 2, 7, 64, 1000, 1 << 20):
+        blocks = [bytes(b) for b in iter_blocks(str(p), block_size=size)]
+        assert b"".join(blocks) == content
+        assert all(b.endswith(b"\n") for b in blocks[:-1]) and all(blocks)
+        assert [x for b in blocks for x in _lines_of(b)] == _lines_of(content)
+        assert list(iter_lines(str(p), chunk_size=size)) == _lines_of(content)
+
+
+def _decode_blocks(blocks: list[bytes], max_lines: int, hour=None):
+    """Every chunk decode_block makes of ``blocks``: rows, declined line numbers and lines, skips, lines read."""
+    batches, declined, declined_lines, skips, line_no = [], [], [], Counter(), 0
+    for block in blocks:
+        pos = 0
+        while pos < len(block):
+            got = batchpath.decode_block(memoryview(block), pos, line_no + 1, max_lines, 8 << 20, hour)
+            assert 0 < got.lines <= max_lines and got.end > pos
+            batches.append(got.batch)
+            declined += [line_no + 1 + i for i in got.declined]
+            declined_lines += got.declined_lines
+            skips.update(got.skips)
+            line_no, pos = line_no + got.lines, got.end
+    return pa.Table.from_batches(batches, schema=batchpath.ROW_SCHEMA), declined, declined_lines, skips, line_no
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_decode_block_cut_at_every_position_equals_decode_chunk(monkeypatch, native_on):
+    monkeypatch.setattr(batchpath, "USE_NATIVE", native_on)
+    content = _edge_file()
+    lines = _lines_of(content)
+    ref = batchpath.decode_chunk(lines, 1, 8 << 20, None)
+    want = (pa.Table.from_batches([ref.batch]), [i + 1 for i in ref.declined], [lines[i] for i in ref.declined],
+            ref.skips, len(lines))
+    assert want[1] and want[3] and want[0].num_rows
+    for cut in range(0, len(content) + 1, 1 if native_on else 7):  # the msgspec loop is slower
+        at = content.rfind(b"\n", 0, cut) + 1  # blocks end at a newline, as iter_blocks cuts them
+        for max_lines in ((1, 3, 8192) if cut % 50 == 0 else (8192,)):
+            got = _decode_blocks([content[:at], content[at:]], max_lines)
+            assert got[0].equals(want[0]) and got[1:] == want[1:], (cut, max_lines)
+
+
+def _reference(obj: SourceObject) -> ingest_mod.FileResult:
+    """process_file(batch=False), but over the lines as defined by _lines_of: no block reader involved."""
+    res = ingest_mod.FileResult(obj=obj)
+    per_line = ingest_mod._PerLine()
+    lines = _lines_of(Path(obj.uri).read_bytes())
+    for i, line in enumerate(lines):
+        per_line.decide(line, i + 1, obj, ingest_mod._WORKER["max_line_bytes"], res)
+    res.read = len(lines)
+    rows = pa.Table.from_batches([per_line.batch()], schema=batchpath.ROW_SCHEMA)
+    res.table, res.row_redactions, res.file_duplicates = ingest_mod._finish(rows, obj, True)
+    return res
+
+
+def _same(a: ingest_mod.FileResult, b: ingest_mod.FileResult) -> None:
+    for attr in ("read", "missing", "error", "file_duplicates", "skips", "quarantine", "row_redactions"):
+        assert getattr(a, attr) == getattr(b, attr), attr
+    assert a.table.equals(b.table)
+
+
+def test_process_file_over_blocks_of_any_size_equals_the_line_by_line_path(tmp_path, monkeypatch):
+    pool = TextPool(random.Random(3))
+    synth = [make_capture_record(event_id=f"s{i}", inference_time=T0, **exchange(FORMATS[i % len(FORMATS)], pool, i))
+             for i in range(40)]
+    p = tmp_path / "edge.jsonl"
+    p.write_bytes(_edge_file() + b"\n" + "\n".join(synth).encode() + b"\r\n\n")
+    obj = obj_of(p)
+    want = _reference(obj)
+    assert want.quarantine and want.skips and want.file_duplicates and want.table.num_rows > 30
+    real = ingest_mod.iter_blocks
+    for size in (1, 100, 1000, 5000, 1 << 22):
+        monkeypatch.setattr(ingest_mod, "iter_blocks", lambda uri, size=size, **kw: real(uri, block_size=size, **kw))
+        for chunk_lines in (1, 4, 8192):
+            monkeypatch.setattr(ingest_mod, "CHUNK_LINES", chunk_lines)
+            _same(process_file(obj), want)
+            _same(process_file(obj, batch=False), want)
+
+
+def test_a_20_mb_line_spans_blocks(tmp_path):
+    big = make_capture_record({"messages": [{"role": "user", "content": "x" * (20 << 20)}]}, OK,
+                              inference_time=T0).encode()
+    small = [make_capture_record(CHAT, OK, event_id=f"e{i}", inference_time=T0).encode() for i in range(2)]
+    p = tmp_path / "big.jsonl"
+    p.write_bytes(small[0] + b"\n" + big + b"\n" + small[1])
+    res = process_file(obj_of(p))  # max_line 8 MB: quarantined, by its line number
+    assert res.read == 3 and [(q["line_no"], q["reason"]) for q in res.quarantine] == [(2, "line_too_large")]
+    assert res.table["line_no"].to_pylist() == [1]  # the two small lines are replays of one exchange
+    ingest_mod._init_worker(None, True, 32 << 20)
+    res = process_file(obj_of(p))
+    assert res.read == 3 and not res.quarantine and res.table["line_no"].to_pylist() == [1, 2]
+    assert len(res.table["conversations"][1].as_py()[0]["value"]) == 20 << 20
+
+
+class _Body:
+    """botocore's StreamingBody over bytes, reading short like a socket, optionally failing part-way."""
+
+    def __init__(self, data: bytes, piece: int, fail_at: int | None = None) -> None:
+        from botocore.response import StreamingBody
+
+        outer = self
+
+        class Raw(io.BytesIO):
+            def read(self, amt=None):
+                if fail_at is not None and self.tell() >= fail_at:
+                    raise ConnectionResetError("peer went away")
+                return super().read(piece if amt is None else min(amt, piece))
+
+        self.stream = StreamingBody(Raw(data), len(data))
+        self.closed = False
+        outer.read = self.stream.read
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _FakeS3:
+    def __init__(self, objects: dict[str, bytes], piece: int = 1000, fail_at: int | None = None) -> None:
+        self.objects, self.piece, self.fail_at, self.bodies = objects, piece, fail_at, []
+
+    def get_object(self, Bucket, Key):
+        from botocore.exceptions import ClientError
+
+        if Key not in self.objects:
+            raise ClientError({"Error": {"Code": "NoSuchKey", "Message": "gone"}}, "GetObject")
+        self.bodies.append(_Body(self.objects[Key], self.piece, self.fail_at))
+        return {"Body": self.bodies[-1]}
+
+
+def test_s3_streams_split_and_decode_as_local_files(tmp_path, monkeypatch):
+    content = _edge_file() + b"\n" + b"y" * 70_000 + b"\n" + _edge_file()
+    p = tmp_path / "f.jsonl"
+    p.write_bytes(content)
+    local = process_file(obj_of(p))
+    for piece in (1, 999, 1 << 20):
+        fake = _FakeS3({"cap/f.jsonl": content}, piece=piece)
+        monkeypatch.setitem(ingest_mod._WORKER, "client", fake)
+        obj = SourceObject("s3://b/cap/f.jsonl", len(content), "e", "ep", "AllTraffic", None)
+        for size in (64, 5000, 1 << 22):
+            assert [bytes(b) for b in iter_blocks(obj.uri, client=fake, block_size=size)] == \
+                [bytes(b) for b in iter_blocks(str(p), block_size=size)]
+        s3 = process_file(obj)
+        assert all(b.closed for b in fake.bodies)
+        s3.table = s3.table.set_column(s3.table.schema.get_field_index("source_uri"), "source_uri",
+                                       local.table["source_uri"])
+        for q in s3.quarantine:
+            q["source_uri"] = str(p)
+        _same(s3, local)
+    # Gone, and failing part-way: the file is left for the next run, nothing of it kept.
+    gone = process_file(SourceObject("s3://b/cap/gone.jsonl", 1, "e", "ep", "AllTraffic", None))
+    assert gone.missing and gone.error is None and gone.table is None
+    monkeypatch.setitem(ingest_mod._WORKER, "client", _FakeS3({"cap/f.jsonl": content}, fail_at=len(content) // 2))
+    broken = process_file(SourceObject("s3://b/cap/f.jsonl", len(content), "e", "ep", "AllTraffic", None))
+    assert broken.missing and "ConnectionResetError" in broken.error and broken.table is None

@@ -330,18 +330,19 @@ def test_read_failing_mid_file_drops_that_file_and_retries_it(tmp_path, monkeypa
     src = tmp_path / "cap"
     layout_file(src, T0, "a.jsonl", [chat(1, T0), chat(2, T0)])
     layout_file(src, T0, "b.jsonl", [chat(3, T0)])
-    real_iter = ingest_mod.iter_lines
+    real_iter = ingest_mod.iter_blocks
 
     def flaky(uri, **kw):
-        for i, line in enumerate(real_iter(uri, **kw)):
+        # Small blocks: one line each, so the failure comes after a block was decoded.
+        for i, block in enumerate(real_iter(uri, **kw, block_size=64)):
             if uri.endswith("a.jsonl") and i == 1:
                 raise ConnectionResetError("peer went away")
-            yield line
+            yield block
 
-    monkeypatch.setattr(ingest_mod, "iter_lines", flaky)
+    monkeypatch.setattr(ingest_mod, "iter_blocks", flaky)
     res = ingest(cfg, source=str(src))
     assert (res.objects, res.missing_objects, res.read, res.normalized) == (1, 1, 1, 1)
-    monkeypatch.setattr(ingest_mod, "iter_lines", real_iter)
+    monkeypatch.setattr(ingest_mod, "iter_blocks", real_iter)
     again = ingest(cfg, source=str(src))
     assert (again.objects, again.read, again.normalized) == (1, 2, 2)
 
@@ -373,3 +374,15 @@ def test_worker_hands_tables_over_in_shared_memory_or_through_the_pipe(tmp_path,
     monkeypatch.setattr(ingest_mod, "_handoff_dir", lambda: str(tmp_path / "missing"))
     piped = ingest_mod._process_in_pool(obj)
     assert piped.table_file is None and piped.table.equals(direct.table)
+
+
+def test_parquet_parts_are_snappy(tmp_path):
+    """The baseline's codec (and pyarrow's and DuckDB's default): cheaper to write than zstd."""
+    import pyarrow.parquet as pq
+
+    cfg = make_cfg(tmp_path)
+    layout_file(tmp_path / "cap", T0, "a.jsonl", [chat(1, T0), chat(2, T0)])
+    assert ingest(cfg, source=str(tmp_path / "cap")).normalized == 2
+    parts = glob.glob(str(Path(cfg.warehouse.uri) / "**" / "*.parquet"), recursive=True)
+    meta = pq.ParquetFile(parts[0]).metadata
+    assert parts and {meta.row_group(0).column(i).compression for i in range(meta.num_columns)} == {"SNAPPY"}

@@ -1,0 +1,140 @@
+/* BLAKE2b as RFC 7693 describes it (sections 2.4, 3.1-3.3), written from the text. */
+#include <string.h>
+
+#include "blake2b.h"
+
+/* The SHA-512 initialization vector (RFC 7693 section 2.6). */
+static const uint64_t IV[8] = {
+    0x6A09E667F3BCC908ULL, 0xBB67AE8584CAA73BULL, 0x3C6EF372FE94F82BULL, 0xA54FF53A5F1D36F1ULL,
+    0x510E527FADE682D1ULL, 0x9B05688C2B3E6C1FULL, 0x1F83D9ABFB41BD6BULL, 0x5BE0CD19137E2179ULL,
+};
+
+/* Message word permutations, one per round (rounds 10 and 11 reuse 0 and 1). */
+static const uint8_t SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4}, {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13}, {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11}, {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5}, {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+
+static inline uint64_t load64_le(const uint8_t *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+#else
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+#endif
+}
+
+/* The mixing function G (section 3.1). */
+#define G(a, b, c, d, x, y)                                                                                           \
+    do {                                                                                                              \
+        v[a] = v[a] + v[b] + (x);                                                                                     \
+        v[d] = rotr64(v[d] ^ v[a], 32);                                                                               \
+        v[c] = v[c] + v[d];                                                                                           \
+        v[b] = rotr64(v[b] ^ v[c], 24);                                                                               \
+        v[a] = v[a] + v[b] + (y);                                                                                     \
+        v[d] = rotr64(v[d] ^ v[a], 16);                                                                               \
+        v[c] = v[c] + v[d];                                                                                           \
+        v[b] = rotr64(v[b] ^ v[c], 63);                                                                               \
+    } while (0)
+
+/* The compression function F (section 3.2) on one 128-byte block. */
+static void compress(Blake2b *s, const uint8_t *block, int last) {
+    uint64_t m[16], v[16];
+    for (int i = 0; i < 16; i++)
+        m[i] = load64_le(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = s->h[i];
+        v[i + 8] = IV[i];
+    }
+    v[12] ^= s->t[0];
+    v[13] ^= s->t[1];
+    if (last)
+        v[14] = ~v[14];
+    /* Rounds written out, so that the permutation indices are constants and the message
+     * words can stay in registers. */
+#define ROUND(r)                                                                                                      \
+    do {                                                                                                              \
+        G(0, 4, 8, 12, m[SIGMA[r][0]], m[SIGMA[r][1]]);                                                               \
+        G(1, 5, 9, 13, m[SIGMA[r][2]], m[SIGMA[r][3]]);                                                               \
+        G(2, 6, 10, 14, m[SIGMA[r][4]], m[SIGMA[r][5]]);                                                              \
+        G(3, 7, 11, 15, m[SIGMA[r][6]], m[SIGMA[r][7]]);                                                              \
+        G(0, 5, 10, 15, m[SIGMA[r][8]], m[SIGMA[r][9]]);                                                              \
+        G(1, 6, 11, 12, m[SIGMA[r][10]], m[SIGMA[r][11]]);                                                            \
+        G(2, 7, 8, 13, m[SIGMA[r][12]], m[SIGMA[r][13]]);                                                             \
+        G(3, 4, 9, 14, m[SIGMA[r][14]], m[SIGMA[r][15]]);                                                             \
+    } while (0)
+    ROUND(0);
+    ROUND(1);
+    ROUND(2);
+    ROUND(3);
+    ROUND(4);
+    ROUND(5);
+    ROUND(6);
+    ROUND(7);
+    ROUND(8);
+    ROUND(9);
+    ROUND(10);
+    ROUND(11);
+#undef ROUND
+    for (int i = 0; i < 8; i++)
+        s->h[i] ^= v[i] ^ v[i + 8];
+}
+
+static void count_bytes(Blake2b *s, size_t n) {
+    s->t[0] += n;
+    if (s->t[0] < n)
+        s->t[1]++;
+}
+
+void blake2b_init(Blake2b *s, size_t digest_size) {
+    memcpy(s->h, IV, sizeof IV);
+    /* Parameter block: digest length, no key, fanout 1, depth 1. */
+    s->h[0] ^= 0x01010000ULL ^ (uint64_t)digest_size;
+    s->t[0] = s->t[1] = 0;
+    s->filled = 0;
+    s->digest_size = digest_size;
+}
+
+void blake2b_update(Blake2b *s, const void *data, size_t n) {
+    const uint8_t *in = data;
+    while (n > 0) {
+        /* The last block must be compressed as such, so a full block waits for more input. */
+        if (s->filled == sizeof s->block) {
+            count_bytes(s, sizeof s->block);
+            compress(s, s->block, 0);
+            s->filled = 0;
+        }
+        if (s->filled == 0 && n > sizeof s->block) { /* whole blocks straight from the input */
+            count_bytes(s, sizeof s->block);
+            compress(s, in, 0);
+            in += sizeof s->block;
+            n -= sizeof s->block;
+            continue;
+        }
+        size_t take = sizeof s->block - s->filled;
+        if (take > n)
+            take = n;
+        memcpy(s->block + s->filled, in, take);
+        s->filled += take;
+        in += take;
+        n -= take;
+    }
+}
+
+void blake2b_final(Blake2b *s, uint8_t *digest) {
+    count_bytes(s, s->filled);
+    memset(s->block + s->filled, 0, sizeof s->block - s->filled);
+    compress(s, s->block, 1);
+    for (size_t i = 0; i < s->digest_size; i++)
+        digest[i] = (uint8_t)(s->h[i / 8] >> (8 * (i % 8)));
+}

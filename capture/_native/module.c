@@ -1,0 +1,455 @@
+/* The Python module _capture_native: decode_chunk, decode_block, content_hashes, parse_times, blake2b. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "blake2b.h"
+#include "capture.h"
+
+static PyObject *bytes_of(const Buf *b) { return PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len); }
+
+/* (offsets, data, validity or None, null count) of a utf8 column. */
+static PyObject *str_col_tuple(const StrCol *c) {
+    PyObject *validity = c->nulls ? bytes_of(&c->validity) : Py_NewRef(Py_None);
+    return Py_BuildValue("(NNNL)", bytes_of(&c->offsets), bytes_of(&c->data), validity, (long long)c->nulls);
+}
+
+/* (values, validity or None, null count) of a fixed-width column. */
+static PyObject *fixed_col_tuple(const FixedCol *c) {
+    PyObject *validity = c->nulls ? bytes_of(&c->validity) : Py_NewRef(Py_None);
+    return Py_BuildValue("(NNL)", bytes_of(&c->values), validity, (long long)c->nulls);
+}
+
+static PyObject *columns_dict(const Columns *c, PyObject *declined, long long skips) {
+    return Py_BuildValue(
+        "{s:L,s:L,s:L,s:O,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", (long long)c->rows, "turns",
+        (long long)c->turns, "skips", skips, "declined", declined, "index", bytes_of(&c->index), "conv_offsets",
+        bytes_of(&c->conv_offsets), "from", str_col_tuple(&c->from), "value", str_col_tuple(&c->value), "event_id",
+        str_col_tuple(&c->event_id), "inference_id", str_col_tuple(&c->inference_id), "inference_time",
+        str_col_tuple(&c->inference_time), "model", str_col_tuple(&c->model), "format", str_col_tuple(&c->format),
+        "raw", bytes_of(&c->raw), "temperature", fixed_col_tuple(&c->temperature), "top_p",
+        fixed_col_tuple(&c->top_p), "max_tokens", fixed_col_tuple(&c->max_tokens));
+}
+
+/* The state of one decode call: the rows' columns, the lines declined, the tabular ones counted. */
+typedef struct {
+    Columns cols;
+    Row row;
+    PyObject *declined; /* list of int: indices of the lines left to the Python paths */
+    long long skips;
+    Py_ssize_t max_line;
+} Decoder;
+
+static int decoder_init(Decoder *d, Py_ssize_t max_line) {
+    memset(d, 0, sizeof *d);
+    d->max_line = max_line;
+    if ((d->declined = PyList_New(0)) == NULL)
+        return -1;
+    if (columns_init(&d->cols) != J_OK) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void decoder_free(Decoder *d) {
+    Py_XDECREF(d->declined);
+    columns_free(&d->cols);
+    row_free(&d->row);
+}
+
+/* Decodes line number `index` of the call; -1 with an exception set on failure. */
+static int decoder_line(Decoder *d, const uint8_t *line, Py_ssize_t n, Py_ssize_t index) {
+    int what = LINE_DECLINED;
+    if (n <= d->max_line) {
+        row_reset(&d->row);
+        what = capture_line(line, (size_t)n, &d->row);
+    }
+    if (what == LINE_ROW && columns_add(&d->cols, &d->row, (int64_t)index) != J_OK)
+        what = J_NOMEM;
+    if (what == J_NOMEM) {
+        /* Out of memory, or a chunk beyond Arrow's 2 GiB string offsets. */
+        PyErr_SetString(PyExc_MemoryError, "native decode: out of memory or chunk too large");
+        return -1;
+    }
+    if (what == LINE_SKIP) {
+        d->skips++;
+    } else if (what == LINE_DECLINED) {
+        PyObject *idx = PyLong_FromSsize_t(index);
+        if (idx == NULL || PyList_Append(d->declined, idx) < 0) {
+            Py_XDECREF(idx);
+            return -1;
+        }
+        Py_DECREF(idx);
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(decode_chunk_doc,
+             "decode_chunk(lines: list[bytes], max_line: int) -> dict\n\n"
+             "Capture lines -> Arrow buffers of their rows; tabular lines are counted in 'skips' and every\n"
+             "line not decided exactly is listed (by index) in 'declined'.");
+
+static PyObject *decode_chunk(PyObject *self, PyObject *args) {
+    PyObject *lines, *result = NULL;
+    Py_ssize_t max_line;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &lines, &max_line))
+        return NULL;
+    Decoder d;
+    if (decoder_init(&d, max_line) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(lines); i++) {
+        PyObject *line = PyList_GET_ITEM(lines, i);
+        if (!PyBytes_Check(line)) {
+            PyErr_SetString(PyExc_TypeError, "lines must be bytes");
+            goto done;
+        }
+        if (decoder_line(&d, (const uint8_t *)PyBytes_AS_STRING(line), PyBytes_GET_SIZE(line), i) < 0)
+            goto done;
+    }
+    result = columns_dict(&d.cols, d.declined, d.skips);
+done:
+    decoder_free(&d);
+    return result;
+}
+
+PyDoc_STRVAR(decode_block_doc,
+             "decode_block(block, start: int, max_lines: int, max_line: int) -> dict\n\n"
+             "decode_chunk over the lines of a buffer of whole lines, from byte `start` on, at most\n"
+             "`max_lines` of them: lines end at '\\n' (not part of the line); the buffer's last line\n"
+             "may lack it; a final '\\n' makes no empty line. Also gives 'lines' (how many were read),\n"
+             "'end' (the byte after the last one's newline) and 'starts' (int64, lines + 1 offsets:\n"
+             "line i is block[starts[i]:starts[i + 1]] less its newline).");
+
+static PyObject *decode_block(PyObject *self, PyObject *args) {
+    Py_buffer block;
+    Py_ssize_t start, max_lines, max_line;
+    if (!PyArg_ParseTuple(args, "y*nnn", &block, &start, &max_lines, &max_line))
+        return NULL;
+    PyObject *result = NULL;
+    Buf starts = {0};
+    Decoder d;
+    if (decoder_init(&d, max_line) < 0)
+        goto done;
+    if (start < 0 || start > block.len || max_lines < 0) {
+        PyErr_SetString(PyExc_ValueError, "decode_block: start outside the block or max_lines < 0");
+        goto done;
+    }
+    const uint8_t *base = (const uint8_t *)block.buf, *end = base + block.len, *p = base + start;
+    Py_ssize_t i = 0;
+    for (; i < max_lines && p < end; i++) {
+        const uint8_t *nl = memchr(p, '\n', (size_t)(end - p));
+        const uint8_t *line_end = nl ? nl : end;
+        int64_t at = (int64_t)(p - base);
+        if (buf_put(&starts, &at, sizeof at) != J_OK) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        if (decoder_line(&d, p, line_end - p, i) < 0)
+            goto done;
+        p = nl ? nl + 1 : end;
+    }
+    int64_t at = (int64_t)(p - base);
+    if (buf_put(&starts, &at, sizeof at) != J_OK) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = columns_dict(&d.cols, d.declined, d.skips);
+    if (result != NULL) {
+        PyObject *lines = PyLong_FromSsize_t(i), *end_at = PyLong_FromSsize_t(p - base), *st = bytes_of(&starts);
+        if (lines == NULL || end_at == NULL || st == NULL || PyDict_SetItemString(result, "lines", lines) < 0 ||
+            PyDict_SetItemString(result, "end", end_at) < 0 || PyDict_SetItemString(result, "starts", st) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(lines);
+        Py_XDECREF(end_at);
+        Py_XDECREF(st);
+    }
+done:
+    decoder_free(&d);
+    buf_free(&starts);
+    PyBuffer_Release(&block);
+    return result;
+}
+
+/* A read-only contiguous buffer argument. */
+typedef struct {
+    Py_buffer view;
+    int held;
+} Arg;
+
+static int arg_get(PyObject *obj, Arg *a) {
+    if (PyObject_GetBuffer(obj, &a->view, PyBUF_SIMPLE) < 0)
+        return -1;
+    a->held = 1;
+    return 0;
+}
+
+static void arg_release(Arg *a) {
+    if (a->held)
+        PyBuffer_Release(&a->view);
+    a->held = 0;
+}
+
+/* One Arrow utf8 array given by its offsets and data buffers, checked before use. */
+typedef struct {
+    const int32_t *offsets;
+    const uint8_t *data;
+    Py_ssize_t offset, length;
+} Utf8;
+
+static int utf8_check(Utf8 *u, const Arg *offsets, const Arg *data, Py_ssize_t offset, Py_ssize_t length) {
+    u->offsets = (const int32_t *)offsets->view.buf;
+    u->data = (const uint8_t *)data->view.buf;
+    u->offset = offset;
+    u->length = length;
+    if (offset < 0 || length < 0 || (offsets->view.len / 4) < offset + length + 1) {
+        PyErr_SetString(PyExc_ValueError, "string offsets buffer too short");
+        return -1;
+    }
+    for (Py_ssize_t i = offset; i < offset + length; i++)
+        if (u->offsets[i] < 0 || u->offsets[i] > u->offsets[i + 1] || u->offsets[i + 1] > data->view.len) {
+            PyErr_SetString(PyExc_ValueError, "string offsets out of bounds");
+            return -1;
+        }
+    return 0;
+}
+
+/* Code points of valid UTF-8: the bytes that do not continue a character (10xxxxxx). */
+static size_t count_code_points(const uint8_t *p, size_t n) {
+    size_t continuation = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, 8);
+        /* 1 in each byte whose high bit is set and the next one clear, summed by one multiply
+         * (__builtin_popcountll is a libgcc call without -mpopcnt) */
+        uint64_t ones = (v & ~(v << 1) & 0x8080808080808080ULL) >> 7;
+        continuation += (size_t)((ones * 0x0101010101010101ULL) >> 56);
+    }
+    for (; i < n; i++)
+        continuation += (p[i] & 0xC0) == 0x80;
+    return n - continuation;
+}
+
+/* ":<n>:" in decimal; returns its length. */
+static int length_field(char *out, size_t n) {
+    char digits[24];
+    int k = 0;
+    do {
+        digits[k++] = (char)('0' + n % 10);
+        n /= 10;
+    } while (n);
+    int len = 0;
+    out[len++] = ':';
+    while (k)
+        out[len++] = digits[--k];
+    out[len++] = ':';
+    return len;
+}
+
+/* blake2b-128 of one conversation's "from:len:value" turns (capture.ingest.content_hash). */
+static void hash_row(const Utf8 *from, const Utf8 *value, int32_t first, int32_t end, uint8_t digest[16]) {
+    Blake2b s;
+    blake2b_init(&s, 16);
+    for (int32_t t = first; t < end; t++) {
+        const int32_t *fo = from->offsets + from->offset + t, *vo = value->offsets + value->offset + t;
+        const uint8_t *v = value->data + vo[0];
+        size_t v_len = (size_t)(vo[1] - vo[0]);
+        char len_text[32];
+        int k = length_field(len_text, count_code_points(v, v_len));
+        blake2b_update(&s, from->data + fo[0], (size_t)(fo[1] - fo[0]));
+        blake2b_update(&s, len_text, (size_t)k);
+        blake2b_update(&s, v, v_len);
+    }
+    blake2b_final(&s, digest);
+}
+
+PyDoc_STRVAR(content_hashes_doc,
+             "content_hashes(row_offsets, from_offset, from_length, from_offsets, from_data,\n"
+             "               value_offset, value_length, value_offsets, value_data) -> bytes\n\n"
+             "32 hex characters per row: capture.ingest.content_hash of each row's turns, given as Arrow\n"
+             "int32 row offsets into two utf8 arrays (array offset, length, offsets buffer, data buffer).");
+
+static PyObject *content_hashes(PyObject *self, PyObject *args) {
+    PyObject *o_rows, *o_fo, *o_fd, *o_vo, *o_vd;
+    Py_ssize_t f_off, f_len, v_off, v_len;
+    if (!PyArg_ParseTuple(args, "OnnOOnnOO", &o_rows, &f_off, &f_len, &o_fo, &o_fd, &v_off, &v_len, &o_vo, &o_vd))
+        return NULL;
+    Arg rows = {0}, fo = {0}, fd = {0}, vo = {0}, vd = {0};
+    PyObject *out = NULL;
+    Utf8 from, value;
+    if (arg_get(o_rows, &rows) < 0 || arg_get(o_fo, &fo) < 0 || arg_get(o_fd, &fd) < 0 || arg_get(o_vo, &vo) < 0 ||
+        arg_get(o_vd, &vd) < 0)
+        goto done;
+    if (utf8_check(&from, &fo, &fd, f_off, f_len) < 0 || utf8_check(&value, &vo, &vd, v_off, v_len) < 0)
+        goto done;
+    if (f_len != v_len || rows.view.len < 4) {
+        PyErr_SetString(PyExc_ValueError, "from/value lengths differ or no row offsets");
+        goto done;
+    }
+    const int32_t *row_offsets = (const int32_t *)rows.view.buf;
+    Py_ssize_t n = rows.view.len / 4 - 1;
+    for (Py_ssize_t r = 0; r < n; r++)
+        if (row_offsets[r] < 0 || row_offsets[r] > row_offsets[r + 1] || row_offsets[r + 1] > f_len) {
+            PyErr_SetString(PyExc_ValueError, "row offsets out of bounds");
+            goto done;
+        }
+    out = PyBytes_FromStringAndSize(NULL, 32 * n);
+    if (out == NULL)
+        goto done;
+    char *hex = PyBytes_AS_STRING(out);
+    static const char digits[] = "0123456789abcdef";
+    for (Py_ssize_t r = 0; r < n; r++) {
+        uint8_t digest[16];
+        hash_row(&from, &value, row_offsets[r], row_offsets[r + 1], digest);
+        for (int i = 0; i < 16; i++) {
+            hex[32 * r + 2 * i] = digits[digest[i] >> 4];
+            hex[32 * r + 2 * i + 1] = digits[digest[i] & 15];
+        }
+    }
+done:
+    arg_release(&rows);
+    arg_release(&fo);
+    arg_release(&fd);
+    arg_release(&vo);
+    arg_release(&vd);
+    return out;
+}
+
+/* Days from 1970-01-01 to y-m-d in the proleptic Gregorian calendar (Hinnant's days_from_civil). */
+static int64_t days_from_civil(int64_t y, int m, int d) {
+    y -= m <= 2;
+    int64_t era = (y >= 0 ? y : y - 399) / 400;
+    int64_t yoe = y - era * 400;
+    int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + doe - 719468;
+}
+
+static int two_digits(const uint8_t *p, int *out) {
+    if (p[0] < '0' || p[0] > '9' || p[1] < '0' || p[1] > '9')
+        return 0;
+    *out = (p[0] - '0') * 10 + (p[1] - '0');
+    return 1;
+}
+
+/* SageMaker's "YYYY-MM-DDTHH:MM:SSZ" (year 1000-9999, every field in range, the day in its
+ * month) as microseconds since the epoch; 0 for anything else, which Python then parses. */
+static int canonical_time(const uint8_t *p, size_t n, int64_t *us) {
+    static const int month_days[12] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    int y1, y2, mo, d, h, mi, se;
+    if (n != 20 || p[4] != '-' || p[7] != '-' || p[10] != 'T' || p[13] != ':' || p[16] != ':' || p[19] != 'Z')
+        return 0;
+    if (!two_digits(p, &y1) || !two_digits(p + 2, &y2) || !two_digits(p + 5, &mo) || !two_digits(p + 8, &d) ||
+        !two_digits(p + 11, &h) || !two_digits(p + 14, &mi) || !two_digits(p + 17, &se))
+        return 0;
+    int year = y1 * 100 + y2;
+    if (year < 1000 || mo < 1 || mo > 12 || d < 1 || d > month_days[mo - 1] || h > 23 || mi > 59 || se > 59)
+        return 0;
+    int leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    if (mo == 2 && d == 29 && !leap)
+        return 0;
+    *us = ((days_from_civil(year, mo, d) * 24 + h) * 60 + mi) * 60 + se;
+    *us *= 1000000;
+    return 1;
+}
+
+PyDoc_STRVAR(parse_times_doc,
+             "parse_times(offset, length, offsets, data, validity) -> (values: bytes, validity: bytes, pending: int)\n\n"
+             "A utf8 array (array offset, length, offsets buffer, data buffer, validity buffer or None) of\n"
+             "inferenceTime strings -> int64 microseconds and a validity bitmap: valid where the string is\n"
+             "canonical (capture.batchpath.parse_times); 'pending' counts the others, left to Python.");
+
+static PyObject *parse_times(PyObject *self, PyObject *args) {
+    PyObject *o_offsets, *o_data, *o_validity;
+    Py_ssize_t offset, length;
+    if (!PyArg_ParseTuple(args, "nnOOO", &offset, &length, &o_offsets, &o_data, &o_validity))
+        return NULL;
+    Arg offsets = {0}, data = {0}, validity = {0};
+    PyObject *values = NULL, *bits = NULL, *result = NULL;
+    Utf8 u;
+    if (arg_get(o_offsets, &offsets) < 0 || arg_get(o_data, &data) < 0 ||
+        (o_validity != Py_None && arg_get(o_validity, &validity) < 0))
+        goto done;
+    if (utf8_check(&u, &offsets, &data, offset, length) < 0)
+        goto done;
+    if (validity.held && validity.view.len * 8 < offset + length) {
+        PyErr_SetString(PyExc_ValueError, "validity bitmap too short");
+        goto done;
+    }
+    values = PyBytes_FromStringAndSize(NULL, 8 * length);
+    bits = PyBytes_FromStringAndSize(NULL, (length + 7) / 8);
+    if (values == NULL || bits == NULL)
+        goto done;
+    int64_t *out = (int64_t *)PyBytes_AS_STRING(values);
+    uint8_t *valid = (uint8_t *)PyBytes_AS_STRING(bits);
+    const uint8_t *in_valid = validity.held ? (const uint8_t *)validity.view.buf : NULL;
+    memset(valid, 0, (size_t)(length + 7) / 8);
+    Py_ssize_t pending = 0;
+    for (Py_ssize_t i = 0; i < length; i++) {
+        Py_ssize_t j = offset + i;
+        int64_t us = 0;
+        int ok = (in_valid == NULL || (in_valid[j >> 3] >> (j & 7)) & 1) &&
+                 canonical_time(u.data + u.offsets[j], (size_t)(u.offsets[j + 1] - u.offsets[j]), &us);
+        out[i] = us;
+        if (ok)
+            valid[i >> 3] |= (uint8_t)(1u << (i & 7));
+        pending += !ok;
+    }
+    result = Py_BuildValue("(OOn)", values, bits, pending);
+done:
+    Py_XDECREF(values);
+    Py_XDECREF(bits);
+    arg_release(&offsets);
+    arg_release(&data);
+    arg_release(&validity);
+    return result;
+}
+
+PyDoc_STRVAR(blake2b_doc, "blake2b(data, digest_size=64) -> bytes: the digest (for tests against hashlib).");
+
+static PyObject *py_blake2b(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t size = 64;
+    if (!PyArg_ParseTuple(args, "y*|n", &data, &size))
+        return NULL;
+    if (size < 1 || size > 64) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "digest_size must be 1..64");
+        return NULL;
+    }
+    Blake2b s;
+    uint8_t digest[64];
+    blake2b_init(&s, (size_t)size);
+    blake2b_update(&s, data.buf, (size_t)data.len);
+    blake2b_final(&s, digest);
+    PyBuffer_Release(&data);
+    return PyBytes_FromStringAndSize((const char *)digest, size);
+}
+
+PyDoc_STRVAR(isspace_doc, "isspace(code_point) -> bool: str.isspace() as the decoder models it (for tests).");
+
+static PyObject *py_isspace_fn(PyObject *self, PyObject *arg) {
+    unsigned long cp = PyLong_AsUnsignedLong(arg);
+    if (cp == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(py_isspace((uint32_t)cp));
+}
+
+static PyMethodDef methods[] = {
+    {"decode_chunk", decode_chunk, METH_VARARGS, decode_chunk_doc},
+    {"decode_block", decode_block, METH_VARARGS, decode_block_doc},
+    {"content_hashes", content_hashes, METH_VARARGS, content_hashes_doc},
+    {"parse_times", parse_times, METH_VARARGS, parse_times_doc},
+    {"blake2b", py_blake2b, METH_VARARGS, blake2b_doc},
+    {"isspace", py_isspace_fn, METH_O, isspace_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_capture_native",
+    .m_doc = "Native decode-and-hash for capture ingest (see capture/native.py).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__capture_native(void) { return PyModule_Create(&module); }

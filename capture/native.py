@@ -1,0 +1,164 @@
+"""The C extension in ``capture/_native`` (decode-and-hash for ingest): built once, then imported.
+
+The shared object is compiled with the system C compiler (``cc``; ``$CC`` overrides) the
+first time it is needed, into a directory keyed by a hash of the C sources, the flags
+and the interpreter's ABI, so an edited source or another Python builds a fresh copy
+and a stale one is never loaded. That directory is ``capture/_native/build/<key>/``
+(gitignored) or, where the checkout is read-only, ``$DRAFTER_ADAPT_HOME/native/<key>/``.
+A file lock makes parallel processes (pytest workers, ingest pool workers) wait for
+one build instead of racing. ``scripts/env.sh`` runs ``python -m capture.native`` so
+that a fresh checkout builds it once on activation.
+
+:func:`load` raises :class:`NativeUnavailable` when it cannot build or import the module
+(tests use it, so they fail rather than skip); :func:`get` is for production code: it
+returns ``None`` instead, after one warning, and callers fall back to the msgspec path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("capture.native")
+
+NAME = "_capture_native"
+SOURCE_DIR = Path(__file__).resolve().parent / "_native"
+CFLAGS = ["-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-std=gnu11"]
+
+_module: ModuleType | None = None
+_failure: str | None = None  # why get() returned None, once it has
+
+
+class NativeUnavailable(RuntimeError):
+    """The C extension could not be built or imported."""
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
+
+
+def _key(sources: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sources:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(" ".join(CFLAGS).encode())
+    h.update((sysconfig.get_config_var("EXT_SUFFIX") or "").encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+def _build_roots() -> list[Path]:
+    home = Path(os.environ.get("DRAFTER_ADAPT_HOME") or Path.home() / ".cache" / "drafter-adapt")
+    return [SOURCE_DIR / "build", home / "native"]
+
+
+def _so_name() -> str:
+    return NAME + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    if spec is None or spec.loader is None:
+        raise NativeUnavailable(f"cannot import {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NativeUnavailable(
+            "no C compiler found (cc/gcc, or $CC): it is needed to build the native capture decoder in "
+            f"{SOURCE_DIR} (install gcc, e.g. `apt-get install gcc`)")
+    return cc
+
+
+def _compile(sources: list[Path], out: Path) -> None:
+    """Compile into a temporary file beside ``out``, then rename it into place (atomic)."""
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        raise NativeUnavailable(f"Python headers not found in {include} (install python3-dev)")
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [_compiler(), *CFLAGS, "-I", include, *(str(p) for p in sources if p.suffix == ".c"), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"building the native capture decoder failed:\n$ {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build(sources: list[Path], key: str) -> Path:
+    errors = []
+    for root in _build_roots():
+        target = root / key / _so_name()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target.parent / ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then find it built
+                if not target.exists():
+                    _compile(sources, target)
+            return target
+        except OSError as exc:  # read-only checkout: try the next root
+            errors.append(f"{target.parent}: {exc}")
+    raise NativeUnavailable("no writable directory to build the native capture decoder in: " + "; ".join(errors))
+
+
+def load() -> ModuleType:
+    """The built and imported extension; raises :class:`NativeUnavailable` if it cannot be had."""
+    global _module
+    if _module is not None:
+        return _module
+    sources = _sources()
+    if not any(p.suffix == ".c" for p in sources):
+        raise NativeUnavailable(f"no C sources in {SOURCE_DIR}")
+    key = _key(sources)
+    path = next((p for p in (r / key / _so_name() for r in _build_roots()) if p.exists()), None)
+    if path is None:
+        path = _build(sources, key)
+    try:
+        _module = _import(path)
+    except ImportError as exc:
+        raise NativeUnavailable(f"cannot import {path}: {exc}") from exc
+    return _module
+
+
+def get() -> ModuleType | None:
+    """:func:`load`, or ``None`` (with one warning per process) where it fails.
+
+    ``DRAFTER_ADAPT_NATIVE=0`` turns the native path off without a warning.
+    """
+    global _failure
+    if _module is not None:
+        return _module
+    if os.environ.get("DRAFTER_ADAPT_NATIVE", "1") == "0" or _failure is not None:
+        return None
+    try:
+        return load()
+    except NativeUnavailable as exc:
+        _failure = str(exc)
+        log.warning("native capture decoder unavailable, using the slower msgspec path: %s", exc)
+        return None
+
+
+if __name__ == "__main__":
+    # `python -m capture.native`: build (if needed) and import; silent on success.
+    try:
+        load()
+    except NativeUnavailable as exc:
+        print(f"[capture.native] {exc}", file=sys.stderr)
+        sys.exit(1)
