@@ -1,9 +1,10 @@
-/* The Python module _capture_native: decode_chunk, decode_block, content_hashes, parse_times, blake2b. */
+/* The Python module _capture_native: decode_chunk, decode_block, content_hashes, parse_times, redact_gate, blake2b. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "blake2b.h"
 #include "capture.h"
+#include "gate.h"
 
 static PyObject *bytes_of(const Buf *b) { return PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len); }
 
@@ -404,6 +405,58 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(redact_gate_doc,
+             "redact_gate(offset, length, offsets, data, validity) -> bytes\n\n"
+             "The indices (int64, from the array's start) of the strings of a utf8 array (array offset,\n"
+             "length, offsets buffer, data buffer, validity buffer or None) that capture.redact.GATE may\n"
+             "match: a superset of what RE2 flags (see gate.c); null strings are never flagged.");
+
+static PyObject *redact_gate(PyObject *self, PyObject *args) {
+    PyObject *o_offsets, *o_data, *o_validity;
+    Py_ssize_t offset, length;
+    if (!PyArg_ParseTuple(args, "nnOOO", &offset, &length, &o_offsets, &o_data, &o_validity))
+        return NULL;
+    Arg offsets = {0}, data = {0}, validity = {0};
+    PyObject *result = NULL;
+    Buf hits = {0};
+    Utf8 u;
+    if (arg_get(o_offsets, &offsets) < 0 || arg_get(o_data, &data) < 0 ||
+        (o_validity != Py_None && arg_get(o_validity, &validity) < 0))
+        goto done;
+    if (utf8_check(&u, &offsets, &data, offset, length) < 0)
+        goto done;
+    if (validity.held && validity.view.len * 8 < offset + length) {
+        PyErr_SetString(PyExc_ValueError, "validity bitmap too short");
+        goto done;
+    }
+    const uint8_t *in_valid = validity.held ? (const uint8_t *)validity.view.buf : NULL;
+    const uint8_t *limit = u.data + data.view.len;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < length; i++) {
+        Py_ssize_t j = offset + i;
+        if (in_valid != NULL && !((in_valid[j >> 3] >> (j & 7)) & 1))
+            continue;
+        const uint8_t *s = u.data + u.offsets[j];
+        if (gate_match(s, (size_t)(u.offsets[j + 1] - u.offsets[j]), limit)) {
+            int64_t at = (int64_t)i;
+            if (buf_put(&hits, &at, sizeof at) != J_OK) {
+                failed = 1;
+                break;
+            }
+        }
+    }
+    if (failed)
+        PyErr_NoMemory();
+    else
+        result = bytes_of(&hits);
+done:
+    buf_free(&hits);
+    arg_release(&offsets);
+    arg_release(&data);
+    arg_release(&validity);
+    return result;
+}
+
 PyDoc_STRVAR(blake2b_doc, "blake2b(data, digest_size=64) -> bytes: the digest (for tests against hashlib).");
 
 static PyObject *py_blake2b(PyObject *self, PyObject *args) {
@@ -439,6 +492,7 @@ static PyMethodDef methods[] = {
     {"decode_block", decode_block, METH_VARARGS, decode_block_doc},
     {"content_hashes", content_hashes, METH_VARARGS, content_hashes_doc},
     {"parse_times", parse_times, METH_VARARGS, parse_times_doc},
+    {"redact_gate", redact_gate, METH_VARARGS, redact_gate_doc},
     {"blake2b", py_blake2b, METH_VARARGS, blake2b_doc},
     {"isspace", py_isspace_fn, METH_O, isspace_doc},
     {NULL, NULL, 0, NULL},
