@@ -214,6 +214,39 @@ static int utf8_check(Utf8 *u, const Arg *offsets, const Arg *data, Py_ssize_t o
     return 0;
 }
 
+/* The buffers of a nullable utf8 array argument: (array offset, length, offsets, data,
+ * validity or None), checked; the caller releases the three Args. */
+typedef struct {
+    Arg offsets, data, validity;
+    Utf8 u;
+    const uint8_t *valid; /* the validity bitmap, or NULL: all valid */
+} Utf8Arg;
+
+static int utf8_arg(PyObject *args, Utf8Arg *a) {
+    PyObject *o_offsets, *o_data, *o_validity;
+    Py_ssize_t offset, length;
+    memset(a, 0, sizeof *a);
+    if (!PyArg_ParseTuple(args, "nnOOO", &offset, &length, &o_offsets, &o_data, &o_validity))
+        return -1;
+    if (arg_get(o_offsets, &a->offsets) < 0 || arg_get(o_data, &a->data) < 0 ||
+        (o_validity != Py_None && arg_get(o_validity, &a->validity) < 0))
+        return -1;
+    if (utf8_check(&a->u, &a->offsets, &a->data, offset, length) < 0)
+        return -1;
+    if (a->validity.held && a->validity.view.len * 8 < offset + length) {
+        PyErr_SetString(PyExc_ValueError, "validity bitmap too short");
+        return -1;
+    }
+    a->valid = a->validity.held ? (const uint8_t *)a->validity.view.buf : NULL;
+    return 0;
+}
+
+static void utf8_arg_release(Utf8Arg *a) {
+    arg_release(&a->offsets);
+    arg_release(&a->data);
+    arg_release(&a->validity);
+}
+
 /* Code points of valid UTF-8: the bytes that do not continue a character (10xxxxxx). */
 static size_t count_code_points(const uint8_t *p, size_t n) {
     size_t continuation = 0, i = 0;
@@ -360,36 +393,24 @@ PyDoc_STRVAR(parse_times_doc,
              "canonical (capture.batchpath.parse_times); 'pending' counts the others, left to Python.");
 
 static PyObject *parse_times(PyObject *self, PyObject *args) {
-    PyObject *o_offsets, *o_data, *o_validity;
-    Py_ssize_t offset, length;
-    if (!PyArg_ParseTuple(args, "nnOOO", &offset, &length, &o_offsets, &o_data, &o_validity))
-        return NULL;
-    Arg offsets = {0}, data = {0}, validity = {0};
+    Utf8Arg a;
     PyObject *values = NULL, *bits = NULL, *result = NULL;
-    Utf8 u;
-    if (arg_get(o_offsets, &offsets) < 0 || arg_get(o_data, &data) < 0 ||
-        (o_validity != Py_None && arg_get(o_validity, &validity) < 0))
+    if (utf8_arg(args, &a) < 0)
         goto done;
-    if (utf8_check(&u, &offsets, &data, offset, length) < 0)
-        goto done;
-    if (validity.held && validity.view.len * 8 < offset + length) {
-        PyErr_SetString(PyExc_ValueError, "validity bitmap too short");
-        goto done;
-    }
+    Py_ssize_t offset = a.u.offset, length = a.u.length;
     values = PyBytes_FromStringAndSize(NULL, 8 * length);
     bits = PyBytes_FromStringAndSize(NULL, (length + 7) / 8);
     if (values == NULL || bits == NULL)
         goto done;
     int64_t *out = (int64_t *)PyBytes_AS_STRING(values);
     uint8_t *valid = (uint8_t *)PyBytes_AS_STRING(bits);
-    const uint8_t *in_valid = validity.held ? (const uint8_t *)validity.view.buf : NULL;
     memset(valid, 0, (size_t)(length + 7) / 8);
     Py_ssize_t pending = 0;
     for (Py_ssize_t i = 0; i < length; i++) {
         Py_ssize_t j = offset + i;
         int64_t us = 0;
-        int ok = (in_valid == NULL || (in_valid[j >> 3] >> (j & 7)) & 1) &&
-                 canonical_time(u.data + u.offsets[j], (size_t)(u.offsets[j + 1] - u.offsets[j]), &us);
+        int ok = (a.valid == NULL || (a.valid[j >> 3] >> (j & 7)) & 1) &&
+                 canonical_time(a.u.data + a.u.offsets[j], (size_t)(a.u.offsets[j + 1] - a.u.offsets[j]), &us);
         out[i] = us;
         if (ok)
             valid[i >> 3] |= (uint8_t)(1u << (i & 7));
@@ -399,9 +420,7 @@ static PyObject *parse_times(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(values);
     Py_XDECREF(bits);
-    arg_release(&offsets);
-    arg_release(&data);
-    arg_release(&validity);
+    utf8_arg_release(&a);
     return result;
 }
 
@@ -412,32 +431,19 @@ PyDoc_STRVAR(redact_gate_doc,
              "match: a superset of what RE2 flags (see gate.c); null strings are never flagged.");
 
 static PyObject *redact_gate(PyObject *self, PyObject *args) {
-    PyObject *o_offsets, *o_data, *o_validity;
-    Py_ssize_t offset, length;
-    if (!PyArg_ParseTuple(args, "nnOOO", &offset, &length, &o_offsets, &o_data, &o_validity))
-        return NULL;
-    Arg offsets = {0}, data = {0}, validity = {0};
+    Utf8Arg a;
     PyObject *result = NULL;
     Buf hits = {0};
-    Utf8 u;
-    if (arg_get(o_offsets, &offsets) < 0 || arg_get(o_data, &data) < 0 ||
-        (o_validity != Py_None && arg_get(o_validity, &validity) < 0))
+    if (utf8_arg(args, &a) < 0)
         goto done;
-    if (utf8_check(&u, &offsets, &data, offset, length) < 0)
-        goto done;
-    if (validity.held && validity.view.len * 8 < offset + length) {
-        PyErr_SetString(PyExc_ValueError, "validity bitmap too short");
-        goto done;
-    }
-    const uint8_t *in_valid = validity.held ? (const uint8_t *)validity.view.buf : NULL;
-    const uint8_t *limit = u.data + data.view.len;
+    const uint8_t *limit = a.u.data + a.data.view.len;
     int failed = 0;
-    for (Py_ssize_t i = 0; i < length; i++) {
-        Py_ssize_t j = offset + i;
-        if (in_valid != NULL && !((in_valid[j >> 3] >> (j & 7)) & 1))
+    for (Py_ssize_t i = 0; i < a.u.length; i++) {
+        Py_ssize_t j = a.u.offset + i;
+        if (a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1))
             continue;
-        const uint8_t *s = u.data + u.offsets[j];
-        if (gate_match(s, (size_t)(u.offsets[j + 1] - u.offsets[j]), limit)) {
+        const uint8_t *s = a.u.data + a.u.offsets[j];
+        if (gate_match(s, (size_t)(a.u.offsets[j + 1] - a.u.offsets[j]), limit)) {
             int64_t at = (int64_t)i;
             if (buf_put(&hits, &at, sizeof at) != J_OK) {
                 failed = 1;
@@ -451,9 +457,7 @@ static PyObject *redact_gate(PyObject *self, PyObject *args) {
         result = bytes_of(&hits);
 done:
     buf_free(&hits);
-    arg_release(&offsets);
-    arg_release(&data);
-    arg_release(&validity);
+    utf8_arg_release(&a);
     return result;
 }
 
