@@ -439,6 +439,30 @@ def test_mutated_corpus_agrees_with_the_msgspec_path():
     assert decided > 0.3 * len(lines) and decided > 0.8 * reference_decided, (decided, reference_decided)
 
 
+def test_a_missing_separator_anywhere_is_declined():
+    """Each ',' between members or elements, and each ':', removed in turn: never decided natively."""
+    good = make_capture_record(**exchange("openai_chat", TextPool(random.Random(4)), 0)).encode()
+    req = json.loads(json.loads(good)["captureData"]["endpointInput"]["data"])
+    lines = []
+    # Separators of the outer document (keys and strings are plain, so each ", " and ": " is one).
+    for sep in (b", ", b": "):
+        at = -1
+        while (at := good.find(sep, at + 1)) >= 0:
+            lines.append(good[:at] + b" " + good[at + 1:])
+    # ... and of the payload inside it.
+    body = json.dumps(req)
+    for sep in (", ", ": "):
+        at = -1
+        while (at := body.find(sep, at + 1)) >= 0:
+            bad = body[:at] + " " + body[at + 1:]
+            lines.append(make_capture_record(bad, {"choices": [{"message": {"content": "a"}}]},
+                                             inference_time=T0).encode())
+    assert len(lines) > 20
+    nat = _native_chunk(lines)
+    assert nat.batch.num_rows == 0 and not nat.skips, nat.batch.column("line_no").to_pylist()
+    check(lines)
+
+
 def test_hostile_lines_are_declined_safely():
     good = make_capture_record(**exchange("openai_chat_stream", TextPool(random.Random(2)), 0)).encode()
     b64 = make_capture_record(**exchange("jumpstart_chat", TextPool(random.Random(2)), 1)).encode()

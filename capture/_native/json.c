@@ -478,50 +478,41 @@ static int json_word(Scan *s, const char *word, size_t n) {
     return J_OK;
 }
 
-int json_member(Scan *s, int *count, Span *key) {
+/* The step to the next member or element of a container: 0 past its `close`, 1 at the next
+ * one (after the ',' that must separate it from the one before), or J_DECLINE. */
+static int json_next(Scan *s, int *count, int close) {
     json_ws(s);
-    int c = json_peek(s);
-    if (c == '}') {
+    if (json_peek(s) == close) {
         s->p++;
         return 0;
     }
     if (*count > 0) {
-        if (c != ',')
+        if (json_peek(s) != ',')
             return J_DECLINE;
         s->p++;
         json_ws(s);
-        c = json_peek(s);
     }
-    if (c != '"')
+    (*count)++;
+    return 1;
+}
+
+int json_member(Scan *s, int *count, Span *key) {
+    int r = json_next(s, count, '}');
+    if (r != 1)
+        return r;
+    if (json_peek(s) != '"')
         return J_DECLINE;
-    int r = json_string(s, NULL, key);
-    if (r != J_OK)
+    if ((r = json_string(s, NULL, key)) != J_OK)
         return r;
     json_ws(s);
     if (json_peek(s) != ':')
         return J_DECLINE;
     s->p++;
     json_ws(s);
-    (*count)++;
     return 1;
 }
 
-int json_element(Scan *s, int *count) {
-    json_ws(s);
-    int c = json_peek(s);
-    if (c == ']') {
-        s->p++;
-        return 0;
-    }
-    if (*count > 0) {
-        if (c != ',')
-            return J_DECLINE;
-        s->p++;
-        json_ws(s);
-    }
-    (*count)++;
-    return 1;
-}
+int json_element(Scan *s, int *count) { return json_next(s, count, ']'); }
 
 int json_skip(Scan *s, int depth) {
     if (depth > JSON_MAX_DEPTH)
