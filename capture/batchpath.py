@@ -418,8 +418,7 @@ def parse_times(values: list[str | None] | pa.Array) -> pa.Array:
     if nat is not None and arr.type == pa.string() and ts_type == pa.timestamp("us", tz="UTC"):
         # The same canonical check and parse in C: ~0.02 µs a row, against ~0.2 for the
         # Arrow kernels below (regex, strptime, day check).
-        validity, offsets, data = arr.buffers()
-        us, bits, pending = nat.parse_times(arr.offset, len(arr), offsets, data if data is not None else b"", validity)
+        us, bits, pending = nat.parse_times(*native.utf8_args(arr))
         parsed = pa.Array.from_buffers(ts_type, len(arr), [pa.py_buffer(bits), pa.py_buffer(us)], pending)
         if not pending:
             return parsed

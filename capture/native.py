@@ -137,6 +137,13 @@ def load() -> ModuleType:
     return _module
 
 
+def utf8_args(arr) -> tuple:
+    """The buffers of a ``pa.string()`` array as the module's entry points take them:
+    (array offset, length, offsets, data, validity or ``None`` when nothing is null)."""
+    validity, offsets, data = arr.buffers()
+    return arr.offset, len(arr), offsets, data if data is not None else b"", validity if arr.null_count else None
+
+
 def get() -> ModuleType | None:
     """:func:`load`, or ``None`` (with one warning per process) where it fails.
 

@@ -171,9 +171,7 @@ def _flagged(values: "pa.Array") -> list[int]:
     if nat is not None and isinstance(values, pa.Array) and values.type == pa.string():
         if not len(values):
             return []
-        validity, offsets, data = values.buffers()
-        hits = nat.redact_gate(values.offset, len(values), offsets, data if data is not None else b"",
-                               validity if values.null_count else None)
+        hits = nat.redact_gate(*native.utf8_args(values))
         return np.frombuffer(hits, dtype=np.int64).tolist()
     return _flagged_re2(values)
 
