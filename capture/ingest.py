@@ -28,6 +28,7 @@ import pyarrow.ipc as ipc
 from botocore.exceptions import BotoCoreError
 
 from capture import native
+from capture.dedupe import HashSet
 from capture.batchpath import ROW_SCHEMA, decode_block, rows_batch, split_block
 from capture.fastpath import fast_decode
 from capture.formats import to_conversation
@@ -299,17 +300,6 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
     return table, row_redactions, dropped
 
 
-def _first_seen(hashes: list[str], seen: set[str]) -> list[bool]:
-    """True for each hash not in ``seen`` nor earlier in ``hashes``; adds the new ones to ``seen``."""
-    keep = []
-    for h in hashes:
-        new = h not in seen
-        if new:
-            seen.add(h)
-        keep.append(new)
-    return keep
-
-
 def _repeat(value: str, n: int) -> pa.Array:
     """``pa.repeat(pa.scalar(value), n)`` built from buffers: pa.scalar imports pandas (see :func:`_numbers`)."""
     data = value.encode("utf-8")
@@ -333,7 +323,7 @@ def _numbers(arr: pa.Array) -> np.ndarray:
 
 
 def _first_in(hashes: pa.Array) -> np.ndarray:
-    """``_first_seen(hashes, set())`` without a Python object per row (which also costs GC passes).
+    """``dedupe.first_seen(hashes, set())`` without a Python object per row (which also costs GC passes).
 
     Dictionary codes are handed out in order of first appearance, so a row is the first of
     its hash exactly where its code exceeds every code before it.
@@ -448,7 +438,7 @@ def _drop_handoffs() -> None:
 class _Run:
     """Parent-side state of a run: dedupe, Parquet buffers, checkpoints."""
 
-    def __init__(self, wh: Warehouse, run_id: str, seen: set[str], result: IngestResult) -> None:
+    def __init__(self, wh: Warehouse, run_id: str, seen: HashSet, result: IngestResult) -> None:
         self.wh, self.run_id, self.seen, self.result = wh, run_id, seen, result
         self.buffers: dict[date, list[pa.Table]] = {}
         self.buffered_rows = 0
@@ -486,8 +476,8 @@ class _Run:
             fr.table = _take_over(fr.table_file)
         t = fr.table
         if t is not None and t.num_rows:
-            mask = _first_seen(t.column("content_hash").to_pylist(), self.seen)
-            kept = sum(mask)
+            mask = self.seen.add_new(t.column("content_hash"))
+            kept = int(np.count_nonzero(mask))
             if kept < len(mask):
                 t = _select(t, mask)
             for i, counts in fr.row_redactions:
@@ -495,7 +485,7 @@ class _Run:
                     for k, c in counts.items():
                         r.redactions[k] = r.redactions.get(k, 0) + c
             if kept:
-                t = t.set_column(SCHEMA.get_field_index("run_id"), "run_id", pa.repeat(pa.scalar(self.run_id), kept))
+                t = t.set_column(SCHEMA.get_field_index("run_id"), "run_id", _repeat(self.run_id, kept))
                 self.pending_hashes.extend(t.column("content_hash").chunks)
                 self._buffer(t)
         dups = fr.file_duplicates + (fr.table.num_rows if fr.table is not None else 0) - kept
@@ -585,7 +575,9 @@ def ingest(
             if orphans:
                 log.warning("removed %d uncommitted Parquet files from an interrupted run", len(orphans))
             done = wh.processed(con)
-            seen = wh.known_hashes(con)
+            seen = HashSet()
+            for hashes in wh.known_hashes(con):
+                seen.add_new(hashes)
             client = s3_client(cfg.s3) if source.startswith("s3://") else None
             objs = [
                 o for o in list_objects(source, endpoint=endpoint, variant=cfg.capture.variant if endpoint else "",

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from capture import batchpath, native
+from capture import batchpath, dedupe, native
 from capture import ingest as ingest_mod
 from capture.formats import ROLE_MAP
 from capture.ingest import process_file
@@ -540,9 +540,9 @@ def test_first_in_file_equals_first_seen():
     for n in (0, 1, 2, 50, 3000):
         hashes = [f"{rng.randint(0, n // 3 + 1):032x}" for _ in range(n)]
         arr = pa.array(hashes, pa.string())
-        assert ingest_mod._first_in(arr).tolist() == ingest_mod._first_seen(hashes, set())
+        assert ingest_mod._first_in(arr).tolist() == dedupe.first_seen(hashes, set())
         if n > 4:
-            assert ingest_mod._first_in(arr.slice(3)).tolist() == ingest_mod._first_seen(hashes[3:], set())
+            assert ingest_mod._first_in(arr.slice(3)).tolist() == dedupe.first_seen(hashes[3:], set())
 
 
 def test_no_pandas_import_on_the_native_path(tmp_path):

@@ -1,9 +1,11 @@
-/* The Python module _capture_native: decode_chunk, decode_block, content_hashes, parse_times, redact_gate, blake2b. */
+/* The Python module _capture_native: decode_chunk, decode_block, content_hashes, parse_times, redact_gate,
+ * digests_add_new, digests_rehash, blake2b. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "blake2b.h"
 #include "capture.h"
+#include "digests.h"
 #include "gate.h"
 
 static PyObject *bytes_of(const Buf *b) { return PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len); }
@@ -461,6 +463,109 @@ done:
     return result;
 }
 
+/* A writable digest table argument (digests.h) of `slots` slots, checked. */
+static int table_arg(PyObject *obj, Py_ssize_t slots, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (slots < 1 || (slots & (slots - 1)) || view->len != 16 * (slots + 1)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "digest table: slots must be a power of two and the buffer 16 * (slots + 1) bytes");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(digests_add_new_doc,
+             "digests_add_new(table, slots, offset, length, offsets, data, validity) -> bytes\n\n"
+             "Adds the digests given as 32 lowercase hex characters per string (an Arrow utf8 array's\n"
+             "buffers) to the table, a writable buffer of 16 * (slots + 1) bytes (see digests.h); one\n"
+             "byte per string back, 1 where it was new. The caller keeps the table at most half full.\n"
+             "Any null or other text raises ValueError before anything is added.");
+
+static PyObject *digests_add_new(PyObject *self, PyObject *args) {
+    PyObject *o_table, *rest;
+    Py_ssize_t slots;
+    if (PyTuple_GET_SIZE(args) != 7) {
+        PyErr_SetString(PyExc_TypeError, "digests_add_new takes 7 arguments");
+        return NULL;
+    }
+    o_table = PyTuple_GET_ITEM(args, 0);
+    slots = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
+    if (slots == -1 && PyErr_Occurred())
+        return NULL;
+    if ((rest = PyTuple_GetSlice(args, 2, 7)) == NULL)
+        return NULL;
+    Utf8Arg a;
+    Py_buffer table;
+    PyObject *out = NULL;
+    uint8_t *digests = NULL;
+    int have_table = 0;
+    if (utf8_arg(rest, &a) < 0 || table_arg(o_table, slots, &table) < 0)
+        goto done;
+    have_table = 1;
+    Py_ssize_t n = a.u.length;
+    if ((digests = PyMem_Malloc(16 * (size_t)(n ? n : 1))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t j = a.u.offset + i;
+        const int32_t *o = a.u.offsets + j;
+        if ((a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1)) ||
+            !digest_from_hex(a.u.data + o[0], (size_t)(o[1] - o[0]), digests + 16 * i)) {
+            PyErr_Format(PyExc_ValueError, "content hash %zd is not 32 lowercase hex characters", i);
+            goto done;
+        }
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, n)) == NULL)
+        goto done;
+    uint8_t *mask = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int added = digests_add(table.buf, (size_t)slots, digests + 16 * i);
+        if (added < 0) {
+            Py_CLEAR(out);
+            PyErr_SetString(PyExc_ValueError, "digest table full");
+            goto done;
+        }
+        mask[i] = (uint8_t)added;
+    }
+done:
+    PyMem_Free(digests);
+    if (have_table)
+        PyBuffer_Release(&table);
+    utf8_arg_release(&a);
+    Py_DECREF(rest);
+    return out;
+}
+
+PyDoc_STRVAR(digests_rehash_doc,
+             "digests_rehash(old_table, old_slots, new_table, new_slots): every digest of the old table\n"
+             "(at most half full) into the new, empty one.");
+
+static PyObject *py_digests_rehash(PyObject *self, PyObject *args) {
+    PyObject *o_old, *o_new;
+    Py_ssize_t old_slots, new_slots;
+    if (!PyArg_ParseTuple(args, "OnOn", &o_old, &old_slots, &o_new, &new_slots))
+        return NULL;
+    Py_buffer old, new;
+    if (table_arg(o_old, old_slots, &old) < 0)
+        return NULL;
+    if (table_arg(o_new, new_slots, &new) < 0) {
+        PyBuffer_Release(&old);
+        return NULL;
+    }
+    if (new_slots < old_slots) {
+        PyBuffer_Release(&old);
+        PyBuffer_Release(&new);
+        PyErr_SetString(PyExc_ValueError, "the new table must have at least as many slots");
+        return NULL;
+    }
+    digests_rehash(old.buf, (size_t)old_slots, new.buf, (size_t)new_slots);
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&new);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(blake2b_doc, "blake2b(data, digest_size=64) -> bytes: the digest (for tests against hashlib).");
 
 static PyObject *py_blake2b(PyObject *self, PyObject *args) {
@@ -497,6 +602,8 @@ static PyMethodDef methods[] = {
     {"content_hashes", content_hashes, METH_VARARGS, content_hashes_doc},
     {"parse_times", parse_times, METH_VARARGS, parse_times_doc},
     {"redact_gate", redact_gate, METH_VARARGS, redact_gate_doc},
+    {"digests_add_new", digests_add_new, METH_VARARGS, digests_add_new_doc},
+    {"digests_rehash", py_digests_rehash, METH_VARARGS, digests_rehash_doc},
     {"blake2b", py_blake2b, METH_VARARGS, blake2b_doc},
     {"isspace", py_isspace_fn, METH_O, isspace_doc},
     {NULL, NULL, 0, NULL},
