@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from capture import native
+from capture.dedupe import HashSet
 from capture.fastpath import _Decline, _Invalid, _Meta, _Side, exchange
 from capture.records import parse_time
 from capture.warehouse import SCHEMA, TURN
@@ -132,6 +133,10 @@ class Chunk:
     declined_lines: list[bytes] = field(default_factory=list)
     lines: int = 0
     end: int = 0
+    # decode_block with ``seen`` (native only): each row's content hash, and the rows dropped
+    # as copies of an earlier one (whose hash was in ``seen``).
+    hashes: pa.Array | None = None
+    duplicates: int = 0
 
 
 def _decode_outer(lines: list[bytes], max_line: int) -> list[_Line | None]:
@@ -169,21 +174,32 @@ def decode_chunk(lines: list[bytes], first_line_no: int, max_line: int, hour: da
 
 
 def decode_block(block: bytes | memoryview, start: int, first_line_no: int, max_lines: int, max_line: int,
-                 hour: datetime | None) -> Chunk:
+                 hour: datetime | None, seen: HashSet | None = None) -> Chunk:
     """:func:`decode_chunk` of up to ``max_lines`` lines of a buffer of whole lines, from byte ``start`` on.
 
     Lines are split as :func:`capture.sources.iter_lines` splits them: at ``\\n``, which is
     not part of the line; the block's last line may lack it. The native decoder finds the
     lines itself, so no Python object is made per line; only the declined ones come back,
     as bytes in ``declined_lines``. ``lines`` and ``end`` say how far the chunk got.
+
+    With ``seen`` (a file's hashes so far), the native decoder also hashes each row and drops
+    the copies of rows in ``seen`` before they reach a column (dropping them later copies the
+    table); rows it cannot vouch for stay, and the caller's dedupe decides them. Without the
+    native module ``seen`` is not used.
     """
     nat = native.get() if USE_NATIVE else None
     if nat is not None:
+        table = seen.native_table(min(max_lines, (len(block) - start) // 256 + 1)) if seen is not None else None
         try:
-            out = nat.decode_block(block, start, max_lines, max_line)
+            if table is None:
+                out = nat.decode_block(block, start, max_lines, max_line)
+            else:
+                out = nat.decode_block(block, start, max_lines, max_line, *table, hour is not None)
         except MemoryError:
             pass  # as in decode_chunk: the msgspec loop copes
         else:
+            if table is not None:
+                seen.added(out["inserted"])
             got = _native_chunk(out, first_line_no, hour)
             starts = np.frombuffer(out["starts"], dtype=np.int64)
             got.declined_lines = [_line_at(block, int(starts[i]), int(starts[i + 1])) for i in got.declined]
@@ -246,12 +262,17 @@ def _native_chunk(out: dict, first_line_no: int, hour: datetime | None) -> Chunk
     batch = rows_batch(line_no=pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(idx + first_line_no)]),
                        offsets=pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(out["conv_offsets"])]),
                        turns=turns, inference_time=when, **cols)
+    hashes = None
+    if "hashes" in out:
+        hashes = pa.StringArray.from_buffers(n, pa.py_buffer(np.arange(0, 32 * (n + 1), 32, dtype=np.int32)),
+                                             pa.py_buffer(out["hashes"]))
     if when.null_count:
         # No time and no layout hour: the reference quarantines these; let it.
         valid = pc.is_valid(when)
         declined = sorted(declined + idx[~valid.to_numpy(zero_copy_only=False)].tolist())
         batch = batch.filter(valid)
-    return Chunk(batch=batch, declined=declined, skips=skips)
+        hashes = hashes.filter(valid) if hashes is not None else None
+    return Chunk(batch=batch, declined=declined, skips=skips, hashes=hashes, duplicates=out.get("duplicates", 0))
 
 
 def _utf8(n: int, col: tuple) -> pa.Array:

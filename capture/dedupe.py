@@ -50,6 +50,18 @@ class HashSet:
         self._count += int(np.count_nonzero(mask))
         return mask
 
+    def native_table(self, more: int) -> tuple[bytearray, int, int] | None:
+        """``(table, slots, room)`` for the native decoder to add up to ``room`` (>= ``more``) hashes
+        to, in place; report what it added with :meth:`added`. ``None`` without the module."""
+        if self._py is not None:
+            return None
+        self._reserve(self._count + more)
+        return self._table, self._slots, self._slots // 2 - self._count
+
+    def added(self, n: int) -> None:
+        """Counts ``n`` hashes the native decoder added to :meth:`native_table`'s table."""
+        self._count += n
+
     def _reserve(self, n: int) -> None:
         """Grows the table so that ``n`` hashes leave it at most half full (probes stay short)."""
         slots = self._slots

@@ -206,6 +206,8 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
     max_line: int = _WORKER["max_line_bytes"]
     res = FileResult(obj=obj)
     parts: list[pa.RecordBatch] = []
+    hash_parts: list[pa.Array] = []  # the native decoder's hashes of the rows in `parts`
+    in_file = HashSet()
     per_line = _PerLine()
     line_no = 0  # lines before the chunk at hand
     client = _client() if obj.uri.startswith("s3://") else None
@@ -214,10 +216,13 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
             pos = 0
             while pos < len(block):
                 if batch:
-                    got = decode_block(block, pos, line_no + 1, CHUNK_LINES, max_line, obj.hour)
+                    got = decode_block(block, pos, line_no + 1, CHUNK_LINES, max_line, obj.hour, in_file)
                     if got.batch.num_rows:
                         parts.append(got.batch)
+                        if got.hashes is not None:
+                            hash_parts.append(got.hashes)
                     res.skips.update(got.skips)
+                    res.file_duplicates += got.duplicates
                     for i, line in zip(got.declined, got.declined_lines):
                         per_line.decide(line, line_no + 1 + i, obj, max_line, res)
                     n, pos = got.lines, got.end
@@ -237,20 +242,27 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.read = line_no
+    hashes = pa.chunked_array(hash_parts, pa.string()) if len(hash_parts) == len(parts) else None
     if len(per_line.offsets) > 1:
         parts.append(per_line.batch())
+        hashes = None
     rows = pa.Table.from_batches(parts, schema=ROW_SCHEMA)
     if len(parts) > 1 and len(per_line.offsets) > 1:
         rows = rows.sort_by("line_no")  # per-line rows interleave with the batch rows
-    res.table, res.row_redactions, res.file_duplicates = _finish(rows, obj, redact)
+    res.table, res.row_redactions, dropped = _finish(rows, obj, redact, hashes)
+    res.file_duplicates += dropped
     return res
 
 
-def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, list[tuple[int, dict[str, int]]], int]:
+def _finish(rows: pa.Table, obj: SourceObject, redact: bool,
+            hashes: pa.ChunkedArray | None = None) -> tuple[pa.Table, list[tuple[int, dict[str, int]]], int]:
     """Redact the turns, hash each conversation, drop in-file replays, lay the rows out in :data:`SCHEMA`.
 
     Replays within the file are dropped here (the first copy is kept, as the run-wide
-    dedupe in the parent would) so that the parent, which runs alone, copies less.
+    dedupe in the parent would) so that the parent, which runs alone, copies less. Most
+    are gone already: the native decoder drops them unless rows came from elsewhere or
+    redaction made rows alike. ``hashes``, the decoder's hashes of ``rows``, are used
+    unless redaction changed a turn.
     """
     n = rows.num_rows
     convs = rows.column("conversations").combine_chunks()
@@ -262,6 +274,7 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
     turns = convs.flatten()
     t_from, t_value = turns.field("from"), turns.field("value")
     row_redactions: list[tuple[int, dict[str, int]]] = []
+    changed = {}
     if redact:
         # Vectorized over every turn of the file; see capture.redact for why.
         t_value, changed = redact_array(t_value)
@@ -276,7 +289,10 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool) -> tuple[pa.Table, 
             row_redactions = sorted(per_row.items())
             convs = pa.ListArray.from_arrays(offsets, pa.StructArray.from_arrays([t_from, t_value], fields=list(TURN)))
     # The hash is of the stored (redacted) text: what dedupe compares is what is kept.
-    hashes = content_hashes(offsets, t_from, t_value)
+    if hashes is None or changed or len(hashes) != n:
+        hashes = content_hashes(offsets, t_from, t_value)
+    else:
+        hashes = hashes.combine_chunks() if hashes.num_chunks else pa.array([], pa.string())
     arrays = []
     for f in SCHEMA:
         if f.name in ("id", "content_hash"):

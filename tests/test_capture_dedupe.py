@@ -81,3 +81,93 @@ def test_a_full_table_is_refused_not_looped_on():
         nat.digests_add_new(table, 2, *args)
     with pytest.raises(ValueError, match="power of two"):
         nat.digests_add_new(bytearray(16 * 4), 3, *args)
+
+
+# ---- in-file replays dropped by the native decoder ---------------------------------------
+
+import json  # noqa: E402
+from datetime import datetime, timedelta, timezone  # noqa: E402
+
+from capture import batchpath, ingest  # noqa: E402
+from capture.records import make_capture_record  # noqa: E402
+from capture.sources import SourceObject  # noqa: E402
+
+T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
+# canonical; no such day (quarantined without a layout hour); parsed only by Python; none at all
+TIMES = [T0, "2025-02-30T00:00:00Z", "2025-05-01T10:00:00.250+02:00", ""]
+
+
+def _exchange(k: int, email: str = "") -> dict:
+    return {"request": {"messages": [{"role": "user", "content": f"question {k % 7} {email}"}]},
+            "response": {"choices": [{"message": {"role": "assistant", "content": f"answer {k % 5} ünïcödé"}}]}}
+
+
+def _replays_file(tmp_path, rng: random.Random, declined: float, n: int = 400):
+    """Lines that replay few exchanges, with every kind of time, PII that redaction makes alike,
+    and lines the native decoder declines (an escaped key) so that the per-line path mixes in."""
+    lines = []
+    for i in range(n):
+        kw = _exchange(rng.randrange(12), email=rng.choice(["", "", f"mail{i}@example.com"]))
+        line = make_capture_record(kw["request"], kw["response"], event_id=f"e{i}",
+                                   inference_time=rng.choice(TIMES + [T0 + timedelta(seconds=i)] * 3))
+        if rng.random() < declined:
+            line = line.replace('"captureData"', '"\\u0063aptureData"', 1)  # declined natively, same meaning
+        lines.append(line)
+    p = tmp_path / f"replays-{rng.random()}.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def _result(p, hour, monkeypatch, native_on: bool):
+    monkeypatch.setattr(batchpath, "USE_NATIVE", native_on)
+    ingest._init_worker(None, True, 1 << 26)
+    return ingest.process_file(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", hour))
+
+
+@pytest.mark.parametrize("hour", [None, T0])
+@pytest.mark.parametrize("declined", [0.0, 0.05])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_replays_dropped_while_decoding_leave_the_same_file_result(tmp_path, monkeypatch, hour, declined, seed):
+    p = _replays_file(tmp_path, random.Random(seed), declined)
+    on, off = _result(p, hour, monkeypatch, True), _result(p, hour, monkeypatch, False)
+    for attr in ("read", "file_duplicates", "skips", "quarantine", "row_redactions"):
+        assert getattr(on, attr) == getattr(off, attr), attr
+    assert on.table.to_pylist() == off.table.to_pylist()
+    assert on.file_duplicates > 100 and len(on.quarantine) > (0 if hour is None else -1)
+    assert on.read == on.table.num_rows + on.file_duplicates + len(on.quarantine) + sum(on.skips.values())
+
+
+def test_the_decoder_drops_copies_and_hashes_what_it_keeps(tmp_path):
+    rng = random.Random(9)
+    lines = []
+    for i in range(300):
+        kw = _exchange(rng.randrange(20))
+        lines.append(make_capture_record(kw["request"], kw["response"], event_id=f"e{i}",
+                                         inference_time=T0 + timedelta(seconds=i)))
+    block = ("\n".join(lines) + "\n").encode()
+    seen = dedupe.HashSet()
+    got = batchpath.decode_block(block, 0, 1, 8192, 1 << 26, None, seen)
+    plain = batchpath.decode_block(block, 0, 1, 8192, 1 << 26, None)
+    convs = plain.batch.column("conversations")
+    want = [ingest.content_hash((t["from"], t["value"]) for t in c) for c in convs.to_pylist()]
+    first = [h not in want[:i] for i, h in enumerate(want)]
+    assert got.duplicates == first.count(False) > 200
+    assert got.hashes.to_pylist() == [h for h, f in zip(want, first) if f] and len(seen) == len(set(want))
+    assert got.batch.column("line_no").to_pylist() == [i + 1 for i, f in enumerate(first) if f]
+    # a second block of the same file: every row is a copy now
+    again = batchpath.decode_block(block, 0, 301, 8192, 1 << 26, None, seen)
+    assert again.batch.num_rows == 0 and again.duplicates == 300
+
+
+def test_a_full_table_stops_dropping_but_keeps_every_row(tmp_path):
+    kw = _exchange(1)
+    block = ("\n".join(make_capture_record(kw["request"], kw["response"], event_id=f"e{i}", inference_time=T0)
+                       for i in range(50)) + "\n").encode()
+    nat = native.get()
+    table = bytearray(16 * (1024 + 1))
+    out = nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 0, True)  # no room: nothing goes in
+    assert out["rows"] == 50 and out["duplicates"] == 0 and out["inserted"] == 0
+    out = nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 1, True)
+    assert out["rows"] == 1 and out["duplicates"] == 49 and out["inserted"] == 1
+    with pytest.raises(ValueError, match="half full"):
+        nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 513, True)

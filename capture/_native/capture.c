@@ -6,6 +6,7 @@
 #include "capture.h"
 
 static const char *const FROM_NAMES[] = {"system", "human", "gpt"};
+const char *from_name(int from) { return FROM_NAMES[from]; }
 static const char *const FORMAT_NAMES[] = {"openai_chat", "openai_completion", "tgi", "jumpstart_chat"};
 
 #define KEY(k, lit) ((k).len == sizeof(lit) - 1 && memcmp((k).ptr, lit, sizeof(lit) - 1) == 0)

@@ -41,6 +41,8 @@ typedef struct {
 /* str.isspace() of one code point, as Python 3.11 decides it. */
 int py_isspace(uint32_t cp);
 
+/* "system", "human" or "gpt". */
+const char *from_name(int from);
 void row_reset(Row *row);
 void row_free(Row *row);
 /* LINE_ROW (row filled), LINE_SKIP (tabular traffic), LINE_DECLINED or J_NOMEM. */

@@ -33,6 +33,21 @@ int digests_add(uint8_t *table, size_t slots, const uint8_t d[16]) {
     return -1;
 }
 
+int digests_contains(const uint8_t *table, size_t slots, const uint8_t d[16]) {
+    if (memcmp(d, ZERO, 16) == 0)
+        return table[0] != 0;
+    const uint8_t *slot0 = table + 16;
+    size_t i = home(d, slots);
+    for (size_t probes = 0; probes < slots; probes++, i = (i + 1) & (slots - 1)) {
+        const uint8_t *s = slot0 + 16 * i;
+        if (memcmp(s, d, 16) == 0)
+            return 1;
+        if (memcmp(s, ZERO, 16) == 0)
+            return 0;
+    }
+    return 0;
+}
+
 void digests_rehash(const uint8_t *old_table, size_t old_slots, uint8_t *new_table, size_t new_slots) {
     new_table[0] = old_table[0];
     for (size_t i = 0; i < old_slots; i++) {

@@ -11,6 +11,8 @@
 
 /* Adds d; returns 1 if it was new, 0 if already there, -1 if the table is full. slots: a power of two. */
 int digests_add(uint8_t *table, size_t slots, const uint8_t d[16]);
+/* Whether d is in the table. */
+int digests_contains(const uint8_t *table, size_t slots, const uint8_t d[16]);
 /* Inserts every digest of old_table into the empty new_table. */
 void digests_rehash(const uint8_t *old_table, size_t old_slots, uint8_t *new_table, size_t new_slots);
 /* 32 lowercase hex characters to 16 bytes; 0 if the text is not that. */

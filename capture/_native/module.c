@@ -40,7 +40,18 @@ typedef struct {
     PyObject *declined; /* list of int: indices of the lines left to the Python paths */
     long long skips;
     Py_ssize_t max_line;
+    /* In-file dedupe (decode_block with a table): the rows' content hashes (32 hex each), the
+     * digest table of the rows kept so far, how many more it may take, and the rows dropped. */
+    uint8_t *table;
+    size_t slots, room, inserted;
+    int hour_known;
+    Buf hashes;
+    long long duplicates;
 } Decoder;
+
+static int canonical_time(const uint8_t *p, size_t n, int64_t *us);
+static void row_digest(const Row *row, uint8_t digest[16]);
+static void hex_digest(const uint8_t digest[16], char *out);
 
 static int decoder_init(Decoder *d, Py_ssize_t max_line) {
     memset(d, 0, sizeof *d);
@@ -55,6 +66,7 @@ static int decoder_init(Decoder *d, Py_ssize_t max_line) {
 }
 
 static void decoder_free(Decoder *d) {
+    buf_free(&d->hashes);
     Py_XDECREF(d->declined);
     columns_free(&d->cols);
     row_free(&d->row);
@@ -66,6 +78,28 @@ static int decoder_line(Decoder *d, const uint8_t *line, Py_ssize_t n, Py_ssize_
     if (n <= d->max_line) {
         row_reset(&d->row);
         what = capture_line(line, (size_t)n, &d->row);
+    }
+    if (what == LINE_ROW && d->table != NULL) {
+        uint8_t digest[16];
+        char hex[32];
+        row_digest(&d->row, digest);
+        /* Only a row sure to be kept may stand for later copies: one whose time Python will
+         * not quarantine (a canonical inferenceTime, or the layout hour to fall back on). */
+        int64_t us;
+        const Span *t = &d->row.inference_time;
+        if (d->hour_known || (t->ptr != NULL && canonical_time(t->ptr, t->len, &us))) {
+            /* Once `room` is used up, copies of the rows in the table are still dropped. */
+            int added = d->inserted < d->room ? digests_add(d->table, d->slots, digest)
+                                              : !digests_contains(d->table, d->slots, digest) ? 2 : 0;
+            if (added == 0) {
+                d->duplicates++;
+                return 0;
+            }
+            d->inserted += added == 1;
+        }
+        hex_digest(digest, hex);
+        if (buf_put(&d->hashes, hex, sizeof hex) != J_OK)
+            what = J_NOMEM;
     }
     if (what == LINE_ROW && columns_add(&d->cols, &d->row, (int64_t)index) != J_OK)
         what = J_NOMEM;
@@ -121,12 +155,22 @@ PyDoc_STRVAR(decode_block_doc,
              "`max_lines` of them: lines end at '\\n' (not part of the line); the buffer's last line\n"
              "may lack it; a final '\\n' makes no empty line. Also gives 'lines' (how many were read),\n"
              "'end' (the byte after the last one's newline) and 'starts' (int64, lines + 1 offsets:\n"
-             "line i is block[starts[i]:starts[i + 1]] less its newline).");
+             "line i is block[starts[i]:starts[i + 1]] less its newline).\n\n"
+             "decode_block(block, start, max_lines, max_line, table, slots, room, hour_known) also drops\n"
+             "the rows whose content hash is in `table` (a digest table as digests_add_new takes it), and\n"
+             "adds at most `room` new ones: only rows whose time cannot send them to quarantine (canonical,\n"
+             "or `hour_known`); it also gives 'hashes' (32 hex per row kept), 'duplicates' (rows dropped)\n"
+             "and 'inserted'.");
+
+static int table_arg(PyObject *obj, Py_ssize_t slots, Py_buffer *view);
 
 static PyObject *decode_block(PyObject *self, PyObject *args) {
-    Py_buffer block;
-    Py_ssize_t start, max_lines, max_line;
-    if (!PyArg_ParseTuple(args, "y*nnn", &block, &start, &max_lines, &max_line))
+    Py_buffer block, table;
+    Py_ssize_t start, max_lines, max_line, slots = 0, room = 0;
+    PyObject *o_table = Py_None;
+    int hour_known = 0, have_table = 0;
+    if (!PyArg_ParseTuple(args, "y*nnn|Onnp", &block, &start, &max_lines, &max_line, &o_table, &slots, &room,
+                          &hour_known))
         return NULL;
     PyObject *result = NULL;
     Buf starts = {0};
@@ -136,6 +180,19 @@ static PyObject *decode_block(PyObject *self, PyObject *args) {
     if (start < 0 || start > block.len || max_lines < 0) {
         PyErr_SetString(PyExc_ValueError, "decode_block: start outside the block or max_lines < 0");
         goto done;
+    }
+    if (o_table != Py_None) {
+        if (table_arg(o_table, slots, &table) < 0)
+            goto done;
+        have_table = 1;
+        if (room < 0 || room > slots / 2) {
+            PyErr_SetString(PyExc_ValueError, "decode_block: room must keep the table at most half full");
+            goto done;
+        }
+        d.table = table.buf;
+        d.slots = (size_t)slots;
+        d.room = (size_t)room;
+        d.hour_known = hour_known;
     }
     const uint8_t *base = (const uint8_t *)block.buf, *end = base + block.len, *p = base + start;
     Py_ssize_t i = 0;
@@ -166,7 +223,19 @@ static PyObject *decode_block(PyObject *self, PyObject *args) {
         Py_XDECREF(end_at);
         Py_XDECREF(st);
     }
+    if (result != NULL && have_table) {
+        PyObject *hashes = bytes_of(&d.hashes), *dups = PyLong_FromLongLong(d.duplicates),
+                 *ins = PyLong_FromSize_t(d.inserted);
+        if (hashes == NULL || dups == NULL || ins == NULL || PyDict_SetItemString(result, "hashes", hashes) < 0 ||
+            PyDict_SetItemString(result, "duplicates", dups) < 0 || PyDict_SetItemString(result, "inserted", ins) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(hashes);
+        Py_XDECREF(dups);
+        Py_XDECREF(ins);
+    }
 done:
+    if (have_table)
+        PyBuffer_Release(&table);
     decoder_free(&d);
     buf_free(&starts);
     PyBuffer_Release(&block);
@@ -298,6 +367,37 @@ static void hash_row(const Utf8 *from, const Utf8 *value, int32_t first, int32_t
     blake2b_final(&s, digest);
 }
 
+/* hash_row of a decoded row: each turn's text is the concatenation of its pieces. */
+static void row_digest(const Row *row, uint8_t digest[16]) {
+    const Turn *turns = (const Turn *)row->turns.data;
+    const Span *pieces = (const Span *)row->pieces.data;
+    size_t n_turns = row->turns.len / sizeof(Turn);
+    Blake2b s;
+    blake2b_init(&s, 16);
+    for (size_t t = 0; t < n_turns; t++) {
+        const Span *p = pieces + turns[t].first;
+        size_t chars = 0;
+        for (size_t k = 0; k < turns[t].count; k++)
+            chars += count_code_points(p[k].ptr, p[k].len); /* counts lead bytes: adds up over pieces */
+        const char *from = from_name(turns[t].from);
+        char len_text[32];
+        int n = length_field(len_text, chars);
+        blake2b_update(&s, from, strlen(from));
+        blake2b_update(&s, len_text, (size_t)n);
+        for (size_t k = 0; k < turns[t].count; k++)
+            blake2b_update(&s, p[k].ptr, p[k].len);
+    }
+    blake2b_final(&s, digest);
+}
+
+static void hex_digest(const uint8_t digest[16], char *out) {
+    static const char digits[] = "0123456789abcdef";
+    for (int i = 0; i < 16; i++) {
+        out[2 * i] = digits[digest[i] >> 4];
+        out[2 * i + 1] = digits[digest[i] & 15];
+    }
+}
+
 PyDoc_STRVAR(content_hashes_doc,
              "content_hashes(row_offsets, from_offset, from_length, from_offsets, from_data,\n"
              "               value_offset, value_length, value_offsets, value_data) -> bytes\n\n"
@@ -332,14 +432,10 @@ static PyObject *content_hashes(PyObject *self, PyObject *args) {
     if (out == NULL)
         goto done;
     char *hex = PyBytes_AS_STRING(out);
-    static const char digits[] = "0123456789abcdef";
     for (Py_ssize_t r = 0; r < n; r++) {
         uint8_t digest[16];
         hash_row(&from, &value, row_offsets[r], row_offsets[r + 1], digest);
-        for (int i = 0; i < 16; i++) {
-            hex[32 * r + 2 * i] = digits[digest[i] >> 4];
-            hex[32 * r + 2 * i + 1] = digits[digest[i] & 15];
-        }
+        hex_digest(digest, hex + 32 * r);
     }
 done:
     arg_release(&rows);
