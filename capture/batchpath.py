@@ -133,10 +133,12 @@ class Chunk:
     declined_lines: list[bytes] = field(default_factory=list)
     lines: int = 0
     end: int = 0
-    # decode_block with ``seen`` (native only): each row's content hash, and the rows dropped
-    # as copies of an earlier one (whose hash was in ``seen``).
+    # decode_block with ``seen`` (native only): each row's content hash, the rows dropped as
+    # copies of an earlier one (whose hash was in ``seen``), and the rows kept that did not
+    # go into ``seen`` (so that a later copy of them may be in the batch).
     hashes: pa.Array | None = None
     duplicates: int = 0
+    unchecked: int = 0
 
 
 def _decode_outer(lines: list[bytes], max_line: int) -> list[_Line | None]:
@@ -272,7 +274,8 @@ def _native_chunk(out: dict, first_line_no: int, hour: datetime | None) -> Chunk
         declined = sorted(declined + idx[~valid.to_numpy(zero_copy_only=False)].tolist())
         batch = batch.filter(valid)
         hashes = hashes.filter(valid) if hashes is not None else None
-    return Chunk(batch=batch, declined=declined, skips=skips, hashes=hashes, duplicates=out.get("duplicates", 0))
+    return Chunk(batch=batch, declined=declined, skips=skips, hashes=hashes, duplicates=out.get("duplicates", 0),
+                 unchecked=out.get("unchecked", 0))
 
 
 def _utf8(n: int, col: tuple) -> pa.Array:

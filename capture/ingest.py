@@ -207,6 +207,7 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
     res = FileResult(obj=obj)
     parts: list[pa.RecordBatch] = []
     hash_parts: list[pa.Array] = []  # the native decoder's hashes of the rows in `parts`
+    unchecked = 0  # rows of `parts` the decoder kept without vouching that they are first
     in_file = HashSet()
     per_line = _PerLine()
     line_no = 0  # lines before the chunk at hand
@@ -223,6 +224,7 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
                             hash_parts.append(got.hashes)
                     res.skips.update(got.skips)
                     res.file_duplicates += got.duplicates
+                    unchecked += got.unchecked
                     for i, line in zip(got.declined, got.declined_lines):
                         per_line.decide(line, line_no + 1 + i, obj, max_line, res)
                     n, pos = got.lines, got.end
@@ -249,20 +251,20 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
     rows = pa.Table.from_batches(parts, schema=ROW_SCHEMA)
     if len(parts) > 1 and len(per_line.offsets) > 1:
         rows = rows.sort_by("line_no")  # per-line rows interleave with the batch rows
-    res.table, res.row_redactions, dropped = _finish(rows, obj, redact, hashes)
+    res.table, res.row_redactions, dropped = _finish(rows, obj, redact, hashes, unique=not unchecked)
     res.file_duplicates += dropped
     return res
 
 
-def _finish(rows: pa.Table, obj: SourceObject, redact: bool,
-            hashes: pa.ChunkedArray | None = None) -> tuple[pa.Table, list[tuple[int, dict[str, int]]], int]:
+def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedArray | None = None,
+            unique: bool = False) -> tuple[pa.Table, list[tuple[int, dict[str, int]]], int]:
     """Redact the turns, hash each conversation, drop in-file replays, lay the rows out in :data:`SCHEMA`.
 
     Replays within the file are dropped here (the first copy is kept, as the run-wide
     dedupe in the parent would) so that the parent, which runs alone, copies less. Most
     are gone already: the native decoder drops them unless rows came from elsewhere or
     redaction made rows alike. ``hashes``, the decoder's hashes of ``rows``, are used
-    unless redaction changed a turn.
+    unless redaction changed a turn; ``unique`` says the decoder vouched for every row.
     """
     n = rows.num_rows
     convs = rows.column("conversations").combine_chunks()
@@ -290,7 +292,7 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool,
             convs = pa.ListArray.from_arrays(offsets, pa.StructArray.from_arrays([t_from, t_value], fields=list(TURN)))
     # The hash is of the stored (redacted) text: what dedupe compares is what is kept.
     if hashes is None or changed or len(hashes) != n:
-        hashes = content_hashes(offsets, t_from, t_value)
+        hashes, unique = content_hashes(offsets, t_from, t_value), False
     else:
         hashes = hashes.combine_chunks() if hashes.num_chunks else pa.array([], pa.string())
     arrays = []
@@ -307,6 +309,8 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool,
         else:
             arrays.append(rows.column(f.name))
     table = pa.Table.from_arrays(arrays, schema=SCHEMA)
+    if unique:
+        return table, row_redactions, 0
     keep = _first_in(hashes)
     dropped = n - int(keep.sum())
     if dropped:

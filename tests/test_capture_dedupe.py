@@ -163,11 +163,14 @@ def test_a_full_table_stops_dropping_but_keeps_every_row(tmp_path):
     kw = _exchange(1)
     block = ("\n".join(make_capture_record(kw["request"], kw["response"], event_id=f"e{i}", inference_time=T0)
                        for i in range(50)) + "\n").encode()
+    odd = block.replace(b"2025-05-01T10:00:00Z", b"2025-05-01T10:00:00+00:00")
     nat = native.get()
     table = bytearray(16 * (1024 + 1))
     out = nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 0, True)  # no room: nothing goes in
-    assert out["rows"] == 50 and out["duplicates"] == 0 and out["inserted"] == 0
+    assert (out["rows"], out["duplicates"], out["inserted"], out["unchecked"]) == (50, 0, 0, 50)
     out = nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 1, True)
-    assert out["rows"] == 1 and out["duplicates"] == 49 and out["inserted"] == 1
+    assert (out["rows"], out["duplicates"], out["inserted"], out["unchecked"]) == (1, 49, 1, 0)
+    out = nat.decode_block(odd, 0, 8192, 1 << 26, bytearray(16 * 1025), 1024, 9, False)  # times not canonical
+    assert (out["rows"], out["duplicates"], out["inserted"], out["unchecked"]) == (50, 0, 0, 50)
     with pytest.raises(ValueError, match="half full"):
         nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 513, True)

@@ -43,7 +43,7 @@ typedef struct {
     /* In-file dedupe (decode_block with a table): the rows' content hashes (32 hex each), the
      * digest table of the rows kept so far, how many more it may take, and the rows dropped. */
     uint8_t *table;
-    size_t slots, room, inserted;
+    size_t slots, room, inserted, unchecked; /* unchecked: rows kept without going into the table */
     int hour_known;
     Buf hashes;
     long long duplicates;
@@ -96,6 +96,9 @@ static int decoder_line(Decoder *d, const uint8_t *line, Py_ssize_t n, Py_ssize_
                 return 0;
             }
             d->inserted += added == 1;
+            d->unchecked += added != 1;
+        } else {
+            d->unchecked++;
         }
         hex_digest(digest, hex);
         if (buf_put(&d->hashes, hex, sizeof hex) != J_OK)
@@ -159,8 +162,8 @@ PyDoc_STRVAR(decode_block_doc,
              "decode_block(block, start, max_lines, max_line, table, slots, room, hour_known) also drops\n"
              "the rows whose content hash is in `table` (a digest table as digests_add_new takes it), and\n"
              "adds at most `room` new ones: only rows whose time cannot send them to quarantine (canonical,\n"
-             "or `hour_known`); it also gives 'hashes' (32 hex per row kept), 'duplicates' (rows dropped)\n"
-             "and 'inserted'.");
+             "or `hour_known`); it also gives 'hashes' (32 hex per row kept), 'duplicates' (rows dropped),\n"
+             "'inserted' and 'unchecked' (rows kept that did not go into the table).");
 
 static int table_arg(PyObject *obj, Py_ssize_t slots, Py_buffer *view);
 
@@ -225,13 +228,15 @@ static PyObject *decode_block(PyObject *self, PyObject *args) {
     }
     if (result != NULL && have_table) {
         PyObject *hashes = bytes_of(&d.hashes), *dups = PyLong_FromLongLong(d.duplicates),
-                 *ins = PyLong_FromSize_t(d.inserted);
-        if (hashes == NULL || dups == NULL || ins == NULL || PyDict_SetItemString(result, "hashes", hashes) < 0 ||
-            PyDict_SetItemString(result, "duplicates", dups) < 0 || PyDict_SetItemString(result, "inserted", ins) < 0)
+                 *ins = PyLong_FromSize_t(d.inserted), *unchecked = PyLong_FromSize_t(d.unchecked);
+        if (hashes == NULL || dups == NULL || ins == NULL || unchecked == NULL ||
+            PyDict_SetItemString(result, "hashes", hashes) < 0 || PyDict_SetItemString(result, "duplicates", dups) < 0 ||
+            PyDict_SetItemString(result, "inserted", ins) < 0 || PyDict_SetItemString(result, "unchecked", unchecked) < 0)
             Py_CLEAR(result);
         Py_XDECREF(hashes);
         Py_XDECREF(dups);
         Py_XDECREF(ins);
+        Py_XDECREF(unchecked);
     }
 done:
     if (have_table)
