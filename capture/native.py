@@ -102,6 +102,18 @@ def _compile(sources: list[Path], out: Path) -> None:
             os.unlink(tmp)
 
 
+def _prune_stale(root: Path, key: str) -> None:
+    """Remove the builds in ``root`` of sources other than ``key``'s.
+
+    Only for the checkout's own build directory, which serves one version of the sources;
+    the shared one under ``$DRAFTER_ADAPT_HOME`` may serve several checkouts. A process that
+    has a removed build loaded keeps it (the mapping outlives the file).
+    """
+    for d in root.iterdir():
+        if d.name != key and len(d.name) == 16 and all(c in "0123456789abcdef" for c in d.name) and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _build(sources: list[Path], key: str) -> Path:
     errors = []
     for root in _build_roots():
@@ -112,6 +124,8 @@ def _build(sources: list[Path], key: str) -> Path:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then find it built
                 if not target.exists():
                     _compile(sources, target)
+                    if root == SOURCE_DIR / "build":
+                        _prune_stale(root, key)
             return target
         except OSError as exc:  # read-only checkout: try the next root
             errors.append(f"{target.parent}: {exc}")

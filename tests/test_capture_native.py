@@ -104,6 +104,27 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     assert native.get() is None  # production code falls back (after one warning)
 
 
+def test_a_build_in_the_checkout_removes_the_builds_of_older_sources(monkeypatch, tmp_path):
+    """The checkout's build directory keeps one build; the shared one under the home keeps all."""
+    src = tmp_path / "_native"
+    src.mkdir()
+    (src / "m.c").write_text("int answer(void) { return 42; }\n")
+    monkeypatch.setattr(native, "SOURCE_DIR", src)
+    home = tmp_path / "home" / "native"
+    monkeypatch.setattr(native, "_build_roots", lambda: [src / "build", home])
+    built = []
+    monkeypatch.setattr(native, "_compile", lambda sources, out: (built.append(out), out.write_bytes(b"so")))
+    for root in (src / "build", home):
+        (root / "0123456789abcdef").mkdir(parents=True)
+        (root / "keep-me").mkdir()
+    target = native._build(native._sources(), "fedcba9876543210")
+    assert built == [target] and target.parent == src / "build" / "fedcba9876543210"
+    assert sorted(p.name for p in (src / "build").iterdir()) == ["fedcba9876543210", "keep-me"]
+    monkeypatch.setattr(native, "_build_roots", lambda: [home])
+    native._build(native._sources(), "fedcba9876543210")
+    assert sorted(p.name for p in home.iterdir()) == ["0123456789abcdef", "fedcba9876543210", "keep-me"]
+
+
 @pytest.mark.parametrize("size", [0, 1, 3, 111, 127, 128, 129, 255, 256, 257, 1000, 70_000])
 def test_blake2b_matches_hashlib(size):
     data = random.Random(size).randbytes(size)
