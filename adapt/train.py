@@ -55,6 +55,7 @@ from adapt.data import (
 )
 from adapt.drafter import DrafterConfig, PEagleDrafter
 from adapt.loss import Features, collate, label_rows, peagle_loss, project_hidden
+from adapt.memory import available_bytes
 
 RUN_STATE = "train_state.json"
 RUN_MODEL = "model.safetensors"
@@ -219,15 +220,8 @@ def default_cache_bytes(local_world: int | None = None) -> int:
     """
     if local_world is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    total = 6 << 30
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    total = int(line.split()[1]) * 1024 * 7 // 10
-                    break
-    except OSError:
-        pass
+    available = available_bytes(0)
+    total = available * 7 // 10 if available else 6 << 30
     return total // max(1, local_world)
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from adapt.memory import available_bytes  # noqa: E402  (after the path: run as a script)
+
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 
@@ -69,14 +71,6 @@ def _rss_mb() -> dict[str, float]:
     return {"self_mb": round(me.ru_maxrss / 1024, 1), "largest_child_mb": round(kids.ru_maxrss / 1024, 1),
             "peak_rss_mb": round((me.ru_maxrss + kids.ru_maxrss) / 1024, 1),
             "cpu_s": round(me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, 2)}
-
-
-def _available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 << 30
 
 
 def run_capture(data: Path, state: Path, workers: int | None) -> dict:
@@ -169,7 +163,7 @@ def main() -> None:
 
     generate(data, args.n, args.per_file)
     size = sum(p.stat().st_size for p in data.rglob("*.jsonl"))
-    naive_n = args.naive_n or min(args.n, int(_available_bytes() * 0.5 / 8192))
+    naive_n = args.naive_n or min(args.n, int(available_bytes(8 << 30) * 0.5 / 8192))
     results = {}
     contenders = ("capture",) + (() if args.no_baseline else ("naive",)) + (() if args.no_floor else ("duckdb-floor",))
     for which in contenders:
