@@ -132,6 +132,16 @@ def test_blake2b_matches_hashlib(size):
         assert native.load().blake2b(data, digest_size) == hashlib.blake2b(data, digest_size=digest_size).digest()
 
 
+def test_blake2b16_many_matches_hashlib():
+    """The vector path: lanes that finish at different blocks take the next message."""
+    rng = random.Random(5)
+    sizes = [0, 1, 127, 128, 129, 255, 256, 257, 1000, 70_000]
+    for count in (0, 1, 7, 8, 9, 17, 64):
+        msgs = [rng.randbytes(rng.choice(sizes + [rng.randrange(3000)])) for _ in range(count)]
+        want = b"".join(hashlib.blake2b(m, digest_size=16).digest() for m in msgs)
+        assert native.load().blake2b16_many(msgs) == want
+
+
 def test_isspace_matches_python_for_every_code_point():
     isspace = native.load().isspace
     assert [c for c in range(0x110000) if isspace(c)] == [c for c in range(0x110000) if chr(c).isspace()]

@@ -33,10 +33,17 @@ static PyObject *columns_dict(const Columns *c, PyObject *declined, long long sk
         fixed_col_tuple(&c->top_p), "max_tokens", fixed_col_tuple(&c->max_tokens));
 }
 
+/* Rows are decoded into a group of GROUP before they are hashed (side by side, see
+ * blake2b16_many) and added to the columns in line order. */
+#define GROUP 8
+
 /* The state of one decode call: the rows' columns, the lines declined, the tabular ones counted. */
 typedef struct {
     Columns cols;
-    Row row;
+    Row rows[GROUP];       /* decoded, not yet added */
+    int64_t index[GROUP];  /* their line indices */
+    Buf serialized[GROUP]; /* what content_hash hashes of each */
+    int pending;
     PyObject *declined; /* list of int: indices of the lines left to the Python paths */
     long long skips;
     Py_ssize_t max_line;
@@ -50,7 +57,7 @@ typedef struct {
 } Decoder;
 
 static int canonical_time(const uint8_t *p, size_t n, int64_t *us);
-static void row_digest(const Row *row, uint8_t digest[16]);
+static int row_serialize(const Row *row, Buf *out);
 static void hex_digest(const uint8_t digest[16], char *out);
 
 static int decoder_init(Decoder *d, Py_ssize_t max_line) {
@@ -69,48 +76,86 @@ static void decoder_free(Decoder *d) {
     buf_free(&d->hashes);
     Py_XDECREF(d->declined);
     columns_free(&d->cols);
-    row_free(&d->row);
+    for (int i = 0; i < GROUP; i++) {
+        row_free(&d->rows[i]);
+        buf_free(&d->serialized[i]);
+    }
 }
 
-/* Decodes line number `index` of the call; -1 with an exception set on failure. */
+static int no_memory(void) {
+    /* Out of memory, or a chunk beyond Arrow's 2 GiB string offsets. */
+    PyErr_SetString(PyExc_MemoryError, "native decode: out of memory or chunk too large");
+    return -1;
+}
+
+/* Whether the row with this digest is a copy to drop (else it may go into the table). */
+static int decoder_is_copy(Decoder *d, const Row *row, const uint8_t digest[16]) {
+    /* Only a row sure to be kept may stand for later copies: one whose time Python will not
+     * quarantine (a canonical inferenceTime, or the layout hour to fall back on). */
+    int64_t us;
+    const Span *t = &row->inference_time;
+    if (d->hour_known || (t->ptr != NULL && canonical_time(t->ptr, t->len, &us))) {
+        /* Once `room` is used up, copies of the rows in the table are still dropped. */
+        int added = d->inserted < d->room ? digests_add(d->table, d->slots, digest)
+                                          : !digests_contains(d->table, d->slots, digest) ? 2 : 0;
+        if (added == 0) {
+            d->duplicates++;
+            return 1;
+        }
+        d->inserted += added == 1;
+        d->unchecked += added != 1;
+    } else {
+        d->unchecked++;
+    }
+    return 0;
+}
+
+/* Adds the pending rows to the columns in line order (with a table: hashed side by side,
+ * and copies dropped); -1 with an exception set on failure. */
+static int decoder_flush(Decoder *d) {
+    int k = d->pending;
+    d->pending = 0;
+    uint8_t digests[GROUP][16];
+    if (d->table != NULL && k > 0) {
+        const uint8_t *msg[GROUP];
+        size_t len[GROUP];
+        for (int i = 0; i < k; i++) {
+            if (row_serialize(&d->rows[i], &d->serialized[i]) != J_OK)
+                return no_memory();
+            msg[i] = d->serialized[i].data;
+            len[i] = d->serialized[i].len;
+        }
+        blake2b16_many(msg, len, (size_t)k, digests[0]);
+    }
+    for (int i = 0; i < k; i++) {
+        if (d->table != NULL) {
+            if (decoder_is_copy(d, &d->rows[i], digests[i]))
+                continue;
+            char hex[32];
+            hex_digest(digests[i], hex);
+            if (buf_put(&d->hashes, hex, sizeof hex) != J_OK)
+                return no_memory();
+        }
+        if (columns_add(&d->cols, &d->rows[i], d->index[i]) != J_OK)
+            return no_memory();
+    }
+    return 0;
+}
+
+/* Decodes line number `index` of the call; -1 with an exception set on failure. A call's
+ * lines end with decoder_flush. */
 static int decoder_line(Decoder *d, const uint8_t *line, Py_ssize_t n, Py_ssize_t index) {
     int what = LINE_DECLINED;
     if (n <= d->max_line) {
-        row_reset(&d->row);
-        what = capture_line(line, (size_t)n, &d->row);
+        row_reset(&d->rows[d->pending]);
+        what = capture_line(line, (size_t)n, &d->rows[d->pending]);
     }
-    if (what == LINE_ROW && d->table != NULL) {
-        uint8_t digest[16];
-        char hex[32];
-        row_digest(&d->row, digest);
-        /* Only a row sure to be kept may stand for later copies: one whose time Python will
-         * not quarantine (a canonical inferenceTime, or the layout hour to fall back on). */
-        int64_t us;
-        const Span *t = &d->row.inference_time;
-        if (d->hour_known || (t->ptr != NULL && canonical_time(t->ptr, t->len, &us))) {
-            /* Once `room` is used up, copies of the rows in the table are still dropped. */
-            int added = d->inserted < d->room ? digests_add(d->table, d->slots, digest)
-                                              : !digests_contains(d->table, d->slots, digest) ? 2 : 0;
-            if (added == 0) {
-                d->duplicates++;
-                return 0;
-            }
-            d->inserted += added == 1;
-            d->unchecked += added != 1;
-        } else {
-            d->unchecked++;
-        }
-        hex_digest(digest, hex);
-        if (buf_put(&d->hashes, hex, sizeof hex) != J_OK)
-            what = J_NOMEM;
+    if (what == LINE_ROW) {
+        d->index[d->pending++] = (int64_t)index;
+        return d->pending == GROUP ? decoder_flush(d) : 0;
     }
-    if (what == LINE_ROW && columns_add(&d->cols, &d->row, (int64_t)index) != J_OK)
-        what = J_NOMEM;
-    if (what == J_NOMEM) {
-        /* Out of memory, or a chunk beyond Arrow's 2 GiB string offsets. */
-        PyErr_SetString(PyExc_MemoryError, "native decode: out of memory or chunk too large");
-        return -1;
-    }
+    if (what == J_NOMEM)
+        return no_memory();
     if (what == LINE_SKIP) {
         d->skips++;
     } else if (what == LINE_DECLINED) {
@@ -146,6 +191,8 @@ static PyObject *decode_chunk(PyObject *self, PyObject *args) {
         if (decoder_line(&d, (const uint8_t *)PyBytes_AS_STRING(line), PyBytes_GET_SIZE(line), i) < 0)
             goto done;
     }
+    if (decoder_flush(&d) < 0)
+        goto done;
     result = columns_dict(&d.cols, d.declined, d.skips);
 done:
     decoder_free(&d);
@@ -216,6 +263,8 @@ static PyObject *decode_block(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    if (decoder_flush(&d) < 0)
+        goto done;
     result = columns_dict(&d.cols, d.declined, d.skips);
     if (result != NULL) {
         PyObject *lines = PyLong_FromSsize_t(i), *end_at = PyLong_FromSsize_t(p - base), *st = bytes_of(&starts);
@@ -355,30 +404,29 @@ static int length_field(char *out, size_t n) {
     return len;
 }
 
-/* blake2b-128 of one conversation's "from:len:value" turns (capture.ingest.content_hash). */
-static void hash_row(const Utf8 *from, const Utf8 *value, int32_t first, int32_t end, uint8_t digest[16]) {
-    Blake2b s;
-    blake2b_init(&s, 16);
+/* What content_hash hashes of turns [first, end) of two utf8 columns: "from:len:value" each. */
+static int columns_serialize(const Utf8 *from, const Utf8 *value, int32_t first, int32_t end, Buf *out) {
+    out->len = 0;
     for (int32_t t = first; t < end; t++) {
         const int32_t *fo = from->offsets + from->offset + t, *vo = value->offsets + value->offset + t;
         const uint8_t *v = value->data + vo[0];
         size_t v_len = (size_t)(vo[1] - vo[0]);
         char len_text[32];
         int k = length_field(len_text, count_code_points(v, v_len));
-        blake2b_update(&s, from->data + fo[0], (size_t)(fo[1] - fo[0]));
-        blake2b_update(&s, len_text, (size_t)k);
-        blake2b_update(&s, v, v_len);
+        if (buf_put(out, from->data + fo[0], (size_t)(fo[1] - fo[0])) != J_OK ||
+            buf_put(out, len_text, (size_t)k) != J_OK || buf_put(out, v, v_len) != J_OK)
+            return J_NOMEM;
     }
-    blake2b_final(&s, digest);
+    return J_OK;
 }
 
-/* hash_row of a decoded row: each turn's text is the concatenation of its pieces. */
-static void row_digest(const Row *row, uint8_t digest[16]) {
+/* What content_hash hashes of a decoded row: "from:len:value" per turn, each turn's text
+ * the concatenation of its pieces. */
+static int row_serialize(const Row *row, Buf *out) {
     const Turn *turns = (const Turn *)row->turns.data;
     const Span *pieces = (const Span *)row->pieces.data;
     size_t n_turns = row->turns.len / sizeof(Turn);
-    Blake2b s;
-    blake2b_init(&s, 16);
+    out->len = 0;
     for (size_t t = 0; t < n_turns; t++) {
         const Span *p = pieces + turns[t].first;
         size_t chars = 0;
@@ -387,12 +435,13 @@ static void row_digest(const Row *row, uint8_t digest[16]) {
         const char *from = from_name(turns[t].from);
         char len_text[32];
         int n = length_field(len_text, chars);
-        blake2b_update(&s, from, strlen(from));
-        blake2b_update(&s, len_text, (size_t)n);
+        if (buf_put(out, from, strlen(from)) != J_OK || buf_put(out, len_text, (size_t)n) != J_OK)
+            return J_NOMEM;
         for (size_t k = 0; k < turns[t].count; k++)
-            blake2b_update(&s, p[k].ptr, p[k].len);
+            if (buf_put(out, p[k].ptr, p[k].len) != J_OK)
+                return J_NOMEM;
     }
-    blake2b_final(&s, digest);
+    return J_OK;
 }
 
 static void hex_digest(const uint8_t digest[16], char *out) {
@@ -417,6 +466,7 @@ static PyObject *content_hashes(PyObject *self, PyObject *args) {
     Arg rows = {0}, fo = {0}, fd = {0}, vo = {0}, vd = {0};
     PyObject *out = NULL;
     Utf8 from, value;
+    Buf serialized[GROUP] = {{0}};
     if (arg_get(o_rows, &rows) < 0 || arg_get(o_fo, &fo) < 0 || arg_get(o_fd, &fd) < 0 || arg_get(o_vo, &vo) < 0 ||
         arg_get(o_vd, &vd) < 0)
         goto done;
@@ -437,12 +487,28 @@ static PyObject *content_hashes(PyObject *self, PyObject *args) {
     if (out == NULL)
         goto done;
     char *hex = PyBytes_AS_STRING(out);
-    for (Py_ssize_t r = 0; r < n; r++) {
-        uint8_t digest[16];
-        hash_row(&from, &value, row_offsets[r], row_offsets[r + 1], digest);
-        hex_digest(digest, hex + 32 * r);
+    /* GROUP rows at a time, hashed side by side. */
+    for (Py_ssize_t r0 = 0; r0 < n; r0 += GROUP) {
+        int k = n - r0 < GROUP ? (int)(n - r0) : GROUP;
+        const uint8_t *msg[GROUP];
+        size_t len[GROUP];
+        uint8_t digests[GROUP][16];
+        for (int i = 0; i < k; i++) {
+            if (columns_serialize(&from, &value, row_offsets[r0 + i], row_offsets[r0 + i + 1], &serialized[i]) != J_OK) {
+                Py_CLEAR(out);
+                PyErr_NoMemory();
+                goto done;
+            }
+            msg[i] = serialized[i].data;
+            len[i] = serialized[i].len;
+        }
+        blake2b16_many(msg, len, (size_t)k, digests[0]);
+        for (int i = 0; i < k; i++)
+            hex_digest(digests[i], hex + 32 * (r0 + i));
     }
 done:
+    for (int i = 0; i < GROUP; i++)
+        buf_free(&serialized[i]);
     arg_release(&rows);
     arg_release(&fo);
     arg_release(&fd);
@@ -688,6 +754,39 @@ static PyObject *py_blake2b(PyObject *self, PyObject *args) {
     return PyBytes_FromStringAndSize((const char *)digest, size);
 }
 
+PyDoc_STRVAR(blake2b16_many_doc, "blake2b16_many(messages: list[bytes]) -> bytes: their 16-byte digests, side by side\n"
+                                 "(the vector path, for tests against hashlib).");
+
+static PyObject *py_blake2b16_many(PyObject *self, PyObject *arg) {
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "a list of bytes");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    const uint8_t **msg = PyMem_Malloc(sizeof *msg * (size_t)(n + 1));
+    size_t *len = PyMem_Malloc(sizeof *len * (size_t)(n + 1));
+    PyObject *out = NULL;
+    if (msg == NULL || len == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(arg, i);
+        if (!PyBytes_Check(b)) {
+            PyErr_SetString(PyExc_TypeError, "a list of bytes");
+            goto done;
+        }
+        msg[i] = (const uint8_t *)PyBytes_AS_STRING(b);
+        len[i] = (size_t)PyBytes_GET_SIZE(b);
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, 16 * n)) != NULL)
+        blake2b16_many(msg, len, (size_t)n, (uint8_t *)PyBytes_AS_STRING(out));
+done:
+    PyMem_Free(msg);
+    PyMem_Free(len);
+    return out;
+}
+
 PyDoc_STRVAR(isspace_doc, "isspace(code_point) -> bool: str.isspace() as the decoder models it (for tests).");
 
 static PyObject *py_isspace_fn(PyObject *self, PyObject *arg) {
@@ -706,6 +805,7 @@ static PyMethodDef methods[] = {
     {"digests_add_new", digests_add_new, METH_VARARGS, digests_add_new_doc},
     {"digests_rehash", py_digests_rehash, METH_VARARGS, digests_rehash_doc},
     {"blake2b", py_blake2b, METH_VARARGS, blake2b_doc},
+    {"blake2b16_many", py_blake2b16_many, METH_O, blake2b16_many_doc},
     {"isspace", py_isspace_fn, METH_O, isspace_doc},
     {NULL, NULL, 0, NULL},
 };
