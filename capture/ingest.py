@@ -18,7 +18,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import date, datetime, timezone
+from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,7 @@ def _client() -> Any:
 # Lines per batch-path chunk, at most: a chunk is at most a block (a few MB) of lines,
 # but short lines would otherwise make a chunk's columns large.
 CHUNK_LINES = 8192
+EPOCH_DAY = date(1970, 1, 1)
 
 
 def _storable(*texts: str | None) -> bool:
@@ -520,9 +521,14 @@ class _Run:
         self.pending_bytes += fr.obj.size
 
     def _buffer(self, t: pa.Table) -> None:
-        dts = pc.unique(t.column("dt")).to_pylist()
-        for d in dts:
-            part = t if len(dts) == 1 else t.filter(pc.equal(t.column("dt"), pa.scalar(d, pa.date32())))
+        # Days since the epoch from the date32 buffers: pa.scalar and to_pylist would import
+        # pandas into the parent (~0.4 s of CPU per run).
+        col = t.column("dt")
+        days = np.concatenate([_numbers(c.view(pa.int32())) for c in col.chunks]) if col.num_chunks else np.empty(0, np.int32)
+        uniq = np.unique(days)
+        for day in uniq:
+            d = EPOCH_DAY + timedelta(days=int(day))
+            part = t if len(uniq) == 1 else _select(t, days == day)
             self.buffers.setdefault(d, []).append(part)
             self.buffered_rows += part.num_rows
             if sum(x.num_rows for x in self.buffers[d]) >= PART_ROWS:

@@ -587,3 +587,21 @@ def test_no_pandas_import_on_the_native_path(tmp_path):
             f"[m.process_file(o) for o in list_objects({str(tmp_path / 'cap')!r})]\n"
             "assert 'pandas' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_pandas_import_in_the_ingest_parent(tmp_path):
+    """The parent runs alone while it writes and commits: pandas would cost it ~0.4 s of CPU a run.
+    Several days, replays across files, quarantine and skips: every commit path runs."""
+    import subprocess
+    import sys
+
+    write_layout(tmp_path / "cap", 400, per_file=50, seed=5, start=T0 - timedelta(hours=30))
+    first = sorted((tmp_path / "cap").rglob("*.jsonl"))[0]
+    with open(first, "a") as f:
+        f.write('{"captureData": truncated\n')
+    code = ("import sys\nfrom adapt.config import load_config\nfrom capture.ingest import ingest\n"
+            f"cfg = load_config(overrides={{'state_dir': {str(tmp_path / 'state')!r}}})\n"
+            f"r = ingest(cfg, source={str(tmp_path / 'cap')!r}, endpoint='', workers=1)\n"
+            "assert r.quarantined == 1 and r.skipped and r.duplicates and r.normalized, r\n"
+            "assert 'pandas' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
