@@ -20,8 +20,6 @@ static const uint8_t SIGMA[12][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
-static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
-
 static inline uint64_t load64_le(const uint8_t *p) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     uint64_t v;
@@ -35,17 +33,47 @@ static inline uint64_t load64_le(const uint8_t *p) {
 #endif
 }
 
-/* The mixing function G (section 3.1). */
+/* The mixing function G (section 3.1), on the words v[] or on vectors of them (the same
+ * operators apply to both). */
+#define ROTR(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
 #define G(a, b, c, d, x, y)                                                                                           \
     do {                                                                                                              \
         v[a] = v[a] + v[b] + (x);                                                                                     \
-        v[d] = rotr64(v[d] ^ v[a], 32);                                                                               \
+        v[d] = ROTR(v[d] ^ v[a], 32);                                                                               \
         v[c] = v[c] + v[d];                                                                                           \
-        v[b] = rotr64(v[b] ^ v[c], 24);                                                                               \
+        v[b] = ROTR(v[b] ^ v[c], 24);                                                                               \
         v[a] = v[a] + v[b] + (y);                                                                                     \
-        v[d] = rotr64(v[d] ^ v[a], 16);                                                                               \
+        v[d] = ROTR(v[d] ^ v[a], 16);                                                                               \
         v[c] = v[c] + v[d];                                                                                           \
-        v[b] = rotr64(v[b] ^ v[c], 63);                                                                               \
+        v[b] = ROTR(v[b] ^ v[c], 63);                                                                               \
+    } while (0)
+
+/* The twelve rounds of F (section 3.2) with a given G over v[] and message words m[]. */
+#define ROUND(G, m, r)                                                                                                \
+    do {                                                                                                              \
+        G(0, 4, 8, 12, m[SIGMA[r][0]], m[SIGMA[r][1]]);                                                               \
+        G(1, 5, 9, 13, m[SIGMA[r][2]], m[SIGMA[r][3]]);                                                               \
+        G(2, 6, 10, 14, m[SIGMA[r][4]], m[SIGMA[r][5]]);                                                              \
+        G(3, 7, 11, 15, m[SIGMA[r][6]], m[SIGMA[r][7]]);                                                              \
+        G(0, 5, 10, 15, m[SIGMA[r][8]], m[SIGMA[r][9]]);                                                              \
+        G(1, 6, 11, 12, m[SIGMA[r][10]], m[SIGMA[r][11]]);                                                            \
+        G(2, 7, 8, 13, m[SIGMA[r][12]], m[SIGMA[r][13]]);                                                             \
+        G(3, 4, 9, 14, m[SIGMA[r][14]], m[SIGMA[r][15]]);                                                             \
+    } while (0)
+#define ROUNDS(G, m)                                                                                                  \
+    do {                                                                                                              \
+        ROUND(G, m, 0);                                                                                               \
+        ROUND(G, m, 1);                                                                                               \
+        ROUND(G, m, 2);                                                                                               \
+        ROUND(G, m, 3);                                                                                               \
+        ROUND(G, m, 4);                                                                                               \
+        ROUND(G, m, 5);                                                                                               \
+        ROUND(G, m, 6);                                                                                               \
+        ROUND(G, m, 7);                                                                                               \
+        ROUND(G, m, 8);                                                                                               \
+        ROUND(G, m, 9);                                                                                               \
+        ROUND(G, m, 10);                                                                                              \
+        ROUND(G, m, 11);                                                                                              \
     } while (0)
 
 /* The compression function F (section 3.2) on one 128-byte block. */
@@ -63,30 +91,7 @@ static void compress(Blake2b *s, const uint8_t *block, int last) {
         v[14] = ~v[14];
     /* Rounds written out, so that the permutation indices are constants and the message
      * words can stay in registers. */
-#define ROUND(r)                                                                                                      \
-    do {                                                                                                              \
-        G(0, 4, 8, 12, m[SIGMA[r][0]], m[SIGMA[r][1]]);                                                               \
-        G(1, 5, 9, 13, m[SIGMA[r][2]], m[SIGMA[r][3]]);                                                               \
-        G(2, 6, 10, 14, m[SIGMA[r][4]], m[SIGMA[r][5]]);                                                              \
-        G(3, 7, 11, 15, m[SIGMA[r][6]], m[SIGMA[r][7]]);                                                              \
-        G(0, 5, 10, 15, m[SIGMA[r][8]], m[SIGMA[r][9]]);                                                              \
-        G(1, 6, 11, 12, m[SIGMA[r][10]], m[SIGMA[r][11]]);                                                            \
-        G(2, 7, 8, 13, m[SIGMA[r][12]], m[SIGMA[r][13]]);                                                             \
-        G(3, 4, 9, 14, m[SIGMA[r][14]], m[SIGMA[r][15]]);                                                             \
-    } while (0)
-    ROUND(0);
-    ROUND(1);
-    ROUND(2);
-    ROUND(3);
-    ROUND(4);
-    ROUND(5);
-    ROUND(6);
-    ROUND(7);
-    ROUND(8);
-    ROUND(9);
-    ROUND(10);
-    ROUND(11);
-#undef ROUND
+    ROUNDS(G, m);
     for (int i = 0; i < 8; i++)
         s->h[i] ^= v[i] ^ v[i + 8];
 }
@@ -156,19 +161,6 @@ typedef uint64_t lanes_t __attribute__((vector_size(8 * LANES)));
 #define CLONES
 #endif
 
-#define VROTR(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
-#define VG(a, b, c, d, x, y)                                                                                          \
-    do {                                                                                                              \
-        v[a] = v[a] + v[b] + (x);                                                                                     \
-        v[d] = VROTR(v[d] ^ v[a], 32);                                                                                \
-        v[c] = v[c] + v[d];                                                                                           \
-        v[b] = VROTR(v[b] ^ v[c], 24);                                                                                \
-        v[a] = v[a] + v[b] + (y);                                                                                     \
-        v[d] = VROTR(v[d] ^ v[a], 16);                                                                                \
-        v[c] = v[c] + v[d];                                                                                           \
-        v[b] = VROTR(v[b] ^ v[c], 63);                                                                                \
-    } while (0)
-
 /* F on one block per lane: h[j][lane] the states, m[j][lane] the blocks' words, t the byte
  * counts (below 2^64), f all ones in the lanes whose block is their last. */
 CLONES static void compress_lanes(uint64_t h[8][LANES], uint64_t m_words[16][LANES], const uint64_t t[LANES],
@@ -184,30 +176,7 @@ CLONES static void compress_lanes(uint64_t h[8][LANES], uint64_t m_words[16][LAN
     memcpy(&fv, f, sizeof fv);
     v[12] ^= tv;
     v[14] ^= fv;
-#define ROUND(r)                                                                                                      \
-    do {                                                                                                              \
-        VG(0, 4, 8, 12, m[SIGMA[r][0]], m[SIGMA[r][1]]);                                                              \
-        VG(1, 5, 9, 13, m[SIGMA[r][2]], m[SIGMA[r][3]]);                                                              \
-        VG(2, 6, 10, 14, m[SIGMA[r][4]], m[SIGMA[r][5]]);                                                             \
-        VG(3, 7, 11, 15, m[SIGMA[r][6]], m[SIGMA[r][7]]);                                                             \
-        VG(0, 5, 10, 15, m[SIGMA[r][8]], m[SIGMA[r][9]]);                                                             \
-        VG(1, 6, 11, 12, m[SIGMA[r][10]], m[SIGMA[r][11]]);                                                           \
-        VG(2, 7, 8, 13, m[SIGMA[r][12]], m[SIGMA[r][13]]);                                                            \
-        VG(3, 4, 9, 14, m[SIGMA[r][14]], m[SIGMA[r][15]]);                                                            \
-    } while (0)
-    ROUND(0);
-    ROUND(1);
-    ROUND(2);
-    ROUND(3);
-    ROUND(4);
-    ROUND(5);
-    ROUND(6);
-    ROUND(7);
-    ROUND(8);
-    ROUND(9);
-    ROUND(10);
-    ROUND(11);
-#undef ROUND
+    ROUNDS(G, m);
     for (int j = 0; j < 8; j++) {
         lanes_t hj;
         memcpy(&hj, h[j], sizeof hj);
