@@ -12,6 +12,18 @@ static size_t home(const uint8_t d[16], size_t slots) {
     return (size_t)(h & (uint64_t)(slots - 1));
 }
 
+/* The slot holding d, or else the empty slot where it would go; NULL if neither (a full table). */
+static uint8_t *find(const uint8_t *table, size_t slots, const uint8_t d[16]) {
+    uint8_t *slot0 = (uint8_t *)table + 16;
+    size_t i = home(d, slots);
+    for (size_t probes = 0; probes < slots; probes++, i = (i + 1) & (slots - 1)) {
+        uint8_t *s = slot0 + 16 * i;
+        if (memcmp(s, d, 16) == 0 || memcmp(s, ZERO, 16) == 0)
+            return s;
+    }
+    return NULL;
+}
+
 int digests_add(uint8_t *table, size_t slots, const uint8_t d[16]) {
     if (memcmp(d, ZERO, 16) == 0) {
         if (table[0])
@@ -19,33 +31,20 @@ int digests_add(uint8_t *table, size_t slots, const uint8_t d[16]) {
         table[0] = 1;
         return 1;
     }
-    uint8_t *slot0 = table + 16;
-    size_t i = home(d, slots);
-    for (size_t probes = 0; probes < slots; probes++, i = (i + 1) & (slots - 1)) {
-        uint8_t *s = slot0 + 16 * i;
-        if (memcmp(s, d, 16) == 0)
-            return 0;
-        if (memcmp(s, ZERO, 16) == 0) {
-            memcpy(s, d, 16);
-            return 1;
-        }
-    }
-    return -1;
+    uint8_t *s = find(table, slots, d);
+    if (s == NULL)
+        return -1;
+    if (memcmp(s, d, 16) == 0)
+        return 0;
+    memcpy(s, d, 16);
+    return 1;
 }
 
 int digests_contains(const uint8_t *table, size_t slots, const uint8_t d[16]) {
     if (memcmp(d, ZERO, 16) == 0)
         return table[0] != 0;
-    const uint8_t *slot0 = table + 16;
-    size_t i = home(d, slots);
-    for (size_t probes = 0; probes < slots; probes++, i = (i + 1) & (slots - 1)) {
-        const uint8_t *s = slot0 + 16 * i;
-        if (memcmp(s, d, 16) == 0)
-            return 1;
-        if (memcmp(s, ZERO, 16) == 0)
-            return 0;
-    }
-    return 0;
+    const uint8_t *s = find(table, slots, d);
+    return s != NULL && memcmp(s, d, 16) == 0;
 }
 
 void digests_rehash(const uint8_t *old_table, size_t old_slots, uint8_t *new_table, size_t new_slots) {
