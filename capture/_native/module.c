@@ -404,42 +404,44 @@ static int length_field(char *out, size_t n) {
     return len;
 }
 
-/* What content_hash hashes of turns [first, end) of two utf8 columns: "from:len:value" each. */
+/* Appends what content_hash hashes of one turn, "from:len:value", where the value is the
+ * concatenation of `count` pieces (len counts code points: lead bytes, which add up over pieces). */
+static int put_turn(Buf *out, const uint8_t *from, size_t from_len, const Span *pieces, size_t count) {
+    size_t chars = 0;
+    for (size_t k = 0; k < count; k++)
+        chars += count_code_points(pieces[k].ptr, pieces[k].len);
+    char len_text[32];
+    int n = length_field(len_text, chars);
+    if (buf_put(out, from, from_len) != J_OK || buf_put(out, len_text, (size_t)n) != J_OK)
+        return J_NOMEM;
+    for (size_t k = 0; k < count; k++)
+        if (buf_put(out, pieces[k].ptr, pieces[k].len) != J_OK)
+            return J_NOMEM;
+    return J_OK;
+}
+
+/* What content_hash hashes of turns [first, end) of two utf8 columns. */
 static int columns_serialize(const Utf8 *from, const Utf8 *value, int32_t first, int32_t end, Buf *out) {
     out->len = 0;
     for (int32_t t = first; t < end; t++) {
         const int32_t *fo = from->offsets + from->offset + t, *vo = value->offsets + value->offset + t;
-        const uint8_t *v = value->data + vo[0];
-        size_t v_len = (size_t)(vo[1] - vo[0]);
-        char len_text[32];
-        int k = length_field(len_text, count_code_points(v, v_len));
-        if (buf_put(out, from->data + fo[0], (size_t)(fo[1] - fo[0])) != J_OK ||
-            buf_put(out, len_text, (size_t)k) != J_OK || buf_put(out, v, v_len) != J_OK)
+        Span v = {value->data + vo[0], (size_t)(vo[1] - vo[0])};
+        if (put_turn(out, from->data + fo[0], (size_t)(fo[1] - fo[0]), &v, 1) != J_OK)
             return J_NOMEM;
     }
     return J_OK;
 }
 
-/* What content_hash hashes of a decoded row: "from:len:value" per turn, each turn's text
- * the concatenation of its pieces. */
+/* What content_hash hashes of a decoded row. */
 static int row_serialize(const Row *row, Buf *out) {
     const Turn *turns = (const Turn *)row->turns.data;
     const Span *pieces = (const Span *)row->pieces.data;
     size_t n_turns = row->turns.len / sizeof(Turn);
     out->len = 0;
     for (size_t t = 0; t < n_turns; t++) {
-        const Span *p = pieces + turns[t].first;
-        size_t chars = 0;
-        for (size_t k = 0; k < turns[t].count; k++)
-            chars += count_code_points(p[k].ptr, p[k].len); /* counts lead bytes: adds up over pieces */
         const char *from = from_name(turns[t].from);
-        char len_text[32];
-        int n = length_field(len_text, chars);
-        if (buf_put(out, from, strlen(from)) != J_OK || buf_put(out, len_text, (size_t)n) != J_OK)
+        if (put_turn(out, (const uint8_t *)from, strlen(from), pieces + turns[t].first, turns[t].count) != J_OK)
             return J_NOMEM;
-        for (size_t k = 0; k < turns[t].count; k++)
-            if (buf_put(out, p[k].ptr, p[k].len) != J_OK)
-                return J_NOMEM;
     }
     return J_OK;
 }
