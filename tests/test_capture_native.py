@@ -128,8 +128,7 @@ def test_a_build_in_the_checkout_removes_the_builds_of_older_sources(monkeypatch
 @pytest.mark.parametrize("size", [0, 1, 3, 111, 127, 128, 129, 255, 256, 257, 1000, 70_000])
 def test_blake2b_matches_hashlib(size):
     data = random.Random(size).randbytes(size)
-    for digest_size in (1, 16, 32, 33, 64):
-        assert native.load().blake2b(data, digest_size) == hashlib.blake2b(data, digest_size=digest_size).digest()
+    assert native.load().blake2b16_many([data]) == hashlib.blake2b(data, digest_size=16).digest()
 
 
 def test_blake2b16_many_matches_hashlib():

@@ -3,7 +3,6 @@
 
 #include "blake2b.h"
 
-
 /* The SHA-512 initialization vector (RFC 7693 section 2.6). */
 static const uint64_t IV[8] = {
     0x6A09E667F3BCC908ULL, 0xBB67AE8584CAA73BULL, 0x3C6EF372FE94F82BULL, 0xA54FF53A5F1D36F1ULL,
@@ -33,23 +32,23 @@ static inline uint64_t load64_le(const uint8_t *p) {
 #endif
 }
 
-/* The mixing function G (section 3.1), on the words v[] or on vectors of them (the same
- * operators apply to both). */
+/* The mixing function G (section 3.1) on v[], vectors of one word of each lane. */
 #define ROTR(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
 #define G(a, b, c, d, x, y)                                                                                           \
     do {                                                                                                              \
         v[a] = v[a] + v[b] + (x);                                                                                     \
-        v[d] = ROTR(v[d] ^ v[a], 32);                                                                               \
+        v[d] = ROTR(v[d] ^ v[a], 32);                                                                                 \
         v[c] = v[c] + v[d];                                                                                           \
-        v[b] = ROTR(v[b] ^ v[c], 24);                                                                               \
+        v[b] = ROTR(v[b] ^ v[c], 24);                                                                                 \
         v[a] = v[a] + v[b] + (y);                                                                                     \
-        v[d] = ROTR(v[d] ^ v[a], 16);                                                                               \
+        v[d] = ROTR(v[d] ^ v[a], 16);                                                                                 \
         v[c] = v[c] + v[d];                                                                                           \
-        v[b] = ROTR(v[b] ^ v[c], 63);                                                                               \
+        v[b] = ROTR(v[b] ^ v[c], 63);                                                                                 \
     } while (0)
 
-/* The twelve rounds of F (section 3.2) with a given G over v[] and message words m[]. */
-#define ROUND(G, m, r)                                                                                                \
+/* Round r of F (section 3.2) over v[] and the message words m[]: the permutation indices are
+ * constants, so the words stay in registers. */
+#define ROUND(r)                                                                                                      \
     do {                                                                                                              \
         G(0, 4, 8, 12, m[SIGMA[r][0]], m[SIGMA[r][1]]);                                                               \
         G(1, 5, 9, 13, m[SIGMA[r][2]], m[SIGMA[r][3]]);                                                               \
@@ -60,90 +59,21 @@ static inline uint64_t load64_le(const uint8_t *p) {
         G(2, 7, 8, 13, m[SIGMA[r][12]], m[SIGMA[r][13]]);                                                             \
         G(3, 4, 9, 14, m[SIGMA[r][14]], m[SIGMA[r][15]]);                                                             \
     } while (0)
-#define ROUNDS(G, m)                                                                                                  \
+#define ROUNDS()                                                                                                      \
     do {                                                                                                              \
-        ROUND(G, m, 0);                                                                                               \
-        ROUND(G, m, 1);                                                                                               \
-        ROUND(G, m, 2);                                                                                               \
-        ROUND(G, m, 3);                                                                                               \
-        ROUND(G, m, 4);                                                                                               \
-        ROUND(G, m, 5);                                                                                               \
-        ROUND(G, m, 6);                                                                                               \
-        ROUND(G, m, 7);                                                                                               \
-        ROUND(G, m, 8);                                                                                               \
-        ROUND(G, m, 9);                                                                                               \
-        ROUND(G, m, 10);                                                                                              \
-        ROUND(G, m, 11);                                                                                              \
+        ROUND(0);                                                                                                     \
+        ROUND(1);                                                                                                     \
+        ROUND(2);                                                                                                     \
+        ROUND(3);                                                                                                     \
+        ROUND(4);                                                                                                     \
+        ROUND(5);                                                                                                     \
+        ROUND(6);                                                                                                     \
+        ROUND(7);                                                                                                     \
+        ROUND(8);                                                                                                     \
+        ROUND(9);                                                                                                     \
+        ROUND(10);                                                                                                    \
+        ROUND(11);                                                                                                    \
     } while (0)
-
-/* The compression function F (section 3.2) on one 128-byte block. */
-static void compress(Blake2b *s, const uint8_t *block, int last) {
-    uint64_t m[16], v[16];
-    for (int i = 0; i < 16; i++)
-        m[i] = load64_le(block + 8 * i);
-    for (int i = 0; i < 8; i++) {
-        v[i] = s->h[i];
-        v[i + 8] = IV[i];
-    }
-    v[12] ^= s->t[0];
-    v[13] ^= s->t[1];
-    if (last)
-        v[14] = ~v[14];
-    /* Rounds written out, so that the permutation indices are constants and the message
-     * words can stay in registers. */
-    ROUNDS(G, m);
-    for (int i = 0; i < 8; i++)
-        s->h[i] ^= v[i] ^ v[i + 8];
-}
-
-static void count_bytes(Blake2b *s, size_t n) {
-    s->t[0] += n;
-    if (s->t[0] < n)
-        s->t[1]++;
-}
-
-void blake2b_init(Blake2b *s, size_t digest_size) {
-    memcpy(s->h, IV, sizeof IV);
-    /* Parameter block: digest length, no key, fanout 1, depth 1. */
-    s->h[0] ^= 0x01010000ULL ^ (uint64_t)digest_size;
-    s->t[0] = s->t[1] = 0;
-    s->filled = 0;
-    s->digest_size = digest_size;
-}
-
-void blake2b_update(Blake2b *s, const void *data, size_t n) {
-    const uint8_t *in = data;
-    while (n > 0) {
-        /* The last block must be compressed as such, so a full block waits for more input. */
-        if (s->filled == sizeof s->block) {
-            count_bytes(s, sizeof s->block);
-            compress(s, s->block, 0);
-            s->filled = 0;
-        }
-        if (s->filled == 0 && n > sizeof s->block) { /* whole blocks straight from the input */
-            count_bytes(s, sizeof s->block);
-            compress(s, in, 0);
-            in += sizeof s->block;
-            n -= sizeof s->block;
-            continue;
-        }
-        size_t take = sizeof s->block - s->filled;
-        if (take > n)
-            take = n;
-        memcpy(s->block + s->filled, in, take);
-        s->filled += take;
-        in += take;
-        n -= take;
-    }
-}
-
-void blake2b_final(Blake2b *s, uint8_t *digest) {
-    count_bytes(s, s->filled);
-    memset(s->block + s->filled, 0, sizeof s->block - s->filled);
-    compress(s, s->block, 1);
-    for (size_t i = 0; i < s->digest_size; i++)
-        digest[i] = (uint8_t)(s->h[i / 8] >> (8 * (i % 8)));
-}
 
 /* ---- many messages at once ---------------------------------------------------------
  *
@@ -176,7 +106,7 @@ CLONES static void compress_lanes(uint64_t h[8][LANES], uint64_t m_words[16][LAN
     memcpy(&fv, f, sizeof fv);
     v[12] ^= tv;
     v[14] ^= fv;
-    ROUNDS(G, m);
+    ROUNDS();
     for (int j = 0; j < 8; j++) {
         lanes_t hj;
         memcpy(&hj, h[j], sizeof hj);

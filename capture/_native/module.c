@@ -1,5 +1,5 @@
 /* The Python module _capture_native: decode_chunk, decode_block, content_hashes, parse_times, redact_gate,
- * digests_add_new, digests_rehash, blake2b. */
+ * digests_add_new, digests_rehash, blake2b16_many. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -735,27 +735,6 @@ static PyObject *py_digests_rehash(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(blake2b_doc, "blake2b(data, digest_size=64) -> bytes: the digest (for tests against hashlib).");
-
-static PyObject *py_blake2b(PyObject *self, PyObject *args) {
-    Py_buffer data;
-    Py_ssize_t size = 64;
-    if (!PyArg_ParseTuple(args, "y*|n", &data, &size))
-        return NULL;
-    if (size < 1 || size > 64) {
-        PyBuffer_Release(&data);
-        PyErr_SetString(PyExc_ValueError, "digest_size must be 1..64");
-        return NULL;
-    }
-    Blake2b s;
-    uint8_t digest[64];
-    blake2b_init(&s, (size_t)size);
-    blake2b_update(&s, data.buf, (size_t)data.len);
-    blake2b_final(&s, digest);
-    PyBuffer_Release(&data);
-    return PyBytes_FromStringAndSize((const char *)digest, size);
-}
-
 PyDoc_STRVAR(blake2b16_many_doc, "blake2b16_many(messages: list[bytes]) -> bytes: their 16-byte digests, side by side\n"
                                  "(the vector path, for tests against hashlib).");
 
@@ -806,7 +785,6 @@ static PyMethodDef methods[] = {
     {"redact_gate", redact_gate, METH_VARARGS, redact_gate_doc},
     {"digests_add_new", digests_add_new, METH_VARARGS, digests_add_new_doc},
     {"digests_rehash", py_digests_rehash, METH_VARARGS, digests_rehash_doc},
-    {"blake2b", py_blake2b, METH_VARARGS, blake2b_doc},
     {"blake2b16_many", py_blake2b16_many, METH_O, blake2b16_many_doc},
     {"isspace", py_isspace_fn, METH_O, isspace_doc},
     {NULL, NULL, 0, NULL},
