@@ -16,7 +16,8 @@ import os
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
@@ -44,6 +45,9 @@ EXCERPT_BYTES = 1024
 POOL_MIN_BYTES = 8 << 20
 CHECKPOINT_BYTES = 512 << 20
 PART_ROWS = 250_000
+# A day with this many rows buffered is written out as soon as a file brings none of its
+# rows (capture files are listed in time order, so the day is most likely complete).
+PART_MIN_ROWS = 50_000
 
 
 @dataclass
@@ -456,19 +460,67 @@ def _drop_handoffs() -> None:
             pass
 
 
-class _Run:
-    """Parent-side state of a run: dedupe, Parquet buffers, checkpoints."""
+class _Sink:
+    """Runs the writes of a run off the parent's main thread: Parquet parts on a few threads, commits in order.
 
-    def __init__(self, wh: Warehouse, run_id: str, seen: HashSet, result: IngestResult) -> None:
-        self.wh, self.run_id, self.seen, self.result = wh, run_id, seen, result
+    pyarrow's Parquet writer and DuckDB release the GIL, so the parent goes on taking worker
+    results and deduplicating while parts are compressed and written; otherwise the parent,
+    which alone writes, finishes long after the workers. A commit waits for every part
+    submitted before it and names exactly those. At most ``depth`` parts wait to be written,
+    so buffered rows cannot pile up faster than they are written.
+    """
+
+    def __init__(self, writers: int = 2, depth: int = 4) -> None:
+        self.writers = ThreadPoolExecutor(writers, thread_name_prefix="ingest-write")
+        self.committer = ThreadPoolExecutor(1, thread_name_prefix="ingest-commit")
+        self.depth = depth
+        self.parts: list[Future] = []  # part writes not yet handed to a commit
+        self.inflight: list[Future] = []  # every write and commit not yet known to have succeeded
+
+    def _reap(self, block_beyond: int) -> None:
+        """Raise the first failure among finished tasks; wait while more than ``block_beyond`` are running."""
+        while self.inflight and (self.inflight[0].done() or len(self.inflight) > block_beyond):
+            self.inflight.pop(0).result()
+
+    def write(self, task: Callable[[], dict]) -> None:
+        """Run ``task`` (which writes one part and returns its catalog entry) on a writer thread."""
+        self._reap(self.depth)
+        f = self.writers.submit(task)
+        self.parts.append(f)
+        self.inflight.append(f)
+
+    def commit(self, task: Callable[[list[dict]], None]) -> None:
+        """Run ``task(files)`` once every part written so far is written; ``files`` are their entries."""
+        parts, self.parts = self.parts, []
+        self._reap(self.depth)
+        f = self.committer.submit(lambda: task([p.result() for p in parts]))
+        self.inflight.append(f)
+
+    def close(self) -> None:
+        """Wait for every task; raise the first error any of them raised."""
+        try:
+            self._reap(0)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the tasks not started (the run failed: nothing more may be committed) and wait for the rest."""
+        self.committer.shutdown(wait=True, cancel_futures=True)
+        self.writers.shutdown(wait=True, cancel_futures=True)
+
+
+class _Run:
+    """Parent-side state of a run: dedupe, Parquet buffers, checkpoints (written by a :class:`_Sink`)."""
+
+    def __init__(self, wh: Warehouse, run_id: str, seen: HashSet, result: IngestResult, sink: _Sink) -> None:
+        self.wh, self.run_id, self.seen, self.result, self.sink = wh, run_id, seen, result, sink
         self.buffers: dict[date, list[pa.Table]] = {}
-        self.buffered_rows = 0
+        self.buffered: dict[date, int] = {}
         self.seq = 0
         self.pending_manifest: list[dict] = []
         self.pending_quarantine: list[dict] = []
         self.pending_skips: list[dict] = []
         self.pending_hashes: list[pa.Array] = []
-        self.pending_files: list[dict] = []
         self.pending_bytes = 0
 
     def add(self, fr: FileResult) -> None:
@@ -526,44 +578,54 @@ class _Run:
         col = t.column("dt")
         days = np.concatenate([_numbers(c.view(pa.int32())) for c in col.chunks]) if col.num_chunks else np.empty(0, np.int32)
         uniq = np.unique(days)
+        touched = set()
         for day in uniq:
             d = EPOCH_DAY + timedelta(days=int(day))
+            touched.add(d)
             part = t if len(uniq) == 1 else _select(t, days == day)
             self.buffers.setdefault(d, []).append(part)
-            self.buffered_rows += part.num_rows
-            if sum(x.num_rows for x in self.buffers[d]) >= PART_ROWS:
+            self.buffered[d] = self.buffered.get(d, 0) + part.num_rows
+            if self.buffered[d] >= PART_ROWS:
                 self._flush_day(d)
+        for d in [d for d, n in self.buffered.items() if n >= PART_MIN_ROWS and d not in touched]:
+            self._flush_day(d)
 
     def _flush_day(self, d: date) -> None:
         tables = self.buffers.pop(d, [])
+        self.buffered.pop(d, None)
         if not tables:
             return
-        t = pa.concat_tables(tables)
-        self.buffered_rows -= t.num_rows
         self.seq += 1
-        path, size = self.wh.write_part(t, d, self.run_id, self.seq)
-        self.pending_files.append({"path": path, "dt": d, "rows": t.num_rows, "bytes": size})
+        seq = self.seq
+
+        def write() -> dict:
+            t = pa.concat_tables(tables)
+            path, size = self.wh.write_part(t, d, self.run_id, seq)
+            return {"path": path, "dt": d, "rows": t.num_rows, "bytes": size}
+
+        self.sink.write(write)
 
     def checkpoint(self, final: bool) -> None:
-        """Flush every buffer and commit everything pending in one transaction."""
+        """Write every buffer, then commit everything pending in one transaction (on the sink thread)."""
         for d in list(self.buffers):
             self._flush_day(d)
         r = self.result
         totals = {k: getattr(r, k) for k in ("objects", "missing_objects", "read", "normalized", "duplicates",
                                              "quarantined", "skipped")}
-        totals["redactions"] = r.redactions
-        con = self.wh.connect()
-        try:
-            self.wh.commit(
-                con, self.run_id, manifest=self.pending_manifest, quarantine=self.pending_quarantine,
-                skipped=self.pending_skips, hashes=pa.chunked_array(self.pending_hashes, pa.string()),
-                files=self.pending_files, totals=totals,
-                final=final,
-            )
-        finally:
-            con.close()
+        totals["redactions"] = dict(r.redactions)
+        pending = {"manifest": self.pending_manifest, "quarantine": self.pending_quarantine,
+                   "skipped": self.pending_skips, "hashes": pa.chunked_array(self.pending_hashes, pa.string())}
+
+        def commit(files: list[dict]) -> None:
+            con = self.wh.connect()
+            try:
+                self.wh.commit(con, self.run_id, **pending, files=files, totals=totals, final=final)
+            finally:
+                con.close()
+
+        self.sink.commit(commit)
         self.pending_manifest, self.pending_quarantine, self.pending_skips = [], [], []
-        self.pending_hashes, self.pending_files = [], []
+        self.pending_hashes = []
         self.pending_bytes = 0
 
 
@@ -613,26 +675,35 @@ def ingest(
             wh.start_run(con, run_id, source, t_since, t_until)
         finally:
             con.close()
-        run = _Run(wh, run_id, seen, result)
-        init = (cfg.s3, cfg.capture.redact, cfg.capture.max_line_bytes)
-        n = workers if workers is not None else _workers(cfg, objs)
-        if n <= 1:
-            _init_worker(*init)
-            if client is not None:
-                _WORKER["client"] = client
-            for o in objs:
-                run.add(process_file(o))
-                if run.pending_bytes >= CHECKPOINT_BYTES:
-                    run.checkpoint(final=False)
-        else:
-            # spawn, not fork: the parent has pyarrow/duckdb threads that fork would copy mid-state.
-            try:
-                with mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init) as pool:
-                    for fr in pool.imap(_process_in_pool, objs, chunksize=1):
-                        run.add(fr)
-                        if run.pending_bytes >= CHECKPOINT_BYTES:
-                            run.checkpoint(final=False)
-            finally:
-                _drop_handoffs()
-        run.checkpoint(final=True)
+        sink = _Sink()
+        try:
+            _run_files(cfg, _Run(wh, run_id, seen, result, sink), objs, client, workers)
+        except BaseException:
+            sink.abort()
+            raise
+        sink.close()
     return result
+
+
+def _run_files(cfg: Any, run: _Run, objs: list[SourceObject], client: Any, workers: int | None) -> None:
+    init = (cfg.s3, cfg.capture.redact, cfg.capture.max_line_bytes)
+    n = workers if workers is not None else _workers(cfg, objs)
+    if n <= 1:
+        _init_worker(*init)
+        if client is not None:
+            _WORKER["client"] = client
+        for o in objs:
+            run.add(process_file(o))
+            if run.pending_bytes >= CHECKPOINT_BYTES:
+                run.checkpoint(final=False)
+    else:
+        # spawn, not fork: the parent has pyarrow/duckdb threads that fork would copy mid-state.
+        try:
+            with mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init) as pool:
+                for fr in pool.imap(_process_in_pool, objs, chunksize=1):
+                    run.add(fr)
+                    if run.pending_bytes >= CHECKPOINT_BYTES:
+                        run.checkpoint(final=False)
+        finally:
+            _drop_handoffs()
+    run.checkpoint(final=True)

@@ -18,6 +18,7 @@ import fcntl
 import io
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -134,13 +135,15 @@ class Warehouse:
         self.heldout_hours = cfg.capture.heldout_hours
         self._s3_cfg = cfg.s3
         self._boto = None
+        self._boto_lock = threading.Lock()  # ingest writes parts from several threads
 
     def _client(self) -> Any:
-        if self._boto is None:
-            from capture.sources import s3_client
+        with self._boto_lock:
+            if self._boto is None:
+                from capture.sources import s3_client
 
-            self._boto = s3_client(self._s3_cfg)
-        return self._boto
+                self._boto = s3_client(self._s3_cfg)
+            return self._boto
 
     # -- catalog -----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -205,6 +206,73 @@ def test_crash_before_commit_leaves_nothing_visible_and_next_run_completes(tmp_p
     assert not any(p.exists() for p in orphans)
     assert len(load_split(cfg, "train", heldout_hours=0)) == 12
     assert ingest(cfg, source=str(src)).read == 0
+
+
+def test_a_day_is_written_once_files_move_past_it_and_commits_name_only_written_parts(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    for d in range(3):
+        t = T0 + timedelta(days=d)
+        layout_file(src, t, "f.jsonl", [chat(10 * d + i, t) for i in range(4)])
+    monkeypatch.setattr(ingest_mod, "PART_MIN_ROWS", 3)
+    events = []
+    real_add, real_flush = ingest_mod._Run.add, ingest_mod._Run._flush_day
+
+    def add(self, fr):
+        events.append(("add", fr.obj.hour.date()))
+        real_add(self, fr)
+
+    def flush(self, d):
+        events.append(("flush", d))
+        real_flush(self, d)
+
+    monkeypatch.setattr(ingest_mod._Run, "add", add)
+    monkeypatch.setattr(ingest_mod._Run, "_flush_day", flush)
+    res = ingest(cfg, source=str(src), workers=1)
+    days = [(T0 + timedelta(days=d)).date() for d in range(3)]
+    # Each day is handed to the writer while the next day's file is being added, not at the end.
+    assert events == [("add", days[0]), ("add", days[1]), ("flush", days[0]), ("add", days[2]), ("flush", days[1]),
+                      ("flush", days[2])]
+    assert (res.read, res.normalized) == (12, 12)
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    files = con.execute('SELECT dt, "rows" FROM parquet_files ORDER BY dt').fetchall()
+    con.close()
+    assert files == [(d, 4) for d in days]
+    assert len(load_split(cfg, "train", heldout_hours=0)) == 12
+
+
+def test_a_failed_part_write_fails_the_run_commits_nothing_and_the_next_run_completes(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    for d in range(3):
+        t = T0 + timedelta(days=d)
+        layout_file(src, t, "f.jsonl", [chat(10 * d + i, t) for i in range(4)])
+    monkeypatch.setattr(ingest_mod, "PART_MIN_ROWS", 1)
+    real_write = Warehouse.write_part
+    written = []
+
+    def write_part(self, table, dt, *a):
+        if dt == (T0 + timedelta(days=1)).date():
+            time.sleep(0.5)  # slow, so the final commit is queued before the failure is seen
+            raise OSError(28, "No space left on device")
+        written.append(real_write(self, table, dt, *a)[0])
+        return written[-1], 1
+
+    monkeypatch.setattr(Warehouse, "write_part", write_part)
+    with pytest.raises(OSError, match="No space left"):
+        ingest(cfg, source=str(src), workers=1)
+    assert written, "a part must have been written before the failure"
+    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
+    assert con.execute("SELECT count(*) FROM manifest").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM parquet_files").fetchone()[0] == 0
+    con.close()
+    assert load_split(cfg, "train", heldout_hours=0) == []
+
+    monkeypatch.setattr(Warehouse, "write_part", real_write)
+    res = ingest(cfg, source=str(src))
+    assert (res.read, res.normalized) == (12, 12)
+    assert not any(Path(p).exists() for p in written)  # the failed run's parts were orphans, now removed
+    assert len(load_split(cfg, "train", heldout_hours=0)) == 12
 
 
 def test_vanished_object_is_reported_and_the_run_completes(tmp_path, monkeypatch):
