@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,11 @@ def run_duckdb_floor(data: Path) -> dict:
     return {"seconds": dt, "records": n, **_rss_mb()}
 
 
+def _median_by(key, rows: list[dict]) -> dict:
+    """The row of median ``key`` (the lower middle one of an even count)."""
+    return sorted(rows, key=key)[(len(rows) - 1) // 2]
+
+
 def child(which: str, data: Path, workers: int | None, limit: int | None) -> None:
     state = Path(tempfile.mkdtemp(prefix=f"bench-{which}-"))
     try:
@@ -154,6 +160,8 @@ def main() -> None:
                     help="records the naive baseline reads (default: all that fit in half the available memory; "
                          "it holds every parsed record, ~8 KB each)")
     ap.add_argument("--no-floor", action="store_true", help="skip the DuckDB outer-parse floor")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the contenders this many times, back to back per round; report medians (README: 3)")
     ap.add_argument("--child", choices=("capture", "naive", "duckdb-floor"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     data = args.data or Path(tempfile.gettempdir()) / "drafter-adapt-bench" / f"ingest-{args.n}-{args.per_file}"
@@ -164,38 +172,49 @@ def main() -> None:
     generate(data, args.n, args.per_file)
     size = sum(p.stat().st_size for p in data.rglob("*.jsonl"))
     naive_n = args.naive_n or min(args.n, int(available_bytes(8 << 30) * 0.5 / 8192))
-    results = {}
     contenders = ("capture",) + (() if args.no_baseline else ("naive",)) + (() if args.no_floor else ("duckdb-floor",))
-    for which in contenders:
-        cmd = [sys.executable, __file__, "--child", which, "--n", str(args.n), "--per-file", str(args.per_file),
-               "--data", str(data), "--naive-n", str(naive_n)] + (["--workers", str(args.workers)] if args.workers else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-        if proc.returncode != 0:
-            sys.exit(f"{which} failed:\n{proc.stderr[-3000:]}")
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        r["records_per_s"] = round(r["records"] / r["seconds"])
-        r["seconds"] = round(r["seconds"], 2)
-        results[which] = r
-        print(f"[{which}] {json.dumps(r)}", file=sys.stderr, flush=True)
+    rounds: list[dict[str, dict]] = []
+    for i in range(args.rounds):
+        this = {}
+        for which in contenders:
+            cmd = [sys.executable, __file__, "--child", which, "--n", str(args.n), "--per-file", str(args.per_file),
+                   "--data", str(data), "--naive-n", str(naive_n)] + (["--workers", str(args.workers)] if args.workers else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+            if proc.returncode != 0:
+                sys.exit(f"{which} failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r["records_per_s"] = round(r["records"] / r["seconds"])
+            r["seconds"] = round(r["seconds"], 2)
+            this[which] = r
+            print(f"[round {i + 1} {which}] {json.dumps(r)}", file=sys.stderr, flush=True)
+        rounds.append(this)
+    # Each contender's median round (by time) stands for it; the ratios are the medians of the
+    # per-round ratios, each of two runs made back to back (this machine's speed drifts).
+    results = {which: _median_by(lambda r: r["seconds"], [rd[which] for rd in rounds]) for which in contenders}
     out = {"n": args.n, "input_mb": round(size / 2**20, 1), "cpus": os.cpu_count(), **results}
     if "naive" in results:
         # Rates, not times: the naive baseline may have read fewer records (memory).
-        nv, cp = results["naive"], results["capture"]
-        out["speedup_vs_naive"] = round(cp["records_per_s"] / nv["records_per_s"], 2)
-        out["cpu_ratio_vs_naive"] = round((nv["cpu_s"] / nv["records"]) / (cp["cpu_s"] / cp["records"]), 2)
+        speedups = [rd["capture"]["records_per_s"] / rd["naive"]["records_per_s"] for rd in rounds]
+        cpu_ratios = [(rd["naive"]["cpu_s"] / rd["naive"]["records"]) / (rd["capture"]["cpu_s"] / rd["capture"]["records"])
+                      for rd in rounds]
+        out["speedup_vs_naive"] = round(statistics.median(speedups), 2)
+        out["speedup_per_round"] = [round(x, 2) for x in speedups]
+        out["cpu_ratio_vs_naive"] = round(statistics.median(cpu_ratios), 2)
         if "duckdb-floor" in results:
-            fl = results["duckdb-floor"]
-            out["floor_speedup_vs_naive"] = round(fl["records_per_s"] / nv["records_per_s"], 2)
+            out["floor_speedup_vs_naive"] = round(statistics.median(
+                [rd["duckdb-floor"]["records_per_s"] / rd["naive"]["records_per_s"] for rd in rounds]), 2)
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{args.n} records, {out['input_mb']} MiB of capture JSONL, {out['cpus']} CPUs")
+    print(f"{args.n} records, {out['input_mb']} MiB of capture JSONL, {out['cpus']} CPUs"
+          + (f", median of {args.rounds} rounds" if args.rounds > 1 else ""))
     for which, r in results.items():
         print(f"  {which:8s} {r['records']:>9,d} rec {r['seconds']:8.2f} s  {r['records_per_s']:>9,d} records/s  {r['cpu_s']:7.1f} CPU-s  "
               f"peak RSS {r['peak_rss_mb']:6.0f} MB (main {r['self_mb']:.0f}, largest worker {r['largest_child_mb']:.0f})")
     if "speedup_vs_naive" in out:
         print(f"  capture is {out['speedup_vs_naive']}x the naive baseline in records/s "
-              f"({out['cpu_ratio_vs_naive']}x in CPU time per record)")
+              f"({out['cpu_ratio_vs_naive']}x in CPU time per record)"
+              + (f"; per round: {', '.join(f'{x}x' for x in out['speedup_per_round'])}" if args.rounds > 1 else ""))
     if "floor_speedup_vs_naive" in out:
         print(f"  duckdb-floor (C++ read_json of the outer documents only, nothing else) is "
               f"{out['floor_speedup_vs_naive']}x the naive baseline: the ceiling of a vectorized rewrite here")
