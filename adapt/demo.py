@@ -112,17 +112,21 @@ def wait_captured(stack, expected: int, timeout: float = 60) -> dict[str, int]:
     raise TimeoutError(f"capture wrote {stack.writer.counts['written']} of {expected} records")
 
 
-def heldout_hours_for(cfg: Config, gap_mid: dt.datetime) -> float:
-    """Hold out exactly what was served after ``gap_mid``: ingest, then measure from the newest record."""
+def heldout_hours_for(cfg: Config, gap_mid: dt.datetime) -> tuple[float, dict[str, Any]]:
+    """Hold out exactly what was served after ``gap_mid``: ingest, then measure from the newest record.
+
+    Returns the held-out hours and the ingest's summary: this is the cycle's real ingest, so the
+    cycle's own ingest step finds nothing new (``read: 0``) and the report shows this one.
+    """
     import pyarrow.compute as pc
 
     from capture.ingest import ingest
     from capture.warehouse import Warehouse
 
-    ingest(cfg)
+    summary = ingest(cfg).summary()
     t = Warehouse(cfg).read_conversations(columns=["inference_time"])
     latest = pc.max(t.column("inference_time")).as_py()
-    return max((latest - gap_mid).total_seconds(), 1.0) / 3600
+    return max((latest - gap_mid).total_seconds(), 1.0) / 3600, summary
 
 
 # --- registry / pool views ---------------------------------------------------------------
@@ -197,10 +201,13 @@ def _demo_cycle(cfg: Config, opts, stack, gap_mid: dt.datetime, steps: int, repo
     """One cycle over what was captured, holding out what came after ``gap_mid``; records it in ``report``."""
     from adapt.cycle import run_cycle
 
-    c = run_cycle(with_overrides(cfg, capture={"heldout_hours": heldout_hours_for(cfg, gap_mid)},
+    hours, ingested = heldout_hours_for(cfg, gap_mid)
+    log(f"{key}: ingested {json.dumps(ingested)}")
+    c = run_cycle(with_overrides(cfg, capture={"heldout_hours": hours},
                                  training={"max_steps": steps, "max_minutes": cfg.demo.train_minutes}), opts=opts)
     log(f"{key}: version {c['version']} {c['verdict']} ({c['reason']}); pool: {pool_heads(stack)}")
     report[key] = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
+    report[key]["ingest"] = ingested
     report[key]["bench"] = bench_figures(c)
     return c
 
@@ -308,6 +315,10 @@ def render(report: dict[str, Any]) -> str:
         if not c:
             continue
         lines.append(f"{title}: version {c['version']} → {c['verdict']} ({c['reason']})")
+        if c.get("ingest"):
+            i = c["ingest"]
+            lines.append(f"  ingest: read {i['read']}, normalized {i['normalized']}, duplicates {i['duplicates']}, "
+                         f"quarantined {i['quarantined']}, skipped {i['skipped']}")
         b = c.get("bench") or {}
         for name in ("before", "after"):
             if name in b:

@@ -31,6 +31,32 @@ def test_with_overrides_validates(tmp_path, monkeypatch):
         with_overrides(load_config(), training={"max_steps": -1})
 
 
+def test_heldout_hours_for_ingests_and_returns_that_ingest(tmp_path, monkeypatch):
+    """The demo ingests before each cycle to place the held-out cut; the report keeps that ingest's counts."""
+    from datetime import datetime, timedelta, timezone
+
+    from adapt.demo import heldout_hours_for
+    from capture.records import make_capture_record
+
+    monkeypatch.delenv("ADAPT_CONFIG", raising=False)
+    t0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
+    src = tmp_path / "cap"
+    lines = []
+    for i in range(4):
+        req = {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}
+        resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"a{i}"}}]}
+        lines.append(make_capture_record(req, resp, event_id=f"e{i}", inference_time=t0 + timedelta(minutes=20 * i)))
+    f = src / "ep" / "AllTraffic" / t0.strftime("%Y/%m/%d/%H") / "f.jsonl"
+    f.parent.mkdir(parents=True)
+    f.write_text("\n".join(lines) + "\n")
+    cfg = load_config(overrides={"state_dir": str(tmp_path / "state"), "capture": {"source": str(src)}})
+    hours, ingested = heldout_hours_for(cfg, t0 + timedelta(minutes=30))  # the newest record is at +60 min
+    assert hours == pytest.approx(0.5)
+    assert (ingested["read"], ingested["normalized"]) == (4, 4)
+    hours, again = heldout_hours_for(cfg, t0 + timedelta(minutes=30))
+    assert hours == pytest.approx(0.5) and again["read"] == 0
+
+
 @pytest.mark.services
 def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(tiny_model, tmp_path, monkeypatch):
     """The whole `adapt demo` on the tiny target, small sizes.
@@ -72,11 +98,14 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     prod = [v for v in rb["registry"] if v.get("stage") == "Production"]
     assert [str(v["version"]) for v in prod] == ["1"] and prod[0]["aliases"] == ["champion"]  # alias follows the stage
     assert all(v["aliases"] == [] for v in rb["registry"] if str(v["version"]) != "1")
-    for key in ("cycle1", "cycle2"):
+    for key, sent in (("cycle1", 8), ("cycle2", 9)):
         b = report[key]["bench"]
         assert b["before"]["mean_acceptance_length"] >= 1.0 and b["after"]["output_tok_per_s"]
+        i = report[key]["ingest"]  # what this cycle ingested (its own ingest step then reads nothing new)
+        assert i["read"] == sent and i["read"] == i["normalized"] + i["duplicates"] + i["quarantined"] + i["skipped"]
     saved = json.loads((tmp_path / "state" / "demo" / "report.json").read_text())
     assert saved["rollback"]["to_version"] == "1"
     text = render(report)
     assert "rollback: version 1 moved to Production" in text and "cycle 2: adapt to drifted traffic" in text
+    assert "  ingest: read 9, normalized" in text
     assert any("the pool serves version 1 again" in line for line in lines)
