@@ -436,7 +436,7 @@ def parse_times(values: list[str | None] | pa.Array) -> pa.Array:
     """
     ts_type = ROW_SCHEMA.field("inference_time").type
     if len(values) == 0:
-        return pa.array([], ts_type)
+        return pa.nulls(0, ts_type)
     arr = _array(values, pa.string())
     nat = native.get() if USE_NATIVE else None
     if nat is not None and arr.type == pa.string() and ts_type == pa.timestamp("us", tz="UTC"):

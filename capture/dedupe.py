@@ -39,7 +39,7 @@ class HashSet:
     def add_new(self, hashes: pa.Array | pa.ChunkedArray) -> np.ndarray:
         """Adds ``hashes``; True for each one neither in the set before nor earlier in ``hashes``."""
         if isinstance(hashes, pa.ChunkedArray):
-            hashes = hashes.combine_chunks() if hashes.num_chunks else pa.array([], pa.string())
+            hashes = hashes.combine_chunks() if hashes.num_chunks else pa.nulls(0, pa.string())
         if hashes.type != pa.string():
             hashes = hashes.cast(pa.string())
         if self._py is not None:

@@ -581,9 +581,15 @@ def test_no_pandas_import_on_the_native_path(tmp_path):
     import sys
 
     write_layout(tmp_path / "cap", 300, per_file=300, seed=5, start=T0)
+    # Files that yield no rows at all: all tabular (skipped), and empty.
+    hour = tmp_path / "cap" / "ep" / "AllTraffic" / T0.strftime("%Y/%m/%d/%H")
+    (hour / "tabular.jsonl").write_bytes((FIXTURES / "tabular-csv-sdk-fixture.jsonl").read_bytes())
+    (hour / "empty.jsonl").write_bytes(b"")
     code = ("import sys\nfrom capture import ingest as m\nfrom capture.sources import list_objects\n"
             "m._init_worker(None, True, 8 << 20)\n"
-            f"[m.process_file(o) for o in list_objects({str(tmp_path / 'cap')!r})]\n"
+            f"res = [m.process_file(o) for o in list_objects({str(tmp_path / 'cap')!r}, endpoint='')]\n"
+            "empty = [r for r in res if r.table.num_rows == 0]\n"
+            "assert len(empty) == 2 and sum(r.read for r in empty) > 0, [(r.obj.uri, r.read) for r in res]\n"
             "assert 'pandas' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
