@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from serving.admin import ReplicaAdmin
-from serving.metrics import SpecDelta, afetch_snapshot
+from serving.metrics import MEASURE_TIMEOUT, SpecDelta, afetch_snapshot
 
 
 @dataclass
@@ -141,14 +141,14 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, tim
 async def run_block(url: str, reqs: list[BenchRequest], concurrency: int) -> dict[str, Any]:
     """All requests at ``concurrency``; spec counters before/after (and per request at 1)."""
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        before = await afetch_snapshot(client, url)
+        before = await afetch_snapshot(client, url, MEASURE_TIMEOUT)
         results: list[RequestResult] = []
         t0 = time.perf_counter()
         if concurrency == 1:
             prev = before
             for rq in reqs:
                 res = await stream_one(client, url, rq)
-                snap = await afetch_snapshot(client, url)
+                snap = await afetch_snapshot(client, url, MEASURE_TIMEOUT)
                 d = snap.minus(prev)
                 res.drafts, res.accepted = d.drafts, d.accepted
                 prev = snap
@@ -162,7 +162,7 @@ async def run_block(url: str, reqs: list[BenchRequest], concurrency: int) -> dic
 
             results = list(await asyncio.gather(*(go(rq) for rq in reqs)))
         wall = time.perf_counter() - t0
-        after = await afetch_snapshot(client, url)
+        after = await afetch_snapshot(client, url, MEASURE_TIMEOUT)
     return {"results": results, "wall": wall, "spec": after.minus(before)}
 
 

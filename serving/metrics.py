@@ -141,6 +141,11 @@ def fetch_snapshot(url: str, timeout: float = 5.0) -> SpecSnapshot:
     return SpecSnapshot.from_text(r.text)
 
 
+# A snapshot that a measurement depends on (a bench block, a swap's smoke check) waits this
+# long: on a loaded CPU host /metrics can take seconds to answer. Polling keeps the short default.
+MEASURE_TIMEOUT = 60.0
+
+
 async def afetch_snapshot(client: httpx.AsyncClient, url: str, timeout: float = 5.0) -> SpecSnapshot:
     r = await client.get(url.rstrip("/") + "/metrics", timeout=timeout)
     r.raise_for_status()

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from serving.hotswap import shape_signature
-from serving.metrics import afetch_snapshot
+from serving.metrics import MEASURE_TIMEOUT, afetch_snapshot
 from serving.pool import Pool, Replica
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class SwapController:
     async def smoke(self, url: str) -> dict[str, Any]:
         """Greedy outputs of the smoke prompts on one replica plus acceptance over them."""
         async with httpx.AsyncClient(timeout=120.0) as c:
-            before = await afetch_snapshot(c, url)
+            before = await afetch_snapshot(c, url, MEASURE_TIMEOUT)
             texts = []
             for p in self.smoke_prompts:
                 r = await c.post(url + "/v1/completions", json={
@@ -123,7 +123,7 @@ class SwapController:
                     "temperature": 0.0, "ignore_eos": True})
                 r.raise_for_status()
                 texts.append(r.json()["choices"][0]["text"])
-            after = await afetch_snapshot(c, url)
+            after = await afetch_snapshot(c, url, MEASURE_TIMEOUT)
         d = after.minus(before)
         return {"texts": texts, "mean_acceptance_length": d.mean_acceptance_length if d.drafts else None,
                 "drafts": d.drafts}
@@ -188,7 +188,7 @@ class SwapController:
         try:
             ref = await self.smoke(replicas[0].url)
         except Exception as exc:  # noqa: BLE001
-            report.error = f"reference smoke on {replicas[0].url} failed: {exc}"
+            report.error = f"reference smoke on {replicas[0].url} failed: {type(exc).__name__}: {exc}"
             return report
         report.reference_acceptance_length = ref["mean_acceptance_length"]
 

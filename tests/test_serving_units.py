@@ -291,3 +291,28 @@ def test_steady_load_counts_every_request_and_names_failures():
                 t.join(30)
     assert load.ok + len(load.failed) == 24 == app.state.n
     assert len(load.failed) == 6 and set(load.failed) == {"HTTP 503"}
+
+
+def test_swap_smoke_and_bench_wait_for_a_slow_metrics_endpoint(monkeypatch, tmp_path: Path):
+    """On a loaded CPU host /metrics can take seconds: a measurement's snapshot waits MEASURE_TIMEOUT, not 5 s."""
+    from serving import bench, swap
+    from serving.metrics import MEASURE_TIMEOUT
+
+    seen: list[tuple[str, float]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.extensions["timeout"]["read"]))
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
+    sw = swap.SwapController(None, target_dir=tmp_path, num_speculative_tokens=3, served_model_name="m", smoke_prompts=["a"])
+    got = asyncio.run(sw.smoke("http://replica"))
+    assert got["texts"] == ["ok"]
+    assert [t for p, t in seen if p == "/metrics"] == [MEASURE_TIMEOUT, MEASURE_TIMEOUT]
+    seen.clear()
+    asyncio.run(bench.run_block("http://replica", [], concurrency=2))
+    assert [t for p, t in seen if p == "/metrics"] == [MEASURE_TIMEOUT, MEASURE_TIMEOUT]
+    assert MEASURE_TIMEOUT >= 30
