@@ -456,8 +456,10 @@ def test_parquet_parts_are_snappy(tmp_path):
     assert parts and {meta.row_group(0).column(i).compression for i in range(meta.num_columns)} == {"SNAPPY"}
 
 
-def test_pool_workers_start_without_openblas_threads_and_the_parent_env_is_restored(tmp_path, monkeypatch):
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+def test_pool_workers_start_with_their_environment_and_the_parent_env_is_restored(tmp_path, monkeypatch):
+    for k in ingest_mod.WORKER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")  # set by the user: kept
     # The initializer runs in the spawned workers; they report what they saw through a file.
     out = tmp_path / "env.txt"
     monkeypatch.setenv("DRAFTER_TEST_ENV_OUT", str(out))
@@ -468,11 +470,13 @@ def test_pool_workers_start_without_openblas_threads_and_the_parent_env_is_resto
         layout_file(src, t, "f.jsonl", [chat(10 * h + i, t) for i in range(3)])
     res = ingest(make_cfg(tmp_path), source=str(src), workers=2)
     assert (res.read, res.normalized) == (6, 6)
-    assert set(out.read_text().split()) == {"1"}  # a worker the pool ends before it starts writes nothing
-    assert "OPENBLAS_NUM_THREADS" not in os.environ
+    # (a worker the pool ends before it starts writes nothing)
+    assert set(out.read_text().splitlines()) == {f"1 {32 << 20} 12345"}
+    assert "OPENBLAS_NUM_THREADS" not in os.environ and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "12345"
 
 
 def _record_worker_env(*init):
     ingest_mod._WORKER.update(s3=init[0], redact=init[1], max_line_bytes=init[2], client=None)
     with open(os.environ["DRAFTER_TEST_ENV_OUT"], "a") as f:
-        f.write(os.environ.get("OPENBLAS_NUM_THREADS", "unset") + "\n")
+        f.write(" ".join(os.environ.get(k, "unset") for k in ingest_mod.WORKER_ENV) + "\n")
