@@ -208,12 +208,16 @@ def test_crash_before_commit_leaves_nothing_visible_and_next_run_completes(tmp_p
     assert ingest(cfg, source=str(src)).read == 0
 
 
-def test_a_day_is_written_once_files_move_past_it_and_commits_name_only_written_parts(tmp_path, monkeypatch):
-    cfg = make_cfg(tmp_path)
-    src = tmp_path / "cap"
+def three_days(src: Path) -> Path:
+    """One capture file on each of three days, four conversations each."""
     for d in range(3):
         t = T0 + timedelta(days=d)
         layout_file(src, t, "f.jsonl", [chat(10 * d + i, t) for i in range(4)])
+    return src
+
+
+def test_a_day_is_written_once_files_move_past_it_and_commits_name_only_written_parts(tmp_path, monkeypatch):
+    cfg, src = make_cfg(tmp_path), three_days(tmp_path / "cap")
     monkeypatch.setattr(ingest_mod, "PART_MIN_ROWS", 3)
     events = []
     real_add, real_flush = ingest_mod._Run.add, ingest_mod._Run._flush_day
@@ -242,11 +246,7 @@ def test_a_day_is_written_once_files_move_past_it_and_commits_name_only_written_
 
 
 def test_a_failed_part_write_fails_the_run_commits_nothing_and_the_next_run_completes(tmp_path, monkeypatch):
-    cfg = make_cfg(tmp_path)
-    src = tmp_path / "cap"
-    for d in range(3):
-        t = T0 + timedelta(days=d)
-        layout_file(src, t, "f.jsonl", [chat(10 * d + i, t) for i in range(4)])
+    cfg, src = make_cfg(tmp_path), three_days(tmp_path / "cap")
     monkeypatch.setattr(ingest_mod, "PART_MIN_ROWS", 1)
     real_write = Warehouse.write_part
     written = []
