@@ -516,7 +516,6 @@ class _Run:
     def __init__(self, wh: Warehouse, run_id: str, seen: HashSet, result: IngestResult, sink: _Sink) -> None:
         self.wh, self.run_id, self.seen, self.result, self.sink = wh, run_id, seen, result, sink
         self.buffers: dict[date, list[pa.Table]] = {}
-        self.buffered: dict[date, int] = {}
         self.seq = 0
         self.pending_manifest: list[dict] = []
         self.pending_quarantine: list[dict] = []
@@ -583,17 +582,17 @@ class _Run:
         for day in uniq:
             d = EPOCH_DAY + timedelta(days=int(day))
             touched.add(d)
-            part = t if len(uniq) == 1 else _select(t, days == day)
-            self.buffers.setdefault(d, []).append(part)
-            self.buffered[d] = self.buffered.get(d, 0) + part.num_rows
-            if self.buffered[d] >= PART_ROWS:
+            self.buffers.setdefault(d, []).append(t if len(uniq) == 1 else _select(t, days == day))
+            if self._rows(d) >= PART_ROWS:
                 self._flush_day(d)
-        for d in [d for d, n in self.buffered.items() if n >= PART_MIN_ROWS and d not in touched]:
+        for d in [d for d in self.buffers if d not in touched and self._rows(d) >= PART_MIN_ROWS]:
             self._flush_day(d)
+
+    def _rows(self, d: date) -> int:
+        return sum(t.num_rows for t in self.buffers.get(d, ()))
 
     def _flush_day(self, d: date) -> None:
         tables = self.buffers.pop(d, [])
-        self.buffered.pop(d, None)
         if not tables:
             return
         self.seq += 1
