@@ -273,9 +273,7 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedA
     unless redaction changed a turn; ``unique`` says the decoder vouched for every row.
     """
     n = rows.num_rows
-    col = rows.column("conversations")
-    # combine_chunks of no chunks at all imports pandas (~0.3 s in a worker)
-    convs = col.combine_chunks() if col.num_chunks else pa.nulls(0, col.type)
+    convs = _combined(rows.column("conversations"))
     offsets = convs.offsets
     if n and offsets[0].as_py():
         offsets = pc.subtract(offsets, offsets[0])
@@ -300,7 +298,7 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedA
     if hashes is None or changed or len(hashes) != n:
         hashes, unique = content_hashes(offsets, t_from, t_value), False
     else:
-        hashes = hashes.combine_chunks() if hashes.num_chunks else pa.nulls(0, pa.string())
+        hashes = _combined(hashes)
     arrays = []
     for f in SCHEMA:
         if f.name in ("id", "content_hash"):
@@ -324,6 +322,12 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedA
         new_index = np.cumsum(keep) - 1
         row_redactions = [(int(new_index[i]), c) for i, c in row_redactions if keep[i]]
     return table, row_redactions, dropped
+
+
+def _combined(col: pa.ChunkedArray) -> pa.Array:
+    """``col.combine_chunks()``, but without chunks an empty array: combining no chunks imports pandas
+    (~0.3 s of CPU in a worker)."""
+    return col.combine_chunks() if col.num_chunks else pa.nulls(0, col.type)
 
 
 def _repeat(value: str, n: int) -> pa.Array:
