@@ -33,22 +33,15 @@ def test_with_overrides_validates(tmp_path, monkeypatch):
 
 def test_heldout_hours_for_ingests_and_returns_that_ingest(tmp_path, monkeypatch):
     """The demo ingests before each cycle to place the held-out cut; the report keeps that ingest's counts."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import timedelta
 
     from adapt.demo import heldout_hours_for
-    from capture.records import make_capture_record
+    from tests.test_capture_ingest import T0 as t0
+    from tests.test_capture_ingest import chat, layout_file
 
     monkeypatch.delenv("ADAPT_CONFIG", raising=False)
-    t0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
     src = tmp_path / "cap"
-    lines = []
-    for i in range(4):
-        req = {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}
-        resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"a{i}"}}]}
-        lines.append(make_capture_record(req, resp, event_id=f"e{i}", inference_time=t0 + timedelta(minutes=20 * i)))
-    f = src / "ep" / "AllTraffic" / t0.strftime("%Y/%m/%d/%H") / "f.jsonl"
-    f.parent.mkdir(parents=True)
-    f.write_text("\n".join(lines) + "\n")
+    layout_file(src, t0, "f.jsonl", [chat(i, t0 + timedelta(minutes=20 * i)) for i in range(4)])
     cfg = load_config(overrides={"state_dir": str(tmp_path / "state"), "capture": {"source": str(src)}})
     hours, ingested = heldout_hours_for(cfg, t0 + timedelta(minutes=30))  # the newest record is at +60 min
     assert hours == pytest.approx(0.5)
