@@ -691,7 +691,7 @@ def ingest(
 
 # Environment of the pool's workers (a variable already set is left as it is):
 # * Workers never call BLAS, but OpenBLAS starts a spinning thread per core when numpy is
-#   imported: 0.06-0.2 s of CPU per worker, taken from the other processes.
+#   imported: 0.06-0.27 s of CPU per worker, taken from the other processes.
 # * glibc maps each multi-MB read block and column afresh and unmaps it when freed, so its
 #   pages fault in again block after block (78k-700k minor faults per 1M records, more sys
 #   time than the decoding of some formats); fixed thresholds keep them on the heap (~28k).
