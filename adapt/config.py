@@ -86,7 +86,7 @@ class TrainingConfig(_Section):
     # (non-increasing; empty = all): deeper depths cost compute, sample them.
     depth_keep: list[float] = []
     grad_clip: float = Field(1.0, ge=0)
-    # "auto" = bf16 autocast on CUDA and on AMX CPUs, else fp32; master weights are always fp32.
+    # "auto" = bf16 autocast on CUDA and on CPUs with AMX or AVX512-BF16, else fp32; master weights are always fp32.
     dtype: str = Field("auto", pattern="^(auto|fp32|bf16)$")
     checkpoint_steps: int = Field(50, ge=1)
     # Warm start re-picks which tokens the draft vocabulary holds (its size never

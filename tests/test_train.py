@@ -287,6 +287,18 @@ def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
     assert lr_at(50, 1.0, 10, 0) == pytest.approx(1.0)  # no bound: constant after warmup
 
 
+@pytest.mark.parametrize("amx, avx512_bf16, want", [(True, False, True), (False, True, True), (False, False, False)])
+def test_auto_dtype_is_bf16_where_the_cpu_multiplies_bf16_natively(monkeypatch, amx, avx512_bf16, want):
+    from adapt.train import use_bf16_autocast
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    cpu = torch.device("cpu")
+    assert use_bf16_autocast("auto", cpu) is want
+    assert use_bf16_autocast("fp32", cpu) is False and use_bf16_autocast("bf16", cpu) is True
+    assert use_bf16_autocast("auto", torch.device("cuda", 0)) is True
+
+
 def test_output_layer_starts_from_the_targets_draft_vocab_rows(tiny_model):
     from adapt.checkpoint import init_output_from_target, new_head, target_output_layer
 
