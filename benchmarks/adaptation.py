@@ -192,17 +192,23 @@ def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: li
 # --- vLLM measurement ---------------------------------------------------------------------
 
 
+def server_env() -> dict[str, str]:
+    """The servers' environment: the replica's core split (``serving.replica.cpu_reserved_cores``,
+    where a ``VLLM_CPU_NUM_OF_RESERVED_CPU`` already set wins), the same for every variant."""
+    from serving.replica import cpu_reserved_cores
+
+    return cpu_reserved_cores({**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
+
+
 def server(work: Path, target: Path, head: Path | None, k: int, max_model_len: int, eager: bool):
     """A vLLM server of the target, the same flags for every variant (plus the head for spec)."""
-    from serving.replica import cpu_reserved_cores
     from tests.services import VllmServer
 
     extra = ["--enforce-eager"] if eager else []
     if head is not None:
         extra += ["--worker-extension-cls", "serving.hotswap.HeadSwapExtension"]
-    # The replica's core split (serving.replica.cpu_reserved_cores), for every variant alike.
-    env = cpu_reserved_cores({"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
-    return VllmServer(work / "logs", target, head=head, k=k, max_model_len=max_model_len, extra_args=extra, env=env)
+    return VllmServer(work / "logs", target, head=head, k=k, max_model_len=max_model_len, extra_args=extra,
+                      env=server_env())
 
 
 def measure(url: str, reqs, concurrencies: list[int]) -> list[dict]:
@@ -487,7 +493,6 @@ def main() -> int:
     from adapt.evaluate import estimate_acceptance
     from adapt.model_zoo import ensure_smollm2
     from serving.bench import rows_to_requests
-    from serving.replica import cpu_reserved_cores
 
     work = args.work_dir.expanduser().absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -512,7 +517,7 @@ def main() -> int:
     result: dict[str, Any] = {"target": target.name, "vllm": vllm.__version__, "settings": {
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "concurrencies": concs, "heldout_prompts": len(reqs), "enforce_eager": eager, "k": K,
-        "vllm_cpu_reserved_cores": cpu_reserved_cores({}).get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM default"),
+        "vllm_cpu_reserved_cores": server_env().get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM default"),
         "num_layers": args.num_layers or cfg.head.num_layers,
         "replay_ratio": cfg.training.replay_ratio}, "heldout_ids": sorted(held_ids)}
     nospec = None
