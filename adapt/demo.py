@@ -219,7 +219,8 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     from adapt.cycle import CycleOptions
     from adapt.model_zoo import ensure_target
     from serving.controller import Controller
-    from serving.replica import ReplicaProcess, ReplicaSpec
+    from serving.pool import bench_replica_spec
+    from serving.replica import ReplicaProcess
     from serving.serve import ServingStack, served_name
 
     t_start = time.monotonic()
@@ -243,12 +244,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                             draft_vocab_size=cfg.head.draft_vocab_size,
                             aux_layer_ids=cfg.head.aux_layer_ids or None, num_layers=cfg.head.num_layers)
     model = served_name(cfg)
-    bench_spec = ReplicaSpec(target_dir=str(target), head_dir=str(cold),
-                             num_speculative_tokens=cfg.head.num_speculative_tokens, port=cfg.serving.base_port + 50,
-                             served_model_name=model, max_model_len=cfg.serving.max_model_len,
-                             gpu_memory_utilization=cfg.serving.gpu_memory_utilization,
-                             cpu_reserved_cores=cfg.serving.cpu_reserved_cores,
-                             max_num_seqs=max(cfg.bench.concurrencies) + 2)
+    bench_spec = bench_replica_spec(cfg, target, cold, model, cfg.bench.concurrencies)
     bench = ReplicaProcess(bench_spec, root / "serving" / "logs" / "bench-replica.log")
     log(f"starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port} "
         f"and a bench replica (vLLM engine start takes about a minute each)")

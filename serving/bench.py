@@ -344,7 +344,8 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
     from adapt.checkpoint import validate_head
     from adapt.model_zoo import ensure_target
     from serving.plots import plot_bench
-    from serving.replica import ReplicaProcess, ReplicaSpec
+    from serving.pool import bench_replica_spec
+    from serving.replica import ReplicaProcess
     from serving.serve import served_name
     from serving.swap import resolve_head
 
@@ -365,12 +366,7 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
     concs = list(concurrencies or cfg.bench.concurrencies)
     proc = None
     if url is None:
-        spec = ReplicaSpec(target_dir=str(target), head_dir=heads["live"]["path"],
-                           num_speculative_tokens=cfg.head.num_speculative_tokens,
-                           port=cfg.serving.base_port + 50, served_model_name=model,
-                           max_model_len=cfg.serving.max_model_len,
-                           gpu_memory_utilization=cfg.serving.gpu_memory_utilization,
-                           cpu_reserved_cores=cfg.serving.cpu_reserved_cores, max_num_seqs=max(concs) + 2)
+        spec = bench_replica_spec(cfg, target, heads["live"]["path"], model, concs)
         proc = ReplicaProcess(spec, Path(cfg.state_dir) / "serving" / "logs" / "bench-replica.log")
         proc.start()
         url = spec.url

@@ -13,7 +13,7 @@ import collections
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +264,18 @@ def replica_specs(cfg, target_dir: str | Path, head_dir: str | Path, n: int,
                         served_model_name=served_model_name, max_model_len=s.max_model_len,
                         gpu_memory_utilization=s.gpu_memory_utilization,
                         cpu_reserved_cores=s.cpu_reserved_cores, extra_args=list(extra_args or [])) for i in range(n)]
+
+
+# The bench replica sits beside the pool's ports, on the same [serving] settings.
+BENCH_PORT_OFFSET = 50
+
+
+def bench_replica_spec(cfg, target_dir: str | Path, head_dir: str | Path, served_model_name: str,
+                       concurrencies: list[int]) -> ReplicaSpec:
+    """The replay-bench replica: the pool's spec on its own port, with room for the highest concurrency."""
+    spec = replica_specs(cfg, target_dir, head_dir, 1, served_model_name,
+                         base_port=cfg.serving.base_port + BENCH_PORT_OFFSET)[0]
+    return replace(spec, max_num_seqs=max(concurrencies) + 2)
 
 
 def head_identity(head_dir: str | Path) -> dict[str, Any]:

@@ -74,3 +74,15 @@ def test_the_serving_config_reaches_the_replica_env(tmp_path):
     assert build_env(spec, base={})["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     auto = replica_specs(load_config(overrides={"state_dir": str(tmp_path)}), "t", "h", 1, "target")[0]
     assert auto.cpu_reserved_cores is None
+
+
+def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
+    from adapt.config import load_config
+    from serving.pool import BENCH_PORT_OFFSET, bench_replica_spec, replica_specs
+
+    cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"cpu_reserved_cores": 1, "base_port": 9100}})
+    spec = bench_replica_spec(cfg, "t", "h", "target", [1, 4])
+    assert spec.port == 9100 + BENCH_PORT_OFFSET and spec.max_num_seqs == 6
+    pool_spec = replica_specs(cfg, "t", "h", 1, "target")[0]
+    assert {**vars(spec), "port": 0, "max_num_seqs": 0} == {**vars(pool_spec), "port": 0, "max_num_seqs": 0}
+    assert spec.cpu_reserved_cores == 1
