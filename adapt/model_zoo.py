@@ -165,14 +165,24 @@ def build_tiny_llama(
     num_kv_heads: int = 1,
     intermediate_size: int = 256,
     seed: int = 0,
+    residual_scale: float = 1.0,
 ) -> Path:
-    """Build (once) a tiny random Llama with a trained BPE tokenizer and ChatML template."""
+    """Build (once) a tiny random Llama with a trained BPE tokenizer and ChatML template.
+
+    ``residual_scale`` < 1 shrinks what each layer writes into the residual stream
+    (attention and MLP output projections), so the next token depends more on the
+    current one: greedy continuations run in repeated stretches that a drafter can
+    learn, as real text is learnable. At 1.0 the random model is close to chaotic
+    and no one-layer drafter predicts it well.
+    """
     final = Path(out_dir)
     spec = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size, seed=seed,
     )
+    if residual_scale != 1.0:
+        spec["residual_scale"] = residual_scale
     info = _ready(final)
     if info and info.get("spec") == spec:
         return final
@@ -226,6 +236,9 @@ def build_tiny_llama(
             for p in model.parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, 0.08)
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(residual_scale)
         model = model.to(torch.bfloat16)
         model.config.torch_dtype = "bfloat16"
         model.save_pretrained(tmp, safe_serialization=True)
@@ -236,15 +249,26 @@ def build_tiny_llama(
     return _publish(tmp, final, {"name": "tiny-llama", "spec": spec})
 
 
+# A tiny target whose greedy text a trained head can predict well (see residual_scale): the
+# tests that need a head that is clearly better than another (the gate, end to end) use it.
+PREDICTABLE_RESIDUAL_SCALE = 0.3
+
+
+def build_tiny_predictable(out_dir: str | Path) -> Path:
+    return build_tiny_llama(out_dir, residual_scale=PREDICTABLE_RESIDUAL_SCALE)
+
+
 def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
     """Resolve a target model name from config (``smollm2``, ``tiny``) or a local directory."""
     if name_or_path == "smollm2":
         return ensure_smollm2(cache_dir)
     if name_or_path == "tiny":
         return build_tiny_llama(Path(cache_dir) / "tiny-llama")
+    if name_or_path == "tiny-predictable":
+        return build_tiny_predictable(Path(cache_dir) / "tiny-predictable")
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return path
     raise ModelZooError(
-        f"unknown target model {name_or_path!r}: use 'smollm2', 'tiny' or a local HF directory"
+        f"unknown target model {name_or_path!r}: use 'smollm2', 'tiny', 'tiny-predictable' or a local HF directory"
     )
