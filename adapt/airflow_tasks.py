@@ -11,7 +11,7 @@ from typing import Any
 from adapt.config import Config, load_config
 from adapt.cycle import STEPS, CycleOptions, load_state, run_step, save_state, summary
 
-OPTION_KEYS = ("live_head", "bench_url", "router_url")
+OPTION_KEYS = ("live_head", "bench_url", "nospec_url", "router_url")
 
 
 def config(params: dict[str, Any] | None) -> Config:

@@ -118,13 +118,24 @@ class BenchConfig(_Section):
     concurrencies: list[int] = [1, 4]
     max_prompts: int = Field(32, ge=1)
     max_tokens: int = Field(128, ge=1)
+    # Each round runs every arm once, in a counterbalanced order (even counts balance exactly).
     rounds: int = Field(2, ge=1)
+    # Prompts per slot: every arm replays a slot's prompts back to back (at least two waves per concurrency).
+    group_size: int = Field(4, ge=1)
+    # Seeds the arms' order and the bootstrap (a cycle's re-measurement adds its attempt number).
+    seed: int = 0
+    # Also measure a replica without speculation, for the speed-up over not speculating at all.
+    nospec_reference: bool = False
+    # Held-out conversations whose user question repeats a training prompt are left out of the bench.
+    exclude_train_overlap: bool = True
 
 
 class GateConfig(_Section):
     min_acceptance_gain: float = 0.02
     min_throughput_gain: float = 0.0
     confidence: float = Field(0.9, gt=0, lt=1)
+    # Benchmarks per cycle: an inconclusive verdict (the A/A control too noisy to decide) measures again.
+    max_attempts: int = Field(2, ge=1)
 
 
 class ControllerConfig(_Section):

@@ -47,11 +47,14 @@ class CycleOptions:
 
     live_head: str | None = None  # live head when no version is in Production yet
     bench_url: str | None = None  # an existing bench replica (default: start one)
+    nospec_url: str | None = None  # an existing replica without speculation (the bench's reference arm)
     router_url: str | None = None  # swap the pool after promotion (default: leave it to the controller)
     fault: Fault | None = None
+    progress: Callable[[str], None] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"live_head": self.live_head, "bench_url": self.bench_url, "router_url": self.router_url}
+        return {"live_head": self.live_head, "bench_url": self.bench_url, "nospec_url": self.nospec_url,
+                "router_url": self.router_url}
 
 
 # --- state ---------------------------------------------------------------------------
@@ -136,10 +139,17 @@ def step_ingest(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str
 
 
 def step_snapshot(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    """Freeze both splits as Parquet in the cycle directory: later steps never see newer traffic."""
+    """Freeze both splits as Parquet in the cycle directory: later steps never see newer traffic.
+
+    The held-out rows the evaluation and the bench replay (``heldout.jsonl``) leave out
+    every conversation whose user question repeats a training prompt
+    (``capture.overlap``) when ``[bench] exclude_train_overlap`` is on; the count is
+    recorded either way.
+    """
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from capture.overlap import drop_repeats
     from capture.split import split_table
 
     d = cycle_dir(cfg, state["cycle_id"])
@@ -157,12 +167,21 @@ def step_snapshot(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[s
         os.replace(tmp, path)
         out[split] = {"path": str(path), "id": sid, "rows": t.num_rows}
     # The replay benchmark reads ShareGPT JSONL.
+    held = _read_rows(out["heldout"]["path"])
+    kept, rep = drop_repeats(_read_rows(out["train"]["path"]), held)
+    rep["excluded"] = cfg.bench.exclude_train_overlap
+    if not cfg.bench.exclude_train_overlap:
+        kept = held
+    if not kept:
+        raise CycleError(f"all {len(held)} held-out conversations repeat a training prompt: nothing new to measure on")
     jl = d / "heldout.jsonl"
     with open(jl.with_suffix(".tmp"), "w", encoding="utf-8") as f:
-        for r in _read_rows(out["heldout"]["path"]):
+        for r in kept:
             f.write(json.dumps({k: _jsonable(v) for k, v in r.items()}, ensure_ascii=False) + "\n")
     os.replace(jl.with_suffix(".tmp"), jl)
     out["heldout"]["jsonl"] = str(jl)
+    out["heldout"]["measured_rows"] = len(kept)
+    out["heldout_overlap"] = rep
     return out
 
 
@@ -209,8 +228,10 @@ def step_evaluate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[s
     """Offline acceptance on the held-out snapshot (``adapt.evaluate.evaluate_head``)."""
     from adapt.evaluate import evaluate_head as offline_acceptance
 
+    from adapt.evaluate import load_jsonl
+
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
-    rows = _read_rows(snap["heldout"]["path"])
+    rows = load_jsonl(snap["heldout"]["jsonl"])  # the held-out rows the bench replays
     target = _target(cfg)
     out = {"candidate": offline_acceptance(Path(tr["head_path"]), target, rows, cfg)}
     if base["live_path"]:
@@ -222,24 +243,51 @@ def step_evaluate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[s
 
 
 def step_bench(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """Replay the held-out traffic: candidate vs live (with the A/A control), re-measured while inconclusive.
+
+    Each attempt runs with its own seed (another counterbalanced order) and is kept in
+    ``bench-<n>/``; a re-run of this step reuses attempts already written.
+    """
     from serving.bench import run_bench_cli
 
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
     if not base["live_path"]:
         return {"skipped": "no live head to compare against (bootstrap)"}
-    res = run_bench_cli(cfg, candidate=tr["head_path"], live=base["live_path"], heldout=snap["heldout"]["jsonl"],
-                        url=opts.bench_url, out=cycle_dir(cfg, state["cycle_id"]) / "bench")
-    return {"json_path": res["json_path"], "plot_path": res["plot_path"], "requests": res["requests"],
-            "summary": res["summary"]}
+    d = cycle_dir(cfg, state["cycle_id"])
+    attempts = []
+    for n in range(1, cfg.gate.max_attempts + 1):
+        out_dir = d / f"bench-{n}"
+        if (out_dir / "bench.json").is_file():
+            res = json.loads((out_dir / "bench.json").read_text())
+        else:
+            if opts.progress:
+                opts.progress(f"bench attempt {n} of at most {cfg.gate.max_attempts}")
+            res = run_bench_cli(cfg, candidate=tr["head_path"], live=base["live_path"],
+                                heldout=snap["heldout"]["jsonl"], url=opts.bench_url, out=out_dir,
+                                nospec=bool(opts.nospec_url) or None, nospec_url=opts.nospec_url,
+                                seed=cfg.bench.seed + n - 1, heldout_overlap=snap.get("heldout_overlap"),
+                                progress=opts.progress)
+        v = gate_mod.decide(res, cfg.gate)
+        attempts.append({"attempt": n, "json_path": str(out_dir / "bench.json"), "verdict": v.status,
+                         "summary": res["summary"]})
+        if v.status != gate_mod.INCONCLUSIVE:
+            break
+    last = attempts[-1]
+    return {"json_path": last["json_path"], "plot_path": str(Path(last["json_path"]).with_name("bench.png")),
+            "requests": json.loads(Path(last["json_path"]).read_text())["requests"], "summary": last["summary"],
+            "attempts": attempts}
 
 
 def step_gate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     b = _out(state, "bench")
     if b.get("skipped"):
-        v = gate_mod.bootstrap_verdict()
-    else:
-        v = gate_mod.decide(json.loads(Path(b["json_path"]).read_text()), cfg.gate)
-    return v.to_json()
+        return gate_mod.bootstrap_verdict().to_json()
+    v = gate_mod.decide(json.loads(Path(b["json_path"]).read_text()), cfg.gate)
+    out = v.to_json()
+    out["attempts"] = len(b.get("attempts") or [1])
+    if v.status == gate_mod.INCONCLUSIVE:
+        out["reason"] = f"inconclusive after {out['attempts']} benchmark(s): {v.reason}"
+    return out
 
 
 def _flat(prefix: str, obj: Any, out: dict[str, float]) -> None:
@@ -267,7 +315,7 @@ def run_metrics(state: dict[str, Any]) -> dict[str, float]:
     b = state["steps"]["bench"]
     if not b.get("skipped"):
         res = json.loads(Path(b["json_path"]).read_text())
-        for role in ("candidate", "live"):
+        for role in res.get("arms") or ("candidate", "live"):
             ph = res["per_head"][role]
             spec = ph["spec"] or {}
             _flat(f"replay.{role}", {k: spec.get(k) for k in ("mean_acceptance_length", "acceptance_rate",
@@ -275,13 +323,20 @@ def run_metrics(state: dict[str, Any]) -> dict[str, float]:
             for c, row in ph["by_concurrency"].items():
                 _flat(f"replay.{role}.c{c}", {k: row.get(k) for k in ("output_tok_per_s", "tpot_ms", "ttft_ms",
                                                                        "itl_ms")}, m)
-        for name, diff in res["differences"].items():
-            if "estimate" in diff:
-                diff = {"": diff}
-            for k, d in diff.items():
-                key = f"delta.{name}" + (f".{k}" if k else "")
-                _flat(key, {"estimate": d.get("estimate"), "ci_low": (d.get("ci") or [None])[0],
-                            "ci_high": (d.get("ci") or [None, None])[1]}, m)
+        # candidate − live, the A/A control (live − live) beside it, and the speed-up over no speculation.
+        for prefix, block in (("delta", res["differences"]), ("aa", res.get("aa_control") or {}),
+                              ("speedup_vs_nospec", res.get("speedup_vs_nospec") or {})):
+            for name, diff in block.items():
+                if "estimate" in diff:
+                    diff = {"": diff}
+                for k, d in diff.items():
+                    key = f"{prefix}.{name}" + (f".{k}" if k else "")
+                    _flat(key, {"estimate": d.get("estimate"), "ci_low": (d.get("ci") or [None])[0],
+                                "ci_high": (d.get("ci") or [None, None])[1]}, m)
+        m["bench.attempts"] = float(len(b.get("attempts") or [1]))
+    overlap = state["steps"]["snapshot"].get("heldout_overlap") or {}
+    if overlap:
+        m["heldout.repeats_training"] = float(overlap.get("repeats_training", 0))
     m["gate.passed"] = 1.0 if state["steps"]["gate"]["passed"] else 0.0
     # MLflow metric keys allow [A-Za-z0-9_ -./]; keys here are built from those already.
     return m
@@ -373,10 +428,23 @@ def step_register(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[s
     tags = {reg_mod.T_SHA: tr["head_sha256"], reg_mod.T_K: tr["num_speculative_tokens"],
             reg_mod.T_PARENT: base["parent_version"] or "none", reg_mod.T_GATE: g["verdict"],
             reg_mod.T_REASON: g["reason"][:4900], reg_mod.T_CYCLE: state["cycle_id"]}
+    speedup = speedup_vs_nospec(state)
+    if speedup:
+        tags[reg_mod.T_SPEEDUP] = json.dumps(speedup, sort_keys=True)
     mv = reg.register(run_id, tags)
     if opts.fault:
         opts.fault("register.version_created")
     return {"version": mv.version, "model": reg.name, "uri": reg.head_uri(mv.version)}
+
+
+def speedup_vs_nospec(state: dict[str, Any]) -> dict[str, float]:
+    """The candidate's measured tok/s over no speculation per concurrency (empty: not measured)."""
+    b = state["steps"].get("bench") or {}
+    if b.get("skipped") or not b.get("json_path"):
+        return {}
+    res = json.loads(Path(b["json_path"]).read_text())
+    return {c[1:]: round(v["candidate"]["estimate"], 4) for c, v in (res.get("speedup_vs_nospec") or {}).items()
+            if v["candidate"]["estimate"] is not None}
 
 
 def step_promote(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:

@@ -44,13 +44,17 @@ def register(app: typer.Typer) -> None:
         step: Annotated[Optional[str], typer.Option(help="Run only this step (the ones before it must be done).")] = None,
         live_head: Annotated[Optional[str], typer.Option(help="Live head to benchmark against while nothing is in Production.")] = None,
         bench_url: Annotated[Optional[str], typer.Option(help="Existing bench replica URL (default: start one).")] = None,
+        nospec_url: Annotated[Optional[str], typer.Option(help="Existing replica without speculation: the bench's reference arm.")] = None,
         router_url: Annotated[Optional[str], typer.Option(help="Swap the pool behind this router right after promotion.")] = None,
     ) -> None:
         """One adaptation cycle: ingest → snapshot → train → eval → bench → gate → register → promote."""
+        import sys
+
         from adapt.cycle import CycleError, CycleOptions, new_cycle_id, run_cycle, run_step, summary
 
         cfg = get_config(config)
-        opts = CycleOptions(live_head=live_head, bench_url=bench_url, router_url=router_url)
+        opts = CycleOptions(live_head=live_head, bench_url=bench_url, nospec_url=nospec_url, router_url=router_url,
+                            progress=lambda m: print(f"[cycle] {m}", file=sys.stderr, flush=True))
         try:
             if step:
                 cid = cycle_id or new_cycle_id()

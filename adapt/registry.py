@@ -11,6 +11,8 @@ stock UI can move a version between stages, and mirror them in the alias.
 
 from __future__ import annotations
 
+import json
+
 import logging
 import warnings
 from pathlib import Path
@@ -28,6 +30,8 @@ T_SHA = "head_sha256"
 T_K = "num_speculative_tokens"
 T_PARENT = "parent_version"
 T_GATE = "gate_verdict"
+# {"<concurrency>": tok/s ratio over serving without speculation}, as JSON, when the bench measured it.
+T_SPEEDUP = "speedup_vs_nospec"
 T_REASON = "gate_reason"
 T_PREVIOUS = "adapt.previous_production"
 
@@ -207,6 +211,19 @@ class Registry:
         """Every version, described (one alias lookup for all)."""
         champion = self.alias_version()
         return [self.describe(mv, champion) for mv in self.versions()]
+
+
+def speedups(tags: dict[str, str]) -> dict[int, float]:
+    """A version's measured tok/s ratio over serving without speculation, per concurrency ({} if never measured)."""
+    raw = (tags or {}).get(T_SPEEDUP)
+    return {int(c): float(x) for c, x in json.loads(raw).items()} if raw else {}
+
+
+def slower_than_nospec(version: str, tags: dict[str, str]) -> list[str]:
+    """Plain sentences for every measured concurrency where the head loses to not speculating."""
+    return [f"version {version} was measured slower than serving without speculation at concurrency {c} "
+            f"({x:.2f}x): at that load, speculation costs more than it saves"
+            for c, x in sorted(speedups(tags).items()) if x < 1.0]
 
 
 def import_head(cfg: Any, head_dir: str | Path, note: str = "imported") -> Any:

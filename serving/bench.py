@@ -1,11 +1,15 @@
 """Replay benchmark: candidate vs live head on one dedicated bench replica.
 
 Held-out conversations are replayed with their original sampling parameters
-(``max_tokens`` capped by ``[bench].max_tokens``). Heads alternate between
-interleaved rounds (A, B, A, B, …) on the same replica, swapped in place, so both
-see the same machine state. Acceptance comes from deltas of vLLM's spec-decode
-counters; latency (TTFT, ITL, TPOT) and output tok/s from streamed responses.
-Differences (candidate − live) get bootstrap confidence intervals.
+(``max_tokens`` capped by ``[bench].max_tokens``). The arms (candidate, live, the
+live head again as an A/A control, and optionally a replica without speculation)
+run in a seeded, counterbalanced order (ABC CBA ...), the heads swapped in place
+on the same replica, so every arm sees the same machine state on average.
+Acceptance comes from deltas of vLLM's spec-decode counters; latency (TTFT, ITL,
+TPOT) and output tok/s from streamed responses. Differences (candidate − live)
+are paired per request and get paired-bootstrap confidence intervals; the A/A
+control's interval in the same run says how far apart two identical heads
+measure, which the gate (``adapt.gate``) takes as the noise of this run.
 """
 
 from __future__ import annotations
@@ -139,7 +143,11 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: BenchRequest, tim
 
 
 async def run_block(url: str, reqs: list[BenchRequest], concurrency: int) -> dict[str, Any]:
-    """All requests at ``concurrency``; spec counters before/after (and per request at 1)."""
+    """All requests at ``concurrency``; spec counters before/after (and per request at 1).
+
+    A replica without a drafter is measured the same way (its counters stay at zero),
+    so every arm pays the same for the counter reads between requests.
+    """
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         before = await afetch_snapshot(client, url, MEASURE_TIMEOUT)
         results: list[RequestResult] = []
@@ -166,106 +174,262 @@ async def run_block(url: str, reqs: list[BenchRequest], concurrency: int) -> dic
     return {"results": results, "wall": wall, "spec": after.minus(before)}
 
 
+# -- the plan ----------------------------------------------------------------------------
+
+CANDIDATE, LIVE, CONTROL, NOSPEC = "candidate", "live", "control", "nospec"
+# The head each arm serves: the A/A control is the live head measured again, as its own arm.
+HEAD_OF = {CANDIDATE: CANDIDATE, LIVE: LIVE, CONTROL: LIVE}
+
+
+def arm_orders(arms: list[str], seed: int) -> list[list[str]]:
+    """A seeded, counterbalanced cycle of arm orders (a Williams design).
+
+    Over the cycle every arm takes every position equally often, and every arm
+    directly follows every other arm equally often, so neither a position (first
+    after the swap, last before the next) nor what an arm inherits from the arm
+    before it (warm caches, a load spike) favours any arm.
+    """
+    n = len(arms)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + k) % n for x in first] for k in range(n)]
+    if n % 2:  # an odd number of arms needs the mirrored square too
+        rows += [list(reversed(r)) for r in rows]
+    names = list(arms)
+    random.Random(seed).shuffle(names)
+    return [[names[i] for i in r] for r in rows]
+
+
+@dataclass
+class Slot:
+    """A few prompts that every arm replays back to back, in ``order``: the unit of pairing."""
+
+    round: int
+    concurrency: int
+    prompts: list[int]
+    order: list[str]
+
+
+def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int, group_size: int,
+         seed: int) -> list[Slot]:
+    """The whole run as slots, in time order.
+
+    Every arm is measured on the same few prompts within seconds of the others, so
+    load that comes and goes lands on all arms of a slot alike and shows up as
+    slot-to-slot variance, which resampling slots (not prompts) turns into honest
+    confidence intervals. A slot holds at least two waves of requests at its
+    concurrency, so a concurrency-``c`` slot runs mostly at ``c``.
+    """
+    orders = arm_orders(arms, seed)
+    slots, k = [], 0
+    for r in range(rounds):
+        for c in concurrencies:
+            g = max(group_size, 2 * c)
+            for start in range(0, n_requests, g):
+                slots.append(Slot(r, c, list(range(start, min(start + g, n_requests))), orders[k % len(orders)]))
+                k += 1
+    return slots
+
+
+# -- the benchmark ---------------------------------------------------------------------
+
+async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[BenchRequest], *,
+                    concurrencies: list[int], rounds: int, confidence: float = 0.9, n_boot: int = 2000,
+                    restart=None, nospec_url: str | None = None, seed: int = 0, group_size: int = 4,
+                    progress=None) -> dict[str, Any]:
+    """Measure ``heads`` (``{"candidate": {...}, "live": {...}}`` with path/sha256/version) on ``url``.
+
+    Arms: the candidate, the live head, the live head again as an A/A control and,
+    with ``nospec_url`` (a replica without a drafter), no speculation. The :func:`plan`
+    runs them slot by slot, heads swapped in place on the bench replica before each
+    arm's turn. ``restart(head_path)`` is called when a head cannot be swapped in place
+    (different shapes); without it such a pair is an error. ``progress(msg)`` hears
+    about each round.
+    """
+    admin = ReplicaAdmin(url)
+    blocks: list[dict] = []
+    swaps: list[dict] = []
+    arms = [CANDIDATE, LIVE, CONTROL] + ([NOSPEC] if nospec_url else [])
+    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed)
+    original = await admin.head_info()
+    t_run = time.perf_counter()
+    try:
+        for i, slot in enumerate(slots):
+            for role in slot.order:
+                arm_url = nospec_url if role == NOSPEC else url
+                if role != NOSPEC:
+                    swaps.append(await _load(admin, url, heads[HEAD_OF[role]], restart, slot.round, role))
+                # A short warm-up so the first timed request does not pay for the swap.
+                async with httpx.AsyncClient() as c:
+                    await stream_one(c, arm_url, _short(reqs[slot.prompts[0]]))
+                b = await run_block(arm_url, [reqs[p] for p in slot.prompts], slot.concurrency)
+                b.update(role=role, round=slot.round, concurrency=slot.concurrency, slot=i, prompts=slot.prompts)
+                if role == NOSPEC:
+                    b["spec"] = None
+                    for r in b["results"]:
+                        r.drafts = r.accepted = math.nan
+                blocks.append(b)
+            if progress and (i + 1 == len(slots) or slots[i + 1].round != slot.round
+                             or slots[i + 1].concurrency != slot.concurrency):
+                progress(f"round {slot.round + 1}/{rounds}, concurrency {slot.concurrency}: "
+                         + ", ".join(f"{a} {_block_tps([b for b in blocks if b['round'] == slot.round and b['concurrency'] == slot.concurrency and b['role'] == a]):.1f}"
+                                     for a in arms) + f" tok/s ({time.perf_counter() - t_run:.0f}s so far)")
+    finally:
+        # Leave an attached replica on the head it had (in place when shapes allow).
+        if original.get("path"):
+            try:
+                await admin.load_head(original["path"], original.get("version"), original.get("sha256"))
+            except Exception:  # noqa: BLE001
+                if restart is not None:
+                    await asyncio.to_thread(restart, original["path"])
+    summary = analyze(blocks, arms, concurrencies, confidence, n_boot, seed)
+    summary.update(seed=seed, group_size=group_size, slots=len(slots), swaps=swaps,
+                   order=[s.order for s in slots[: len(arm_orders(arms, seed))]])
+    summary["blocks"] = [{
+        "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "slot": b["slot"],
+        "prompts": b["prompts"], "wall_s": b["wall"], "requests": len(b["results"]),
+        "failed": sum(not r.ok for r in b["results"]), "errors": sorted({r.error for r in b["results"] if r.error})[:3],
+        "spec": b["spec"].to_dict() if b["spec"] is not None else None,
+    } for b in blocks]
+    return summary
+
+
+def _short(req: BenchRequest) -> BenchRequest:
+    return BenchRequest(req.route, {**req.body, "max_tokens": 4})
+
+
+def _block_tps(bl: list[dict]) -> float:
+    wall = sum(b["wall"] for b in bl)
+    return sum(r.output_tokens for b in bl for r in b["results"] if r.ok) / wall if wall > 0 else math.nan
+
+
+async def _load(admin: ReplicaAdmin, url: str, h: dict[str, Any], restart, rnd: int, role: str) -> dict[str, Any]:
+    t = time.perf_counter()
+    try:
+        info = await admin.load_head(h["path"], h.get("version"), h["sha256"])
+        how = "inplace"
+    except Exception as exc:  # noqa: BLE001
+        if restart is None or "restart needed" not in str(exc):
+            raise
+        await asyncio.to_thread(restart, h["path"])
+        info = await admin.head_info()
+        how = "restart"
+    if info.get("sha256") != h["sha256"]:
+        raise RuntimeError(f"bench replica reports {info.get('sha256')} instead of {h['sha256']}")
+    return {"round": rnd, "role": role, "how": how, "ms": (time.perf_counter() - t) * 1000}
+
+
 # -- statistics ----------------------------------------------------------------------
+#
+# Within a slot every arm replays the same prompts within seconds of each other, so the
+# slot is the unit of pairing: request i of the candidate and request i of the live head
+# share the prompt and (nearly) the moment. Differences are estimated on the pairs and
+# their confidence intervals come from resampling slots, the same slots for both sides
+# (a paired cluster bootstrap): what prompts share cancels, and load that varies from
+# slot to slot widens the interval instead of biasing the estimate. The A/A control (the
+# live head against itself, in the same slots) shows what is left: how far apart two
+# identical heads measure in this run.
 
-def _mean(xs: list[float]) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return statistics.fmean(xs) if xs else math.nan
+_FIELDS = ("tokens", "latency", "ttft_sum", "ttft_n", "tpot_sum", "tpot_n", "itl_sum", "itl_n",
+           "drafts", "accepted", "ok")
 
 
-def _ci(samples: list[float], confidence: float) -> list[float]:
-    s = sorted(x for x in samples if not math.isnan(x))
-    if not s:
-        return [math.nan, math.nan]
-    lo = s[int((1 - confidence) / 2 * (len(s) - 1))]
-    hi = s[int((1 + confidence) / 2 * (len(s) - 1))]
-    return [lo, hi]
+def slot_sums(blocks: list[dict], role: str, c: int, keep: dict[int, set[int]] | None = None) -> dict[str, Any]:
+    """Per-slot sums of one arm at one concurrency (arrays over that concurrency's slots, in slot order).
+
+    ``keep[slot]`` limits a slot to the prompts every compared arm answered.
+    """
+    import numpy as np
+
+    mine = sorted((b for b in blocks if b["role"] == role and b["concurrency"] == c), key=lambda b: b["slot"])
+    a = {k: np.zeros(len(mine)) for k in _FIELDS}
+    for j, b in enumerate(mine):
+        for p, r in zip(b["prompts"], b["results"]):
+            if not r.ok or (keep is not None and p not in keep.get(b["slot"], ())):
+                continue
+            a["ok"][j] += 1
+            a["tokens"][j] += r.output_tokens
+            a["latency"][j] += r.latency
+            if not math.isnan(r.ttft):
+                a["ttft_sum"][j] += r.ttft
+                a["ttft_n"][j] += 1
+            if not math.isnan(r.tpot):
+                a["tpot_sum"][j] += r.tpot
+                a["tpot_n"][j] += 1
+            a["itl_sum"][j] += sum(r.itls)
+            a["itl_n"][j] += len(r.itls)
+            if not math.isnan(r.drafts):
+                a["drafts"][j] += r.drafts
+                a["accepted"][j] += r.accepted
+    return a
 
 
-def bootstrap_diff(a: list[Any], b: list[Any], stat, n: int = 1000, confidence: float = 0.9,
-                   seed: int = 0) -> dict[str, Any]:
-    """Estimate and percentile CI of ``stat(a) - stat(b)``, resampling each side's items."""
-    if not a or not b:
-        return {"estimate": None, "ci": [None, None], "confidence": confidence}
-    rng = random.Random(seed)
-    est = stat(a) - stat(b)
-    diffs = []
-    for _ in range(n):
-        ra = [a[rng.randrange(len(a))] for _ in a]
-        rb = [b[rng.randrange(len(b))] for _ in b]
-        diffs.append(stat(ra) - stat(rb))
-    lo, hi = _ci(diffs, confidence)
-    return {"estimate": _clean(est), "ci": [_clean(lo), _clean(hi)], "confidence": confidence}
+def _answered(blocks: list[dict], roles: tuple[str, ...], c: int) -> dict[int, set[int]]:
+    """Per slot, the prompts that every one of ``roles`` answered (failed requests drop the pair)."""
+    out: dict[int, set[int]] = {}
+    for b in blocks:
+        if b["concurrency"] != c or b["role"] not in roles:
+            continue
+        ok = {p for p, r in zip(b["prompts"], b["results"]) if r.ok}
+        out[b["slot"]] = ok if b["slot"] not in out else out[b["slot"]] & ok
+    return out
+
+
+def _ratio(num, den):
+    import numpy as np
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
+
+
+# stat(arrays, idx, c) -> one value per row of idx (idx: [B, m] slot indices).
+STATS = {
+    "mean_acceptance_length": lambda a, idx, c: 1 + _ratio(a["accepted"][idx].sum(-1), a["drafts"][idx].sum(-1)),
+    "output_tok_per_s": lambda a, idx, c: c * _ratio(a["tokens"][idx].sum(-1), a["latency"][idx].sum(-1)),
+    "tpot_ms": lambda a, idx, c: 1000 * _ratio(a["tpot_sum"][idx].sum(-1), a["tpot_n"][idx].sum(-1)),
+    "itl_ms": lambda a, idx, c: 1000 * _ratio(a["itl_sum"][idx].sum(-1), a["itl_n"][idx].sum(-1)),
+    "ttft_ms": lambda a, idx, c: 1000 * _ratio(a["ttft_sum"][idx].sum(-1), a["ttft_n"][idx].sum(-1)),
+}
+
+
+def paired(blocks: list[dict], x: str, y: str, stat: str, c: int, confidence: float, n_boot: int, seed: int,
+           how: str = "diff") -> dict[str, Any]:
+    """Estimate and paired cluster-bootstrap CI of ``stat(x) - stat(y)`` (or ``x / y`` with how="ratio")."""
+    import numpy as np
+
+    keep = _answered(blocks, (x, y), c)
+    a, b = slot_sums(blocks, x, c, keep), slot_sums(blocks, y, c, keep)
+    n = len(a["ok"])
+    out: dict[str, Any] = {"estimate": None, "ci": [None, None], "confidence": confidence,
+                           "pairs": int(a["ok"].sum()), "slots": n}
+    if n == 0 or a["ok"].sum() == 0:
+        return out
+    f = STATS[stat]
+    op = np.subtract if how == "diff" else _ratio
+    full = np.arange(n)[None, :]
+    est = float(op(f(a, full, c), f(b, full, c))[0])
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    boots = op(f(a, idx, c), f(b, idx, c))
+    boots = boots[~np.isnan(boots)]
+    out["estimate"] = _clean(est)
+    if boots.size:
+        lo, hi = np.quantile(boots, [(1 - confidence) / 2, (1 + confidence) / 2])
+        out["ci"] = [_clean(float(lo)), _clean(float(hi))]
+    return out
 
 
 def _clean(x: Any) -> Any:
     return None if isinstance(x, float) and (math.isnan(x) or math.isinf(x)) else x
 
 
-def _acc_len(items: list[RequestResult]) -> float:
-    d = sum(r.drafts for r in items if not math.isnan(r.drafts))
-    a = sum(r.accepted for r in items if not math.isnan(r.accepted))
-    return 1.0 + a / d if d > 0 else math.nan
-
-
-def _toks_per_s(c: int):
-    def stat(items: list[RequestResult]) -> float:
-        lat = sum(r.latency for r in items)
-        return c * sum(r.output_tokens for r in items) / lat if lat > 0 else math.nan
-    return stat
-
-
-def _mean_of(attr: str):
-    def stat(items: list[RequestResult]) -> float:
-        if attr == "itl":
-            return _mean([x for r in items for x in r.itls])
-        return _mean([getattr(r, attr) for r in items])
-    return stat
-
-
-def summarize(blocks: list[dict], concurrencies: list[int], confidence: float, n_boot: int) -> dict[str, Any]:
-    """Per-head figures and candidate − live differences with bootstrap CIs."""
-    per_head: dict[str, Any] = {}
-    pooled: dict[tuple[str, int], list[RequestResult]] = {}
-    for role in ("candidate", "live"):
-        spec_total: SpecDelta | None = None
-        by_c = {}
-        for c in concurrencies:
-            bl = [b for b in blocks if b["role"] == role and b["concurrency"] == c]
-            res = [r for b in bl for r in b["results"] if r.ok]
-            pooled[(role, c)] = res
-            tokens = sum(r.output_tokens for r in res)
-            wall = sum(b["wall"] for b in bl)
-            sd = _sum_spec([b["spec"] for b in bl])
-            spec_total = sd if spec_total is None else _sum_spec([spec_total, sd])
-            by_c[str(c)] = {
-                "requests": len(res), "failed": sum(not r.ok for b in bl for r in b["results"]),
-                "output_tokens": tokens, "output_tok_per_s": _clean(tokens / wall if wall > 0 else math.nan),
-                "ttft_ms": _clean(_mean([r.ttft for r in res]) * 1000),
-                "tpot_ms": _clean(_mean([r.tpot for r in res]) * 1000),
-                "itl_ms": _clean(_mean([x for r in res for x in r.itls]) * 1000),
-                "spec": sd.to_dict(),
-            }
-        per_head[role] = {"spec": spec_total.to_dict() if spec_total else None, "by_concurrency": by_c}
-    diffs: dict[str, Any] = {}
-    c1 = min(concurrencies)
-    diffs["mean_acceptance_length"] = bootstrap_diff(pooled[("candidate", c1)], pooled[("live", c1)], _acc_len,
-                                                     n_boot, confidence)
-    for c in concurrencies:
-        a, b = pooled[("candidate", c)], pooled[("live", c)]
-        diffs[f"c{c}"] = {
-            "output_tok_per_s": bootstrap_diff(a, b, _toks_per_s(c), n_boot, confidence),
-            "tpot_ms": _scale(bootstrap_diff(a, b, _mean_of("tpot"), n_boot, confidence), 1000),
-            "itl_ms": _scale(bootstrap_diff(a, b, _mean_of("itl"), n_boot, confidence), 1000),
-            "ttft_ms": _scale(bootstrap_diff(a, b, _mean_of("ttft"), n_boot, confidence), 1000),
-        }
-    return {"per_head": per_head, "differences": diffs}
-
-
-def _scale(d: dict, k: float) -> dict:
-    d["estimate"] = None if d["estimate"] is None else d["estimate"] * k
-    d["ci"] = [None if x is None else x * k for x in d["ci"]]
-    return d
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.fmean(xs) if xs else math.nan
 
 
 def _sum_spec(ds: list[SpecDelta]) -> SpecDelta:
@@ -276,73 +440,87 @@ def _sum_spec(ds: list[SpecDelta]) -> SpecDelta:
         per_pos=[sum(d.per_pos[i] if i < len(d.per_pos) else 0.0 for d in ds) for i in range(n)])
 
 
-# -- the benchmark ---------------------------------------------------------------------
-
-async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[BenchRequest], *,
-                    concurrencies: list[int], rounds: int, confidence: float = 0.9, n_boot: int = 1000,
-                    restart=None) -> dict[str, Any]:
-    """Alternate ``heads`` (``{"candidate": {...}, "live": {...}}`` with path/sha256/version) on ``url``.
-
-    ``restart(head_path)`` is called when a head cannot be swapped in place
-    (different shapes); without it such a pair is an error.
-    """
-    admin = ReplicaAdmin(url)
-    blocks: list[dict] = []
-    swaps: list[dict] = []
-    original = await admin.head_info()
-    try:
-        await _rounds(admin, url, heads, reqs, concurrencies, rounds, restart, blocks, swaps)
-    finally:
-        # Leave an attached replica on the head it had (in place when shapes allow).
-        if original.get("path"):
-            try:
-                await admin.load_head(original["path"], original.get("version"), original.get("sha256"))
-            except Exception:  # noqa: BLE001
-                if restart is not None:
-                    await asyncio.to_thread(restart, original["path"])
-    summary = summarize(blocks, concurrencies, confidence, n_boot)
-    summary["swaps"] = swaps
-    summary["blocks"] = [{
-        "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "wall_s": b["wall"],
-        "requests": len(b["results"]), "failed": sum(not r.ok for r in b["results"]),
-        "errors": sorted({r.error for r in b["results"] if r.error})[:3], "spec": b["spec"].to_dict(),
-    } for b in blocks]
-    return summary
+def _arm_figures(bl: list[dict]) -> dict[str, Any]:
+    """Figures of some blocks of one arm: wall throughput, latency means, spec counters."""
+    res = [r for b in bl for r in b["results"] if r.ok]
+    tokens = sum(r.output_tokens for r in res)
+    wall = sum(b["wall"] for b in bl)
+    specs = [b["spec"] for b in bl if b["spec"] is not None]
+    return {
+        "requests": len(res), "failed": sum(not r.ok for b in bl for r in b["results"]),
+        "output_tokens": tokens, "wall_s": wall,
+        "output_tok_per_s": _clean(tokens / wall if wall > 0 else math.nan),
+        "ttft_ms": _clean(_mean([r.ttft for r in res]) * 1000),
+        "tpot_ms": _clean(_mean([r.tpot for r in res]) * 1000),
+        "itl_ms": _clean(_mean([x for r in res for x in r.itls]) * 1000),
+        "spec": _sum_spec(specs).to_dict() if specs else None,
+    }
 
 
-async def _rounds(admin: ReplicaAdmin, url: str, heads: dict, reqs: list[BenchRequest], concurrencies: list[int],
-                  rounds: int, restart, blocks: list[dict], swaps: list[dict]) -> None:
-    for rnd in range(rounds):
-        for role in ("candidate", "live"):
-            h = heads[role]
-            t = time.perf_counter()
-            try:
-                info = await admin.load_head(h["path"], h.get("version"), h["sha256"])
-                how = "inplace"
-            except Exception as exc:  # noqa: BLE001
-                if restart is None or "restart needed" not in str(exc):
-                    raise
-                await asyncio.to_thread(restart, h["path"])
-                info = await admin.head_info()
-                how = "restart"
-            if info.get("sha256") != h["sha256"]:
-                raise RuntimeError(f"bench replica reports {info.get('sha256')} instead of {h['sha256']}")
-            swaps.append({"round": rnd, "role": role, "how": how, "ms": (time.perf_counter() - t) * 1000})
-            # Warm-up request so the first timed request does not pay for the swap.
-            async with httpx.AsyncClient() as c:
-                await stream_one(c, url, reqs[0])
-            for conc in concurrencies:
-                b = await run_block(url, reqs, conc)
-                b.update(role=role, round=rnd, concurrency=conc)
-                blocks.append(b)
+def analyze(blocks: list[dict], arms: list[str], concurrencies: list[int], confidence: float, n_boot: int,
+            seed: int = 0) -> dict[str, Any]:
+    """Per-arm figures, paired candidate − live differences, the A/A control, speed-up vs no speculation."""
+    per_head: dict[str, Any] = {}
+    for role in arms:
+        mine = [b for b in blocks if b["role"] == role]
+        specs = [b["spec"] for b in mine if b["spec"] is not None]
+        per_head[role] = {
+            "spec": _sum_spec(specs).to_dict() if specs else None,
+            "by_concurrency": {str(c): _arm_figures([b for b in mine if b["concurrency"] == c])
+                               for c in concurrencies},
+        }
+
+    def compare(x: str, y: str) -> dict[str, Any]:
+        c1 = min(concurrencies)
+        out: dict[str, Any] = {"mean_acceptance_length": paired(blocks, x, y, "mean_acceptance_length", c1,
+                                                                confidence, n_boot, seed)}
+        for c in concurrencies:
+            out[f"c{c}"] = {k: paired(blocks, x, y, k, c, confidence, n_boot, seed)
+                            for k in ("output_tok_per_s", "tpot_ms", "itl_ms", "ttft_ms")}
+        return out
+
+    result: dict[str, Any] = {"arms": arms, "per_head": per_head, "differences": compare(CANDIDATE, LIVE),
+                              "aa_control": compare(CONTROL, LIVE) if CONTROL in arms else {}}
+    if NOSPEC in arms:
+        result["speedup_vs_nospec"] = {
+            f"c{c}": {role: paired(blocks, role, NOSPEC, "output_tok_per_s", c, confidence, n_boot, seed, how="ratio")
+                      for role in (CANDIDATE, LIVE)}
+            for c in concurrencies}
+    result["rounds"] = []
+    for r in sorted({b["round"] for b in blocks}):
+        by_c = {}
+        for c in concurrencies:
+            fig = {role: _arm_figures([b for b in blocks if b["round"] == r and b["role"] == role
+                                       and b["concurrency"] == c]) for role in arms}
+            row: dict[str, Any] = {role: {"output_tok_per_s": f["output_tok_per_s"],
+                                          "mean_acceptance_length": (f["spec"] or {}).get("mean_acceptance_length")}
+                                   for role, f in fig.items()}
+            tps = {role: f["output_tok_per_s"] for role, f in fig.items()}
+            if tps.get(CANDIDATE) is not None and tps.get(LIVE) is not None:
+                row["candidate_minus_live_tok_per_s"] = tps[CANDIDATE] - tps[LIVE]
+            if tps.get(CONTROL) is not None and tps.get(LIVE) is not None:
+                row["control_minus_live_tok_per_s"] = tps[CONTROL] - tps[LIVE]
+            by_c[str(c)] = row
+        result["rounds"].append({"round": r, "by_concurrency": by_c})
+    return result
 
 
 def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: str | None, out: Path | None,
                   concurrencies: list[int] | None = None, rounds: int | None = None,
-                  max_prompts: int | None = None) -> dict[str, Any]:
-    """``adapt bench``: resolve heads, start (or use) a bench replica, run, write JSON + PNG."""
+                  max_prompts: int | None = None, nospec: bool | None = None, nospec_url: str | None = None,
+                  seed: int | None = None, train: str | None = None, heldout_overlap: dict | None = None,
+                  progress=None) -> dict[str, Any]:
+    """``adapt bench``: resolve heads, start (or use) the bench replicas, run, write JSON + PNG.
+
+    ``nospec`` (default ``[bench] nospec_reference``) adds the no-speculation arm, on
+    ``nospec_url`` or a replica started for the run. ``train`` (ShareGPT JSONL) checks the
+    held-out rows against training prompts (``capture.overlap``) and, with
+    ``[bench] exclude_train_overlap``, drops the repeats; ``heldout_overlap`` is such a
+    report made by the caller (the cycle's snapshot), recorded as it is.
+    """
     from adapt.checkpoint import validate_head
     from adapt.model_zoo import ensure_target
+    from capture.overlap import drop_repeats
     from serving.plots import plot_bench
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
@@ -360,37 +538,54 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
                        "num_speculative_tokens": info.num_speculative_tokens}
     model = served_name(cfg)
     rows = load_heldout(cfg, heldout)
+    if train is not None:
+        kept, heldout_overlap = drop_repeats(load_heldout(cfg, train), rows)
+        heldout_overlap["excluded"] = cfg.bench.exclude_train_overlap
+        if cfg.bench.exclude_train_overlap:
+            rows = kept
+    if heldout_overlap is not None:
+        heldout_overlap = {k: v for k, v in heldout_overlap.items() if k != "matches"}
     reqs = rows_to_requests(rows, model, cfg.bench.max_tokens, max_prompts or cfg.bench.max_prompts)
     if not reqs:
         raise ValueError("no replayable held-out conversations")
     concs = list(concurrencies or cfg.bench.concurrencies)
-    proc = None
+    nospec = cfg.bench.nospec_reference if nospec is None else nospec
+    logs = Path(cfg.state_dir) / "serving" / "logs"
+    procs: dict[str, ReplicaProcess] = {}
     if url is None:
-        spec = bench_replica_spec(cfg, target, heads["live"]["path"], model, concs)
-        proc = ReplicaProcess(spec, Path(cfg.state_dir) / "serving" / "logs" / "bench-replica.log")
-        proc.start()
-        url = spec.url
+        procs["spec"] = ReplicaProcess(bench_replica_spec(cfg, target, heads["live"]["path"], model, concs),
+                                       logs / "bench-replica.log")
+        url = procs["spec"].url
+    if nospec and nospec_url is None:
+        procs["nospec"] = ReplicaProcess(bench_replica_spec(cfg, target, None, model, concs),
+                                         logs / "bench-nospec-replica.log")
+        nospec_url = procs["nospec"].url
 
     def restart(head_path: str) -> None:
-        if proc is None:
+        if "spec" not in procs:
             raise RuntimeError("heads differ in shape and the bench replica is attached: cannot restart it")
-        proc.stop()
-        proc.start(head_path)
-        proc.wait_healthy()
+        procs["spec"].stop()
+        procs["spec"].start(head_path)
+        procs["spec"].wait_healthy()
 
+    rounds = rounds or cfg.bench.rounds
+    seed = cfg.bench.seed if seed is None else seed
     try:
-        if proc is not None:
-            proc.wait_healthy()
-        summary = asyncio.run(run_bench(url, heads, reqs, concurrencies=concs,
-                                        rounds=rounds or cfg.bench.rounds, confidence=cfg.gate.confidence,
-                                        restart=restart))
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_healthy()
+        summary = asyncio.run(run_bench(url, heads, reqs, concurrencies=concs, rounds=rounds,
+                                        confidence=cfg.gate.confidence, restart=restart,
+                                        nospec_url=nospec_url if nospec else None, seed=seed,
+                                        group_size=cfg.bench.group_size, progress=progress))
     finally:
-        if proc is not None:
-            proc.stop()
+        for p in procs.values():
+            p.stop()
     out = Path(out or Path(cfg.state_dir) / "bench" / time.strftime("%Y%m%dT%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    result = {"heads": heads, "bench_url": url, "requests": len(reqs), "concurrencies": concs,
-              "rounds": rounds or cfg.bench.rounds, **summary}
+    result = {"heads": heads, "bench_url": url, "nospec_url": nospec_url if nospec else None, "requests": len(reqs),
+              "concurrencies": concs, "rounds": rounds, "heldout_overlap": heldout_overlap, **summary}
     result["summary"] = headline(result)
     json_path = out / "bench.json"
     json_path.write_text(json.dumps(result, indent=2, default=str))
@@ -401,15 +596,26 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """The few numbers a person reads first."""
-    ph, df = result["per_head"], result["differences"]
+    """The few numbers a person reads first: each difference with the A/A spread beside it."""
+    from adapt.gate import aa_noise as aa_spread
+
+    ph, df, aa = result["per_head"], result["differences"], result.get("aa_control") or {}
     out: dict[str, Any] = {}
-    for role in ("candidate", "live"):
+    for role in result.get("arms") or ("candidate", "live"):
         s = ph[role]["spec"] or {}
-        out[role] = {"sha256": result["heads"][role]["sha256"][:12],
-                     "mean_acceptance_length": s.get("mean_acceptance_length"),
+        out[role] = {"mean_acceptance_length": s.get("mean_acceptance_length"),
                      "output_tok_per_s": {c: ph[role]["by_concurrency"][c]["output_tok_per_s"]
                                           for c in ph[role]["by_concurrency"]}}
-    out["delta_mean_acceptance_length"] = df["mean_acceptance_length"]
-    out["delta_output_tok_per_s"] = {k[1:]: v["output_tok_per_s"] for k, v in df.items() if k.startswith("c")}
+        if role in result["heads"]:
+            out[role]["sha256"] = result["heads"][role]["sha256"][:12]
+    out["delta_mean_acceptance_length"] = {**df["mean_acceptance_length"],
+                                           "aa_spread": aa_spread(aa.get("mean_acceptance_length"))}
+    out["delta_output_tok_per_s"] = {
+        k[1:]: {**v["output_tok_per_s"], "aa_spread": aa_spread((aa.get(k) or {}).get("output_tok_per_s"))}
+        for k, v in df.items() if k.startswith("c")}
+    if result.get("speedup_vs_nospec"):
+        out["speedup_vs_nospec"] = {k[1:]: {role: v[role]["estimate"] for role in v}
+                                    for k, v in result["speedup_vs_nospec"].items()}
+    if result.get("heldout_overlap") is not None:
+        out["heldout_repeating_training"] = result["heldout_overlap"].get("repeats_training")
     return out

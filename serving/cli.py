@@ -33,6 +33,17 @@ def _current_head(cfg, head: Optional[str]) -> Path:
     return cur.resolve()
 
 
+def _production_warnings(cfg) -> list[str]:
+    """What the registry knows against the Production head (today: slower than no speculation somewhere)."""
+    from adapt.registry import Registry, slower_than_nospec
+
+    try:
+        prod = Registry(cfg).production()
+    except Exception as exc:  # noqa: BLE001 - the pool's status must not depend on the registry
+        return [f"registry unreachable ({type(exc).__name__}): the Production head's benchmark is unknown"]
+    return slower_than_nospec(prod.version, prod.tags) if prod is not None else []
+
+
 def register(app: typer.Typer) -> None:
     pool_app = typer.Typer(help="Inspect the serving pool.", no_args_is_help=True)
     app.add_typer(pool_app, name="pool")
@@ -112,12 +123,14 @@ def register(app: typer.Typer) -> None:
         if r.status_code != 200:
             fail(f"router answered {r.status_code}: {r.text[:300]}")
         st = r.json()
+        st["warnings"] = _production_warnings(cfg)
         lines = []
         for rep in st["replicas"]:
             acc = (rep.get("live_acceptance") or {}).get("mean_acceptance_length")
             lines.append(f"{rep['url']}  {'healthy' if rep['healthy'] else 'DOWN'}"
                          f"{' draining' if rep['draining'] else ''}  head {str(rep['head_sha256'])[:12]} "
                          f"v{rep['head_version']}  acceptance {acc if acc is None else round(acc, 3)}")
+        lines += [f"WARNING: {w}" for w in st["warnings"]]
         emit(st, json_, human="\n".join(lines))
 
     @app.command("bench")
@@ -130,16 +143,23 @@ def register(app: typer.Typer) -> None:
         url: Annotated[Optional[str], typer.Option(help="Use this bench replica instead of starting one.")] = None,
         out: Annotated[Optional[Path], typer.Option(help="Output directory for bench.json and bench.png.")] = None,
         concurrency: Annotated[Optional[list[int]], typer.Option(help="Concurrency levels (repeatable).")] = None,
-        rounds: Annotated[Optional[int], typer.Option(help="Interleaved rounds per head.")] = None,
+        rounds: Annotated[Optional[int], typer.Option(help="Counterbalanced rounds (each arm once per round).")] = None,
         max_prompts: Annotated[Optional[int], typer.Option(help="Prompts per round.")] = None,
+        nospec: Annotated[Optional[bool], typer.Option(
+            "--nospec/--no-nospec", help="Also measure a replica without speculation (default: bench.nospec_reference).")] = None,
+        nospec_url: Annotated[Optional[str], typer.Option(help="Use this replica without speculation as the reference.")] = None,
+        train: Annotated[Optional[str], typer.Option(
+            help="Training conversations (JSONL): count held-out prompts that repeat them, and drop those.")] = None,
+        seed: Annotated[Optional[int], typer.Option(help="Seed of the arms' order and the bootstrap.")] = None,
     ) -> None:
-        """Replay held-out traffic on a bench replica, alternating heads A/B; JSON + plot."""
+        """Replay held-out traffic: candidate, live and an A/A control in counterbalanced order; JSON + plot."""
         from serving.bench import run_bench_cli
 
         cfg = get_config(config)
         try:
             result = run_bench_cli(cfg, candidate=candidate, live=live, heldout=heldout, url=url, out=out,
-                                   concurrencies=concurrency, rounds=rounds, max_prompts=max_prompts)
+                                   concurrencies=concurrency, rounds=rounds, max_prompts=max_prompts,
+                                   nospec=nospec, nospec_url=nospec_url, seed=seed, train=train)
         except (ValueError, FileNotFoundError, RuntimeError) as exc:
             fail(str(exc))
         s = result["summary"]

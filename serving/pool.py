@@ -268,14 +268,22 @@ def replica_specs(cfg, target_dir: str | Path, head_dir: str | Path, n: int,
 
 # The bench replica sits beside the pool's ports, on the same [serving] settings.
 BENCH_PORT_OFFSET = 50
+NO_PREFIX_CACHE = "--no-enable-prefix-caching"
 
 
-def bench_replica_spec(cfg, target_dir: str | Path, head_dir: str | Path, served_model_name: str,
+def bench_replica_spec(cfg, target_dir: str | Path, head_dir: str | Path | None, served_model_name: str,
                        concurrencies: list[int]) -> ReplicaSpec:
-    """The replay-bench replica: the pool's spec on its own port, with room for the highest concurrency."""
-    spec = replica_specs(cfg, target_dir, head_dir, 1, served_model_name,
-                         base_port=cfg.serving.base_port + BENCH_PORT_OFFSET)[0]
-    return replace(spec, max_num_seqs=max(concurrencies) + 2)
+    """The replay-bench replica: the pool's spec on its own port, with room for the highest concurrency.
+
+    ``head_dir=None`` gives the no-speculation reference replica, on the next port. Bench
+    replicas keep no prefix cache: every arm replays the same prompts back to back, and a
+    cached prompt would make whichever arm comes second skip its prefill (and reuse KV that
+    another head's drafter computed).
+    """
+    port = cfg.serving.base_port + BENCH_PORT_OFFSET + (1 if head_dir is None else 0)
+    spec = replica_specs(cfg, target_dir, head_dir or "", 1, served_model_name, base_port=port)[0]
+    return replace(spec, head_dir=None if head_dir is None else str(head_dir), max_num_seqs=max(concurrencies) + 2,
+                   extra_args=spec.extra_args + [NO_PREFIX_CACHE])
 
 
 def head_identity(head_dir: str | Path) -> dict[str, Any]:

@@ -37,10 +37,14 @@ def is_cpu_build() -> bool:
 
 @dataclass
 class ReplicaSpec:
-    """Everything that determines one replica's command line."""
+    """Everything that determines one replica's command line.
+
+    ``head_dir=None`` is a replica without speculative decoding: the benchmark's
+    no-speculation reference.
+    """
 
     target_dir: str
-    head_dir: str
+    head_dir: str | None
     num_speculative_tokens: int
     port: int
     host: str = "127.0.0.1"
@@ -74,10 +78,11 @@ def build_command(spec: ReplicaSpec) -> list[str]:
         "--host", spec.host, "--port", str(spec.port),
         "--max-model-len", str(spec.max_model_len),
         "--max-num-seqs", str(spec.max_num_seqs),
-        "--speculative-config", json.dumps(spec.speculative_config()),
-        "--worker-extension-cls", EXTENSION_CLS,
         "--disable-uvicorn-access-log",
     ]
+    if spec.head_dir is not None:
+        cmd += ["--speculative-config", json.dumps(spec.speculative_config()),
+                "--worker-extension-cls", EXTENSION_CLS]
     if not is_cpu_build():
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return cmd + list(spec.extra_args)

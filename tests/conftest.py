@@ -29,6 +29,11 @@ def model_cache_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def model_cache() -> Path:
+    return model_cache_dir()
+
+
+@pytest.fixture(scope="session")
 def datacapture_fixtures() -> Path:
     assert DATACAPTURE_FIXTURES.is_dir(), f"shared fixtures missing at {DATACAPTURE_FIXTURES}"
     return DATACAPTURE_FIXTURES

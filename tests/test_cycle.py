@@ -55,15 +55,20 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
         "differences": {"mean_acceptance_length": {"estimate": 0.4, "ci": [0.1, 0.7]},
                         "c1": {"output_tok_per_s": {"estimate": 3.0, "ci": [1.0, 5.0]},
                                "tpot_ms": {"estimate": -1.0, "ci": [-2.0, 0.0]}}},
+        "aa_control": {"mean_acceptance_length": {"estimate": 0.0, "ci": [0.0, 0.0]},
+                       "c1": {"output_tok_per_s": {"estimate": 0.2, "ci": [-0.5, 0.9]}}},
+        "speedup_vs_nospec": {"c1": {"candidate": {"estimate": 1.3, "ci": [1.2, 1.4]},
+                                     "live": {"estimate": 0.9, "ci": [0.8, 1.0]}}},
     }
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     state = {"cycle_id": "c9", "steps": {
-        "snapshot": {"train": {"id": "a" * 64, "rows": 10}, "heldout": {"id": "b" * 64, "rows": 3}},
+        "snapshot": {"train": {"id": "a" * 64, "rows": 10}, "heldout": {"id": "b" * 64, "rows": 3},
+                     "heldout_overlap": {"heldout": 3, "repeats_training": 1}},
         "base": {"parent_version": "4", "parent_sha256": "p", "live_version": "4", "live_sha256": "p"},
         "train": {"steps": 3, "tokens": 100, "tokens_per_s": 9.0, "final_depth_loss": [1.0, 2.0],
                   "final_depth_acc": [0.5, 0.25], "head_sha256": "h"},
         "evaluate": {"candidate": {"acceptance_per_pos": [0.7, 0.5]}, "live": None, "json_path": "x"},
-        "bench": {"json_path": str(tmp_path / "bench.json")},
+        "bench": {"json_path": str(tmp_path / "bench.json"), "attempts": [{"attempt": 1}, {"attempt": 2}]},
         "gate": {"passed": True},
     }}
     m = cycle.run_metrics(state)
@@ -72,6 +77,69 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
     assert m["delta.mean_acceptance_length.ci_low"] == 0.1 and m["delta.c1.output_tok_per_s.ci_high"] == 5.0
     assert m["offline.candidate.acceptance_per_pos_pos0"] == 0.7 and m["train.final_depth_acc_pos1"] == 0.25
     assert m["gate.passed"] == 1.0
+    assert m["aa.c1.output_tok_per_s.ci_high"] == 0.9 and m["aa.mean_acceptance_length.estimate"] == 0.0
+    assert m["speedup_vs_nospec.c1.candidate.estimate"] == 1.3 and m["speedup_vs_nospec.c1.live.ci_low"] == 0.8
+    assert m["bench.attempts"] == 2.0 and m["heldout.repeats_training"] == 1.0
+    assert cycle.speedup_vs_nospec(state) == {"1": 1.3}
     p = cycle.run_params(cfg, state)
     assert p["parent_version"] == "4" and p["train_snapshot_id"] == "a" * 64 and p["gate.confidence"] == "0.9"
     assert p["training.depth_weights"] == "[1.0, 0.8, 0.6]"
+
+
+def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch, tmp_path: Path):
+    """The re-measurement loop of the bench step: the gate (unchanged) decides on each simulated run."""
+    import serving.bench
+    from serving.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
+    from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
+
+    runs = iter([dict(load=0.4, speed={CANDIDATE: 1.0, LIVE: 1.0, CONTROL: 1.0}),   # loaded: cannot tell
+                 dict(load=0.0, speed={CANDIDATE: 1.5, LIVE: 1.0, CONTROL: 1.0})])  # quiet: clearly better
+    calls = []
+
+    def fake_bench(c, *, out, seed, **kw):
+        r = next(runs)
+        calls.append(seed)
+        blocks = simulate(slots_for(seed=seed), r["speed"], load=r["load"], jitter=r["load"] / 4, seed=seed,
+                          al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
+        res = {"heads": {"candidate": {"sha256": "c" * 64}, "live": {"sha256": "l" * 64}}, "requests": N,
+               **analyze(blocks, ARMS, CONCS, 0.9, 500, seed)}
+        res["summary"] = headline(res)
+        Path(out).mkdir(parents=True)
+        (Path(out) / "bench.json").write_text(json.dumps(res))
+        return res
+
+    monkeypatch.setattr(serving.bench, "run_bench_cli", fake_bench)
+    state = {"cycle_id": "rm", "steps": {
+        "snapshot": {"heldout": {"jsonl": "h.jsonl"}}, "base": {"live_path": "live"}, "train": {"head_path": "cand"}}}
+    out = cycle.step_bench(cfg, state, cycle.CycleOptions())
+    assert [a["verdict"] for a in out["attempts"]] == ["inconclusive", "passed"] and calls == [0, 1]
+    state["steps"]["bench"] = out
+    g = cycle.step_gate(cfg, state, cycle.CycleOptions())
+    assert g["passed"] and g["attempts"] == 2
+    # A re-run of the step reuses the attempts already written (no new measurement).
+    again = cycle.step_bench(cfg, state, cycle.CycleOptions())
+    assert [a["verdict"] for a in again["attempts"]] == ["inconclusive", "passed"] and calls == [0, 1]
+
+
+def test_inconclusive_after_every_attempt_is_recorded_as_such(cfg, monkeypatch):
+    import serving.bench
+    from serving.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
+    from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
+
+    def fake_bench(c, *, out, seed, **kw):
+        blocks = simulate(slots_for(seed=seed), {CANDIDATE: 1.0, LIVE: 1.0, CONTROL: 1.0},
+                          load=0.4, jitter=0.1, seed=seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
+        res = {"heads": {"candidate": {"sha256": "c" * 64}, "live": {"sha256": "l" * 64}}, "requests": N,
+               **analyze(blocks, ARMS, CONCS, 0.9, 500, seed)}
+        res["summary"] = headline(res)
+        Path(out).mkdir(parents=True)
+        (Path(out) / "bench.json").write_text(json.dumps(res))
+        return res
+
+    monkeypatch.setattr(serving.bench, "run_bench_cli", fake_bench)
+    state = {"cycle_id": "rm2", "steps": {
+        "snapshot": {"heldout": {"jsonl": "h.jsonl"}}, "base": {"live_path": "live"}, "train": {"head_path": "cand"}}}
+    state["steps"]["bench"] = cycle.step_bench(cfg, state, cycle.CycleOptions())
+    g = cycle.step_gate(cfg, state, cycle.CycleOptions())
+    assert len(state["steps"]["bench"]["attempts"]) == cfg.gate.max_attempts == 2
+    assert g["verdict"] == "inconclusive" and not g["passed"] and g["reason"].startswith("inconclusive after 2")

@@ -80,9 +80,19 @@ def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
     from adapt.config import load_config
     from serving.pool import BENCH_PORT_OFFSET, bench_replica_spec, replica_specs
 
+    from serving.pool import NO_PREFIX_CACHE
+    from serving.replica import build_command
+
     cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"cpu_reserved_cores": 1, "base_port": 9100}})
     spec = bench_replica_spec(cfg, "t", "h", "target", [1, 4])
     assert spec.port == 9100 + BENCH_PORT_OFFSET and spec.max_num_seqs == 6
     pool_spec = replica_specs(cfg, "t", "h", 1, "target")[0]
-    assert {**vars(spec), "port": 0, "max_num_seqs": 0} == {**vars(pool_spec), "port": 0, "max_num_seqs": 0}
-    assert spec.cpu_reserved_cores == 1
+    same = {"port": 0, "max_num_seqs": 0, "extra_args": []}
+    assert {**vars(spec), **same} == {**vars(pool_spec), **same}
+    assert spec.cpu_reserved_cores == 1 and spec.extra_args == [NO_PREFIX_CACHE]
+    # The no-speculation reference: the same replica without a drafter, on the next port.
+    ref = bench_replica_spec(cfg, "t", None, "target", [1, 4])
+    assert ref.port == spec.port + 1 and ref.head_dir is None
+    cmd = build_command(ref)
+    assert "--speculative-config" not in cmd and "--worker-extension-cls" not in cmd and NO_PREFIX_CACHE in cmd
+    assert "--speculative-config" in build_command(spec)

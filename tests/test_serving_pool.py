@@ -329,9 +329,17 @@ def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
     res = json.loads(p.stdout)
     assert Path(res["plot_path"]).stat().st_size > 10_000
     assert json.loads(Path(res["json_path"]).read_text())["summary"] == res["summary"]
-    assert [(s["round"], s["role"]) for s in res["swaps"]] == [(0, "candidate"), (0, "live"),
-                                                                (1, "candidate"), (1, "live")]
+    # Every slot runs candidate, live and the A/A control (the live head again), each swapped in before its turn.
+    assert len(res["swaps"]) == 3 * res["slots"] and {s["round"] for s in res["swaps"]} == {0, 1}
+    by_slot = {}
+    for b in res["blocks"]:
+        by_slot.setdefault(b["slot"], []).append(b["role"])
+    assert all(sorted(r) == ["candidate", "control", "live"] for r in by_slot.values())
+    assert len({tuple(r) for r in by_slot.values()}) > 1  # the order is counterbalanced, not fixed
     cand, live = res["per_head"]["candidate"], res["per_head"]["live"]
+    assert res["per_head"]["control"]["spec"]["mean_acceptance_length"] == pytest.approx(
+        live["spec"]["mean_acceptance_length"], rel=0.05)  # the same head measures the same
+    assert res["summary"]["delta_mean_acceptance_length"]["aa_spread"] is not None
     assert cand["spec"]["mean_acceptance_length"] > live["spec"]["mean_acceptance_length"]
     assert len(cand["spec"]["acceptance_per_pos"]) == 3
     for c in ("1", "2"):

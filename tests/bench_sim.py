@@ -1,0 +1,54 @@
+"""Simulated replay-bench measurements for the statistics and cycle tests (no services).
+
+The blocks follow a bench plan (``serving.bench.plan``): per slot, each arm replays
+the slot's prompts. A request's speed is the head's speed times the prompt's own
+factor (lengths and difficulty differ a lot between prompts) times the machine at
+that moment: a drift over the run, a load level per slot (shared by the arms of
+the slot) and a jitter per block.
+"""
+
+from __future__ import annotations
+
+import random
+
+from serving.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, plan
+from serving.metrics import SpecDelta
+
+N = 24
+CONCS = [1, 4]
+ARMS = [CANDIDATE, LIVE, CONTROL]
+
+
+def slots_for(arms=ARMS, seed=0, rounds=2, group_size=4) -> list[Slot]:
+    return plan(arms, N, CONCS, rounds, group_size, seed)
+
+
+def simulate(slots, speed, *, drift=0.0, load=0.0, jitter=0.0, seed=0, al=None):
+    rng = random.Random(seed)
+    prompt = [0.5 + 1.5 * random.Random(i).random() for i in range(N)]  # up to 4x apart
+    al = al or {CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5}
+    blocks, t = [], 0
+    for i, slot in enumerate(slots):
+        level = 1.0 + rng.uniform(-load, load)
+        for role in slot.order:
+            machine = (1.0 - drift * t) * level * (1.0 + rng.uniform(-jitter, jitter))
+            t += 1
+            results = []
+            for p in slot.prompts:
+                tokens = 40 + 3 * p
+                lat = tokens / (speed[role] * machine * prompt[p] * (1 + rng.uniform(-0.02, 0.02)))
+                r = RequestResult(ok=True, output_tokens=tokens, ttft=0.05, latency=lat,
+                                  itls=[lat / tokens] * (tokens - 1))
+                if role != NOSPEC and slot.concurrency == 1:
+                    r.drafts = tokens / al[role]
+                    r.accepted = r.drafts * (al[role] - 1)
+                results.append(r)
+            spec = None
+            if role != NOSPEC:
+                d = sum(r.output_tokens for r in results) / al[role]
+                spec = SpecDelta(seconds=1.0, drafts=d, draft_tokens=3 * d, accepted=d * (al[role] - 1),
+                                 per_pos=[d * 0.4, d * 0.2, d * 0.1])
+            blocks.append({"role": role, "round": slot.round, "concurrency": slot.concurrency, "slot": i,
+                           "prompts": slot.prompts, "results": results,
+                           "wall": sum(r.latency for r in results) / slot.concurrency, "spec": spec})
+    return blocks
