@@ -174,12 +174,16 @@ def wait_pool_serves(stack, sha256: str, timeout: float) -> float:
 
 
 def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
-    """Before (live) / after (candidate) figures from a cycle's replay benchmark."""
+    """Before (live) / after (candidate) figures from a cycle's replay benchmark, with the A/A
+    spread beside each difference and the speed-up over no speculation where it was measured."""
+    from adapt.gate import aa_noise
+
     bench = summary["steps"].get("bench") or {}
     if bench.get("skipped") or not bench.get("json_path"):
         return {}
     full = json.loads(Path(bench["json_path"]).read_text())
-    out = {}
+    speed = full.get("speedup_vs_nospec") or {}
+    out: dict[str, Any] = {}
     for role, name in (("live", "before"), ("candidate", "after")):
         ph = full["per_head"][role]
         spec = ph["spec"] or {}
@@ -190,10 +194,26 @@ def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
             "output_tok_per_s": {c: v["output_tok_per_s"] for c, v in ph["by_concurrency"].items()},
             "tpot_ms": {c: v["tpot_ms"] for c, v in ph["by_concurrency"].items()},
             "ttft_ms": {c: v["ttft_ms"] for c, v in ph["by_concurrency"].items()},
+            "speedup_vs_nospec": {k[1:]: v[role]["estimate"] for k, v in speed.items()},
         }
+    if "nospec" in full["per_head"]:
+        out["nospec"] = {"output_tok_per_s": {c: v["output_tok_per_s"]
+                                              for c, v in full["per_head"]["nospec"]["by_concurrency"].items()}}
+    aa = full.get("aa_control") or {}
     out["differences"] = full.get("differences")
+    out["aa_spread"] = {"mean_acceptance_length": aa_noise(aa.get("mean_acceptance_length")),
+                        **{k[1:]: aa_noise((aa.get(k) or {}).get("output_tok_per_s")) for k in aa if k.startswith("c")}}
+    out["attempts"] = len(bench.get("attempts") or [1])
+    out["heldout_overlap"] = {k: v for k, v in (full.get("heldout_overlap") or {}).items() if k != "matches"}
     out["plot"] = bench.get("plot_path")
     return out
+
+
+def slower_than_nospec(figures: dict[str, Any], name: str = "after") -> list[str]:
+    """Concurrencies where a head measured slower than serving without speculation, in words."""
+    sp = (figures.get(name) or {}).get("speedup_vs_nospec") or {}
+    return [f"at concurrency {c} this head is slower than serving without speculation ({x:.2f}x)"
+            for c, x in sp.items() if x is not None and x < 1.0]
 
 
 def _demo_cycle(cfg: Config, opts, stack, gap_mid: dt.datetime, steps: int, report: dict[str, Any],
@@ -209,7 +229,19 @@ def _demo_cycle(cfg: Config, opts, stack, gap_mid: dt.datetime, steps: int, repo
     report[key] = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
     report[key]["ingest"] = ingested
     report[key]["bench"] = bench_figures(c)
+    for w in slower_than_nospec(report[key]["bench"]):
+        log(f"{key}: version {c['version']}: {w}")
     return c
+
+
+def rollback_skip_reason(c1: dict[str, Any], c2: dict[str, Any]) -> str | None:
+    """Why the demo cannot show a rollback after these two cycles (None: it can)."""
+    if not c2["promoted"]:
+        return f"cycle 2 did not promote a new version ({c2['verdict']}), so there is nothing newer to roll back from"
+    if not c1["promoted"]:
+        return (f"cycle 1's version was {c1['verdict']} and never served, so there is no earlier Production "
+                "version to roll back to")
+    return None
 
 
 def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
@@ -245,17 +277,23 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                             aux_layer_ids=cfg.head.aux_layer_ids or None, num_layers=cfg.head.num_layers)
     model = served_name(cfg)
     bench_spec = bench_replica_spec(cfg, target, cold, model, cfg.bench.concurrencies)
+    nospec_spec = bench_replica_spec(cfg, target, None, model, cfg.bench.concurrencies)
     bench = ReplicaProcess(bench_spec, root / "serving" / "logs" / "bench-replica.log")
-    log(f"starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port} "
-        f"and a bench replica (vLLM engine start takes about a minute each)")
+    nospec = ReplicaProcess(nospec_spec, root / "serving" / "logs" / "bench-nospec-replica.log")
+    log(f"starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port}, "
+        f"a bench replica and a replica without speculation as the bench's reference "
+        f"(vLLM engine start takes about a minute each)")
     bench.start()
+    nospec.start()
     stack = ServingStack(cfg, head_dir=cold, target_dir=target)
     controller = None
     try:
         stack.start()
         bench.wait_healthy()
+        nospec.wait_healthy()
         log(f"pool up at {stack.url}: {pool_heads(stack)}")
-        opts = CycleOptions(live_head=str(cold), bench_url=bench_spec.url, router_url=stack.url)
+        opts = CycleOptions(live_head=str(cold), bench_url=bench_spec.url, nospec_url=nospec_spec.url,
+                            router_url=stack.url, progress=lambda m: log(f"  {m}"))
 
         # --- general chat → bootstrap ---
         n_hold = max(2, len(general) // 5)
@@ -275,7 +313,10 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         report["pool_after_cycles"] = pool_heads(stack)
 
         # --- rollback by stage change, followed by the controller daemon ---
-        if c2["promoted"] and c1["promoted"]:
+        skip = rollback_skip_reason(c1, c2)
+        if skip:
+            report["rollback"] = {"skipped": skip}
+        else:
             controller = Controller(cfg, router_url=stack.url, poll_seconds=1.0).start()
             old = str(c1["version"])
             sha = validate_head(report["cycle1"]["artifacts"]["head"]).sha256
@@ -288,13 +329,12 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                                   "pool": pool_heads(stack), "registry": registry_view(cfg),
                                   "controller_events": list(controller.events)[-5:]}
             del t_move
-        else:
-            report["rollback"] = {"skipped": "cycle 2 did not promote a new version, so there is nothing newer to roll back from"}
     finally:
         if controller is not None:
             controller.stop()
         stack.stop()
         bench.stop()
+        nospec.stop()
     report["total_seconds"] = round(time.monotonic() - t_start, 1)
     (root / "report.json").write_text(json.dumps(report, indent=2, default=str))
     return report
@@ -304,6 +344,10 @@ def _strip(phases: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in phases.items() if k != "gap_mid"}
 
 
+def _num(x: Any, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
 def render(report: dict[str, Any]) -> str:
     """A person-readable summary of the demo report."""
     lines = [f"drafter-adapt demo — target {report['target']}, {report['total_seconds']:.0f}s total", ""]
@@ -311,21 +355,46 @@ def render(report: dict[str, Any]) -> str:
         c = report.get(key)
         if not c:
             continue
-        lines.append(f"{title}: version {c['version']} → {c['verdict']} ({c['reason']})")
+        b = c.get("bench") or {}
+        tries = f", {b['attempts']} benchmark runs" if b.get("attempts", 1) > 1 else ""
+        lines.append(f"{title}: version {c['version']} → {c['verdict']}{tries}"
+                     f"{' and promoted' if c.get('promoted') else ', not promoted'} ({c['reason']})")
         if c.get("ingest"):
             i = c["ingest"]
             lines.append(f"  ingest: read {i['read']}, normalized {i['normalized']}, duplicates {i['duplicates']}, "
                          f"quarantined {i['quarantined']}, skipped {i['skipped']}")
-        b = c.get("bench") or {}
         for name in ("before", "after"):
             if name in b:
                 f = b[name]
-                per_pos = ", ".join(f"{x:.2f}" for x in (f["acceptance_per_position"] or []))
-                tps = ", ".join(f"c{c_}={v:.1f}" for c_, v in f["output_tok_per_s"].items() if v is not None)
+                per_pos = ", ".join(_num(x) for x in (f["acceptance_per_position"] or []))
+                tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in f["output_tok_per_s"].items())
+                sp = ", ".join(f"c{c_}={_num(v)}x" for c_, v in (f.get("speedup_vs_nospec") or {}).items())
                 lines.append(f"  {name:<6} head {str(f['head_version'])[:14]:<14} acceptance length "
-                             f"{(f['mean_acceptance_length'] or 0):.2f}  per position [{per_pos}]  tok/s {tps}")
+                             f"{_num(f['mean_acceptance_length'])}  per position [{per_pos}]  tok/s {tps}"
+                             + (f"  vs no speculation {sp}" if sp else ""))
+        if "nospec" in b:
+            tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in b["nospec"]["output_tok_per_s"].items())
+            lines.append(f"  no speculation{'':<12}tok/s {tps}")
+        if b.get("differences"):
+            d, aa = b["differences"], b.get("aa_spread") or {}
+            parts = [f"acceptance length {_num(d['mean_acceptance_length']['estimate'], '+.3f')} "
+                     f"(A/A ±{_num(aa.get('mean_acceptance_length'), '.3f')})"]
+            parts += [f"tok/s c{k[1:]} {_num(v['output_tok_per_s']['estimate'], '+.1f')} "
+                      f"(A/A ±{_num(aa.get(k[1:]), '.1f')})" for k, v in d.items() if k.startswith("c")]
+            lines.append("  after − before: " + ", ".join(parts))
+        ov = b.get("heldout_overlap") or {}
+        if ov:
+            lines.append(f"  held-out: {ov.get('repeats_training', 0)} of {ov.get('heldout', 0)} conversations repeat "
+                         f"a training prompt{' (left out of the bench)' if ov.get('excluded') else ''}")
+        for w in slower_than_nospec(b):
+            lines.append(f"  NOTE: {w}")
         if b.get("plot"):
             lines.append(f"  plot: {b['plot']}")
+    serving = report.get("pool_after_cycles") or []
+    if serving:
+        lines.append("")
+        lines.append("pool after the cycles serves version(s) "
+                     + ", ".join(sorted({str(h["head_version"]) for h in serving})))
     rb = report.get("rollback") or {}
     lines.append("")
     if "to_version" in rb:

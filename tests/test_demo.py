@@ -57,7 +57,7 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     Tiny random heads rarely clear the real gate, so the gate is made to pass here:
     what this test pins is the wiring after it (promotion, hot-swap, rollback by
     stage change followed by the controller, the report), which a rejected cycle
-    never reaches. The gate itself is tested in test_gate and test_loop.
+    never reaches. The real gate reaches both verdicts end to end in test_gate_e2e.
     """
     import json
 
@@ -67,7 +67,7 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     from tests.services import free_ports
 
     monkeypatch.delenv("ADAPT_CONFIG", raising=False)
-    monkeypatch.setattr(gate, "decide", lambda bench, g: gate.Verdict(True, "forced to pass by the test", []))
+    monkeypatch.setattr(gate, "decide", lambda bench, g: gate.Verdict(gate.PASSED, "forced to pass by the test", []))
     base, router = free_ports(2)
     cfg = load_config(overrides={
         "state_dir": str(tmp_path / "state"), "target": {"model": str(tiny_model)},
@@ -102,3 +102,69 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     assert "rollback: version 1 moved to Production" in text and "cycle 2: adapt to drifted traffic" in text
     assert "  ingest: read 9, normalized" in text
     assert any("the pool serves version 1 again" in line for line in lines)
+
+
+def _cycle_summary(tmp_path, name, speed, al, verdict, promoted, version):
+    """A cycle summary whose bench JSON comes from the real analysis of simulated measurements."""
+    import json
+
+    from serving.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, analyze, headline
+    from tests.bench_sim import CONCS, simulate, slots_for
+
+    arms = [CANDIDATE, LIVE, CONTROL, NOSPEC]
+    res = analyze(simulate(slots_for(arms=arms), speed, al=al), arms, CONCS, 0.9, 300)
+    res.update(heads={"candidate": {"sha256": "c" * 64, "version": version}, "live": {"sha256": "l" * 64,
+                                                                                      "version": "cold"}},
+               requests=24, heldout_overlap={"heldout": 26, "repeats_training": 2, "excluded": True})
+    res["summary"] = headline(res)
+    d = tmp_path / name
+    d.mkdir()
+    (d / "bench.json").write_text(json.dumps(res))
+    return {"cycle_id": name, "version": version, "verdict": verdict, "reason": f"{verdict} because", "promoted": promoted,
+            "artifacts": {}, "timings": {},
+            "steps": {"bench": {"json_path": str(d / "bench.json"), "plot_path": str(d / "bench.png"),
+                                "attempts": [{"verdict": "inconclusive"}, {"verdict": verdict}]}}}
+
+
+def test_report_of_a_rejected_then_passed_demo_says_what_happened(tmp_path):
+    """Cycle 1 rejected, cycle 2 passed and served: the summary shows both benches, who serves, and why
+    there is no rollback (nothing was ever in Production before version 2)."""
+    from adapt.demo import bench_figures, render
+    from serving.bench import CANDIDATE, CONTROL, LIVE, NOSPEC
+
+    c1 = _cycle_summary(tmp_path, "c1", {CANDIDATE: 0.8, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 1.1},
+                        {CANDIDATE: 1.1, LIVE: 1.2, CONTROL: 1.2}, "rejected", False, "1")
+    c2 = _cycle_summary(tmp_path, "c2", {CANDIDATE: 1.3, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 0.9},
+                        {CANDIDATE: 1.6, LIVE: 1.2, CONTROL: 1.2}, "passed", True, "2")
+    report = {"target": "smollm2", "total_seconds": 1800.0, "state_dir": str(tmp_path)}
+    for key, c in (("cycle1", c1), ("cycle2", c2)):
+        report[key] = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted")}
+        report[key]["bench"] = bench_figures(c)
+    report["pool_after_cycles"] = [{"url": "u", "head_version": "2", "head_sha256": "c" * 12, "healthy": True}]
+    registry = [{"version": "1", "stage": "None", "tags": {"gate_verdict": "rejected"}},
+                {"version": "2", "stage": "Production", "tags": {"gate_verdict": "passed"}}]
+    report["registry_after_cycles"] = registry
+    report["rollback"] = {"skipped": "cycle 1's version was rejected and never served, so there is no earlier "
+                                     "Production version to roll back to"}
+    text = render(report)
+    assert "cycle 1: bootstrap from general chat: version 1 → rejected, 2 benchmark runs, not promoted" in text
+    assert "cycle 2: adapt to drifted traffic: version 2 → passed, 2 benchmark runs and promoted" in text
+    assert text.count("  before head cold") == 2 and "  after  head 2" in text and "  after  head 1" in text
+    assert text.count("  no speculation") == 2 and "A/A ±" in text
+    assert "2 of 26 conversations repeat a training prompt (left out of the bench)" in text
+    assert "pool after the cycles serves version(s) 2" in text
+    assert "did not promote" not in text and "no earlier Production version to roll back to" in text
+    assert text.count('"stage": "Production"') == 1 and '"version": "1"' in text  # the registry is listed
+    # cycle 1's candidate was measured slower than no speculation: said plainly
+    assert "NOTE: at concurrency 1 this head is slower than serving without speculation" in text
+
+
+def test_demo_skips_rollback_for_the_right_reason(tmp_path, monkeypatch):
+    """The rollback decision itself (run_demo's branch) for the three cycle outcomes."""
+    from adapt.demo import rollback_skip_reason
+
+    assert rollback_skip_reason({"promoted": True}, {"promoted": True}) is None
+    assert "cycle 2 did not promote" in rollback_skip_reason({"promoted": True}, {"promoted": False,
+                                                                                   "verdict": "inconclusive"})
+    assert "no earlier Production version" in rollback_skip_reason({"promoted": False, "verdict": "rejected"},
+                                                                   {"promoted": True})
