@@ -9,10 +9,16 @@ With SmolLM2-135M-Instruct served by vLLM(-cpu), in one run:
 2. bootstrap a head on MT-Bench (``adapt.train.train(cfg, rows, None, ...)``);
 3. adapt it on the drifted train split, replaying general chat (``replay_ratio``);
 4. offline acceptance of the adapted head on the held-out prompts (``adapt.evaluate``);
-5. measure on the held-out prompts in vLLM, at each concurrency: no speculation (the
-   generation server), the base head and the adapted head (one spec server, heads
-   swapped in place), interleaved per round; acceptance from spec-decode counter deltas;
+5. measure on the held-out prompts in vLLM with the product's replay bench
+   (``serving.bench.run_bench``): the adapted head (candidate), the base head (live), the
+   base head again as an A/A control (one spec server, heads swapped in place) and no
+   speculation (the generation server), in a counterbalanced order per round; paired
+   differences with the A/A spread beside each; acceptance from spec-decode counter deltas;
 6. check whether PyPI ``speculators`` can train its P-EAGLE beside the project.
+
+The held-out prompts share no user question with any training prompt (``capture.overlap``:
+exact after normalization, or a near-duplicate): training prompts that repeat a held-out
+question are dropped, so the held-out set itself never changes.
 
 Prints a table, the ratios against the targets and writes ``result.json``; progress
 goes to stderr. Generated conversations and finished training runs are cached in the
@@ -75,6 +81,35 @@ def split_drifted(cache: str, heldout: int, train_per_source: int) -> tuple[list
         train += order[n_held:n_held + train_per_source]
     # Interleave code and tools so truncation keeps both.
     return sorted(train, key=lambda p: hashlib.sha256(p["id"].encode()).hexdigest()), held
+
+
+def clean_training(heldout: list[dict], **sets: list[dict]) -> tuple:
+    """Each training set without the prompts that repeat a held-out user question; the last item reports it.
+
+    The held-out side is indexed (``capture.overlap``) and every training prompt matched against
+    it, so the held-out set stays exactly what it was; afterwards no held-out prompt repeats
+    any training prompt, which is checked the other way round too.
+    """
+    from capture.overlap import PromptIndex, overlap
+
+    idx = PromptIndex.build(heldout)
+    kept, dropped = [], {}
+    for name, prompts in sets.items():
+        keep = []
+        for p in prompts:
+            m = idx.match(p)
+            if m:
+                dropped[p["id"]] = {"set": name, "kind": m[0], "heldout_id": m[1]}
+            else:
+                keep.append(p)
+        kept.append(keep)
+    check = overlap([p for k in kept for p in k], heldout)
+    assert check["repeats_training"] == 0, check
+    kinds: dict[str, int] = {}
+    for d in dropped.values():
+        kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
+    return (*kept, {"dropped": len(dropped), "by_kind": kinds, "prompts": dropped,
+                    "heldout_repeating_training": check["repeats_training"]})
 
 
 def to_sharegpt(prompt: dict, response: str | None, max_tokens: int) -> dict:
@@ -211,64 +246,20 @@ def server(work: Path, target: Path, head: Path | None, k: int, max_model_len: i
                       env=server_env())
 
 
-def measure(url: str, reqs, concurrencies: list[int]) -> list[dict]:
-    """One warm-up request, then a block of all requests at each concurrency."""
-    from serving.bench import run_block, stream_one
-
-    async def go():
-        async with httpx.AsyncClient() as c:
-            await stream_one(c, url, reqs[0])
-        out = []
-        for conc in concurrencies:
-            la = loadavg()
-            b = await run_block(url, reqs, conc)
-            b.update(concurrency=conc, loadavg=[la, loadavg()])
-            out.append(b)
-            ok = [r for r in b["results"] if r.ok]
-            log(f"  c={conc}: {len(ok)}/{len(b['results'])} ok, {sum(r.output_tokens for r in ok)} tokens "
-                f"in {b['wall']:.1f}s, loadavg {b['loadavg']}")
-        return out
-
-    return asyncio.run(go())
+VARIANTS = (("no-spec", "nospec"), ("base", "live"), ("base again (A/A)", "control"), ("adapted", "candidate"))
 
 
-def swap_head(url: str, head: Path) -> None:
-    from adapt.checkpoint import validate_head
-    from serving.admin import ReplicaAdmin
-
-    sha = validate_head(head).sha256
-    info = asyncio.run(ReplicaAdmin(url).load_head(str(head), None, sha))
-    if info.get("sha256") != sha:
-        raise RuntimeError(f"swap to {head} failed: server reports {info}")
-
-
-def summarize_variant(blocks: list[dict], concurrencies: list[int]) -> dict[str, Any]:
-    """Acceptance (over every block) and per-concurrency throughput/latency of one variant."""
-    from serving.bench import _sum_spec
-
-    spec = _sum_spec([b["spec"] for b in blocks])
-    out: dict[str, Any] = {"by_concurrency": {}}
-    if spec.drafts > 0:
-        out["acceptance_per_pos"] = spec.acceptance_per_pos
-        out["mean_acceptance_length"] = spec.mean_acceptance_length
-        out["drafts"], out["accepted"] = spec.drafts, spec.accepted
-    for c in concurrencies:
-        bl = [b for b in blocks if b["concurrency"] == c]
-        res = [r for b in bl for r in b["results"] if r.ok]
-        tokens, wall = sum(r.output_tokens for r in res), sum(b["wall"] for b in bl)
-
-        def mean(xs):
-            xs = [x for x in xs if not math.isnan(x)]
-            return sum(xs) / len(xs) if xs else None
-
-        out["by_concurrency"][str(c)] = {
-            "requests": len(res), "failed": sum(not r.ok for b in bl for r in b["results"]),
-            "output_tokens": tokens, "wall_s": round(wall, 2), "output_tok_per_s": tokens / wall if wall else None,
-            "tpot_ms": (mean([r.tpot for r in res]) or math.nan) * 1000,
-            "ttft_ms": (mean([r.ttft for r in res]) or math.nan) * 1000,
-            "loadavg": [b["loadavg"] for b in bl],
-            "spec": _sum_spec([b["spec"] for b in bl]).to_dict(),
-        }
+def variants(bench: dict[str, Any]) -> dict[str, Any]:
+    """The bench's arms as the table's variants: acceptance (over every block) and per-concurrency figures."""
+    out = {}
+    for name, arm in VARIANTS:
+        ph = bench["per_head"][arm]
+        spec = ph["spec"] or {}
+        v: dict[str, Any] = {"by_concurrency": ph["by_concurrency"]}
+        if spec.get("drafts"):
+            v.update(acceptance_per_pos=spec["acceptance_per_pos"], mean_acceptance_length=spec["mean_acceptance_length"],
+                     drafts=spec["drafts"], accepted=spec["accepted_tokens"])
+        out[name] = v
     return out
 
 
@@ -379,14 +370,14 @@ def render(res: dict[str, Any]) -> str:
                  f"final depth acc {[round(a, 2) for a in t['final_depth_acc']]}")
     L.append("")
     k = max(len(x.get("acceptance_per_pos", [])) for x in v.values())
-    head = f"{'variant':<12} {'acc len':>7} " + " ".join(f"{'pos' + str(i + 1):>5}" for i in range(k))
+    head = f"{'variant':<17} {'acc len':>7} " + " ".join(f"{'pos' + str(i + 1):>5}" for i in range(k))
     for c in concs:
         head += f" | c={c}: {'tok/s':>6} {'TPOT ms':>8} {'TTFT ms':>8}"
     L.append(head)
-    for name in ("no-spec", "base", "adapted"):
+    for name, _ in VARIANTS:
         x = v[name]
         pos = x.get("acceptance_per_pos") or []
-        row = f"{name:<12} {fmt(x.get('mean_acceptance_length')):>7} " + " ".join(
+        row = f"{name:<17} {fmt(x.get('mean_acceptance_length')):>7} " + " ".join(
             f"{fmt(pos[i]) if i < len(pos) else '-':>5}" for i in range(k))
         for c in concs:
             b = x["by_concurrency"][str(c)]
@@ -400,9 +391,14 @@ def render(res: dict[str, Any]) -> str:
                  f"({off['relative_difference'] * 100:+.1f}%, within 5%: {off['within_5pct']}); per position offline "
                  f"{[round(a, 2) for a in off['acceptance_rate_per_pos']]}")
     L.append("")
-    L.append("targets:")
+    b = res["bench"]
+    L.append(f"measurement: {b['order']} (seed {b['seed']}); held-out prompts repeating a training prompt: "
+             f"{res['heldout_hygiene']['heldout_repeating_training']} ({res['heldout_hygiene']['dropped']} training "
+             f"prompts dropped for repeating a held-out question)")
+    L.append("targets (Δ with paired 90% CI, A/A = the base head against itself in the same run):")
     for t in res["targets"]:
-        L.append(f"  {t['name']:<46} {t['value']:>8}   target {t['target']:<8} {'MET' if t['met'] else 'MISSED'}")
+        L.append(f"  {t['name']:<50} {t['value']:>8}   target {t['target']:<6} {'MET' if t['met'] else 'MISSED':<6}  "
+                 f"{t['detail']}")
     L.append("")
     s = res["speculators"]
     if s.get("acceptance") is not None:
@@ -414,29 +410,40 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
-def targets(v: dict[str, Any], concs: list[int]) -> list[dict[str, Any]]:
+def _ci(d: dict[str, Any], nd: int = 2, scale: float = 1.0) -> str:
+    lo, hi = d.get("ci") or [None, None]
+    return "[n/a]" if lo is None else f"[{lo * scale:+.{nd}f}, {hi * scale:+.{nd}f}]"
+
+
+def targets(v: dict[str, Any], bench: dict[str, Any], concs: list[int]) -> list[dict[str, Any]]:
+    """Each target with its paired 90% CI and the A/A control's spread beside it."""
+    from adapt.gate import aa_noise
+
     out = []
+    df, aa, sp = bench["differences"], bench["aa_control"], bench["speedup_vs_nospec"]
     a, b = v["adapted"].get("mean_acceptance_length"), v["base"].get("mean_acceptance_length")
     if a and b:
         g = a / b - 1
+        d = df["mean_acceptance_length"]
         out.append({"name": "acceptance length, adapted vs base", "value": f"{g * 100:+.1f}%",
+                    "detail": f"Δ {d['estimate']:+.3f} {_ci(d, 3)}, A/A ±{aa_noise(aa['mean_acceptance_length']):.3f}",
                     "target": f"+{TARGETS['acceptance_gain'] * 100:.0f}%", "met": g >= TARGETS["acceptance_gain"]})
     for c in concs:
         ta = v["adapted"]["by_concurrency"][str(c)]["output_tok_per_s"]
         tb = v["base"]["by_concurrency"][str(c)]["output_tok_per_s"]
         g = ta / tb - 1
+        d = df[f"c{c}"]["output_tok_per_s"]
         out.append({"name": f"output tok/s c={c}, adapted vs base", "value": f"{g * 100:+.1f}%",
+                    "detail": f"Δ {d['estimate']:+.1f} tok/s {_ci(d, 1)}, "
+                              f"A/A ±{aa_noise(aa[f'c{c}']['output_tok_per_s']):.1f}",
                     "target": f"+{TARGETS['tok_s_gain'] * 100:.0f}%", "met": g >= TARGETS["tok_s_gain"]})
-    c1 = str(min(concs))
-    r = v["adapted"]["by_concurrency"][c1]["output_tok_per_s"] / v["no-spec"]["by_concurrency"][c1]["output_tok_per_s"]
-    out.append({"name": f"output tok/s c={c1}, adapted vs no speculation", "value": f"{r:.2f}x",
-                "target": f"{TARGETS['vs_nospec_c1']}x", "met": r >= TARGETS["vs_nospec_c1"]})
-    for c in concs:  # context, not a target
-        if str(c) == c1:
-            continue
-        r = v["adapted"]["by_concurrency"][str(c)]["output_tok_per_s"] / v["no-spec"]["by_concurrency"][str(c)]["output_tok_per_s"]
-        out.append({"name": f"(info) output tok/s c={c}, adapted vs no spec", "value": f"{r:.2f}x", "target": "-",
-                    "met": r >= 1.0})
+    for c in concs:
+        r = sp[f"c{c}"]["candidate"]
+        first = c == min(concs)
+        out.append({"name": f"{'' if first else '(info) '}output tok/s c={c}, adapted vs no speculation",
+                    "value": f"{r['estimate']:.2f}x", "detail": f"paired ratio {_ci(r)}",
+                    "target": f"{TARGETS['vs_nospec_c1']}x" if first else "-",
+                    "met": r["estimate"] >= (TARGETS["vs_nospec_c1"] if first else 1.0)})
     return out
 
 
@@ -470,7 +477,9 @@ def main() -> int:
                          "the held-out tool prompts stay simple-python")
     ap.add_argument("--extra-code-samples", type=int, default=0,
                     help="more sampled responses per HumanEval adapt-train prompt (seeds other than --gen-samples')")
-    ap.add_argument("--rounds", type=int, default=1, help="measurement rounds (variants interleaved per round)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measurement rounds: every arm once per round, counterbalanced (even counts balance)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the arms' order and the bootstrap")
     ap.add_argument("--compile", action="store_true", help="let vLLM compile (default --enforce-eager: "
                     "torch.compile warm-up takes many minutes on 2 shared cores)")
     ap.add_argument("--speculators-venv", type=Path, default=None)
@@ -509,6 +518,10 @@ def main() -> int:
     extra_tools_prompts = stable_order(public_prompts.bfcl(cfg.cache_dir, other_tools))[: args.extra_tools]
     held_ids = {p["id"] for p in heldout_prompts}
     assert not held_ids & {p["id"] for p in drift_train_prompts + extra_tools_prompts}
+    general_prompts, drift_train_prompts, extra_tools_prompts, hygiene = clean_training(
+        heldout_prompts, general=general_prompts, drift=drift_train_prompts, tools=extra_tools_prompts)
+    log(f"held-out hygiene: dropped {hygiene['dropped']} training prompts that repeat a held-out question "
+        f"({hygiene['by_kind']})")
     heldout_rows = [to_sharegpt(p, None, args.max_tokens) for p in heldout_prompts]
     reqs = rows_to_requests(heldout_rows, MODEL_NAME, args.max_tokens, len(heldout_rows))
     log(f"target {target}; prompts: {len(general_prompts)} MT-Bench, {len(drift_train_prompts)} drifted train, "
@@ -519,10 +532,9 @@ def main() -> int:
         "concurrencies": concs, "heldout_prompts": len(reqs), "enforce_eager": eager, "k": K,
         "vllm_cpu_reserved_cores": server_env().get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM default"),
         "num_layers": args.num_layers or cfg.head.num_layers,
-        "replay_ratio": cfg.training.replay_ratio}, "heldout_ids": sorted(held_ids)}
+        "replay_ratio": cfg.training.replay_ratio}, "heldout_ids": sorted(held_ids), "heldout_hygiene": hygiene}
     nospec = None
     spec = None
-    blocks: dict[str, list[dict]] = {"no-spec": [], "base": [], "adapted": []}
     try:
         # 1. target responses (the no-spec server is started lazily and kept for measuring)
         def nospec_url() -> str:
@@ -591,8 +603,10 @@ def main() -> int:
         result["offline"]["seconds"] = round(time.perf_counter() - t, 1)
         log(f"offline: acceptance length {off['mean_acceptance_length']:.3f} in {result['offline']['seconds']}s")
 
-        # 5. vLLM measurement, variants interleaved per round
+        # 5. vLLM measurement through the product's replay bench (counterbalanced, A/A control, no-spec arm)
         from concurrent.futures import ThreadPoolExecutor
+
+        from serving.bench import run_bench
 
         log("starting the spec vLLM server (base head; the adapted head is swapped in place)"
             + ("" if nospec else " and the no-spec server, in parallel"))
@@ -603,27 +617,23 @@ def main() -> int:
             for f in futures:
                 f.result()
         log(f"servers up in {time.perf_counter() - t:.0f}s: spec {spec.url}, no-spec {nospec.url}")
-        for rnd in range(args.rounds):
-            order = ["no-spec", "base", "adapted"]
-            if rnd % 2:
-                order.reverse()
-            for name in order:
-                if name != "no-spec":
-                    swap_head(spec.url, heads / ("base" if name == "base" else "adapted"))
-                log(f"round {rnd + 1}/{args.rounds}: measuring {name}")
-                blocks[name] += measure(nospec.url if name == "no-spec" else spec.url, reqs, concs)
+        bench_heads = {role: {"path": str(heads / name), "sha256": validate_head(heads / name, target).sha256,
+                              "version": name} for role, name in (("candidate", "adapted"), ("live", "base"))}
+        bench = asyncio.run(run_bench(spec.url, bench_heads, reqs, concurrencies=concs, rounds=args.rounds,
+                                      nospec_url=nospec.url, seed=args.seed, progress=lambda m: log("  " + m)))
     finally:
         for s in (spec, nospec):
             if s is not None:
                 s.stop()
 
-    v = {name: summarize_variant(b, concs) for name, b in blocks.items()}
+    result["bench"] = {k: v for k, v in bench.items() if k != "blocks"}
+    v = variants(bench)
     result["variants"] = v
     ol, vl = result["offline"]["mean_acceptance_length"], v["adapted"].get("mean_acceptance_length")
     if vl:
         rel = ol / vl - 1
         result["offline"].update(relative_difference=rel, within_5pct=abs(rel) <= 0.05)
-    result["targets"] = targets(v, concs)
+    result["targets"] = targets(v, bench, concs)
 
     # 6. speculators
     if args.skip_speculators:

@@ -1,0 +1,208 @@
+"""The promotion gate, both ways, end to end: real vLLM, real bench, real gate, nothing forced.
+
+The target is the tiny *predictable* Llama (``model_zoo.build_tiny_predictable``): its
+greedy text runs in repeated stretches, so a head trained on it drafts clearly better
+than an untrained one, as real heads do on real text. Traffic goes through the
+capturing router of a one-replica pool; the bench runs on a bench replica of its own.
+
+1. The pool serves an untrained head. A cycle trains a candidate on the captured
+   traffic, benchmarks it against the live head, and the gate must pass it; it is
+   promoted and the pool serves it.
+2. A candidate made worse on purpose from that Production head (its draft rows
+   shuffled) is benchmarked against it by the next cycle; the gate must reject it,
+   and the pool keeps serving the Production head.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from adapt.config import load_config
+from tests.services import free_ports
+
+pytestmark = pytest.mark.services
+TOKEN = "gate-e2e-admin-token"
+WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from "
+         "def return import class self print while if else json tool call function name value list").split()
+
+
+def prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))}]}
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory, model_cache):
+    """A pool (cold head) with captured traffic, a bench replica, and the config of the cycles."""
+    from adapt.checkpoint import init_random_head
+    from adapt.demo import send_phases, wait_captured
+    from adapt.model_zoo import build_tiny_predictable
+    from serving.pool import bench_replica_spec
+    from serving.replica import ReplicaProcess
+    from serving.serve import ServingStack, served_name
+
+    d = tmp_path_factory.mktemp("gate-e2e")
+    target = build_tiny_predictable(model_cache / "tiny-predictable")
+    base, router = free_ports(2)
+    cfg = load_config(overrides={
+        "state_dir": str(d), "target": {"model": str(target)},
+        "capture": {"source": str(d / "capture"), "redact": False},
+        "mlflow": {"tracking_uri": f"sqlite:///{d / 'mlflow.db'}", "artifact_location": str(d / "artifacts"),
+                   "registered_model": "drafter-gate-e2e"},
+        "head": {"num_speculative_tokens": 3, "draft_vocab_size": 256},
+        "training": {"max_steps": 150, "max_minutes": 3.0, "batch_tokens": 1024, "max_seq_len": 256,
+                     "warmup_steps": 5, "learning_rate": 3e-3, "device": "cpu", "seed": 0},
+        "serving": {"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN,
+                    "max_model_len": 512},
+        "bench": {"concurrencies": [1, 2], "max_prompts": 16, "max_tokens": 32, "rounds": 2},
+        "demo": {"max_tokens": 48, "concurrency": 4, "gap_seconds": 4},
+    })
+    cold = init_random_head(target, d / "heads" / "cold", k=3, seed=0, draft_vocab_size=256)
+    model = served_name(cfg)
+    spec = bench_replica_spec(cfg, target, cold, model, cfg.bench.concurrencies)
+    bench = ReplicaProcess(spec, d / "bench-replica.log")
+    bench.start()
+    stack = ServingStack(cfg, head_dir=cold, target_dir=target)
+    try:
+        stack.start()
+        bench.wait_healthy()
+        sent = send_phases(stack, model, prompts(96, 0), prompts(16, 1), cfg.demo, print, "traffic")
+        wait_captured(stack, 112)
+        yield {"cfg": cfg, "stack": stack, "cold": cold, "bench_url": spec.url, "gap_mid": sent["gap_mid"],
+               "dir": d}
+    finally:
+        stack.stop()
+        bench.stop()
+
+
+def served(stack) -> set[str]:
+    st = httpx.get(stack.url + "/admin/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+    return {r["head_sha256"] for r in st["replicas"]}
+
+
+def test_a_clearly_better_candidate_is_promoted_and_served(gated):
+    from adapt.cycle import CycleOptions, run_cycle
+    from adapt.demo import heldout_hours_for, with_overrides
+
+    cfg = gated["cfg"]
+    hours, _ = heldout_hours_for(cfg, gated["gap_mid"])
+    cfg = with_overrides(cfg, capture={"heldout_hours": hours})
+    opts = CycleOptions(live_head=str(gated["cold"]), bench_url=gated["bench_url"], router_url=gated["stack"].url,
+                        progress=print)
+    out = run_cycle(cfg, "better", opts)
+    b = json.loads(Path(out["artifacts"]["bench_json"]).read_text())
+    print(json.dumps(b["summary"], indent=1))
+    assert out["verdict"] == "passed" and out["promoted"], out["reason"]
+    d = b["differences"]
+    assert d["mean_acceptance_length"]["ci"][0] > 0.2  # trained on the target's own text: far better drafts
+    assert all(d[f"c{c}"]["output_tok_per_s"]["ci"][0] > 0 for c in (1, 2))
+    assert served(gated["stack"]) == {out["artifacts"]["head_sha256"]}
+    gated["production"] = out
+
+
+def test_a_degraded_candidate_is_rejected_and_never_served(gated):
+    """The next cycle's candidate is the Production head with its draft rows shuffled (the cycle's
+    train step is recorded as having produced it); evaluation, bench and gate run for real."""
+    from adapt.checkpoint import validate_head
+    from adapt.cycle import CycleOptions, load_state, run_cycle, run_step, save_state
+    from adapt.degrade import degraded_copy
+    from adapt.registry import Registry
+
+    prod = gated.get("production")
+    assert prod is not None, "needs the promotion of the test before"
+    cfg = gated["cfg"]
+    from adapt.demo import heldout_hours_for, with_overrides
+
+    hours, _ = heldout_hours_for(cfg, gated["gap_mid"])
+    cfg = with_overrides(cfg, capture={"heldout_hours": hours})
+    opts = CycleOptions(bench_url=gated["bench_url"], router_url=gated["stack"].url, progress=print)
+    for step in ("ingest", "snapshot", "base"):
+        run_step(cfg, "degraded", step, opts)
+    state = load_state(cfg, "degraded")
+    assert state["steps"]["base"]["live_sha256"] == prod["artifacts"]["head_sha256"]
+    bad = degraded_copy(state["steps"]["base"]["live_path"], gated["dir"] / "heads" / "degraded", "permute_lm_head")
+    info = validate_head(bad)
+    state["steps"]["train"] = {"head_path": str(bad), "head_sha256": info.sha256,
+                               "num_speculative_tokens": info.num_speculative_tokens, "steps": 0, "tokens": 0,
+                               "tokens_per_s": 0.0, "final_depth_loss": [], "final_depth_acc": [],
+                               "data_snapshot": None, "train_json": str(bad / "manifest.json")}
+    save_state(cfg, state)
+    out = run_cycle(cfg, "degraded", opts)
+    assert out["verdict"] == "rejected" and out["promoted"] is False, out["reason"]
+    assert "mean_acceptance_length: not better" in out["reason"]
+    reg = Registry(cfg)
+    assert reg.get(out["version"]).tags["gate_verdict"] == "rejected"
+    assert reg.production().version == prod["version"]
+    assert served(gated["stack"]) == {prod["artifacts"]["head_sha256"]}
+
+
+def _counters(url: str) -> dict[str, float]:
+    from serving.metrics import SpecSnapshot, parse_prometheus
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    snap = SpecSnapshot.from_text(text)
+    hits = sum(v for n, _, v in parse_prometheus(text) if n.startswith("vllm:prefix_cache_hits"))
+    return {"drafts": snap.drafts, "accepted": snap.accepted, "hits": hits}
+
+
+def _serve(url: str, model: str, texts: list[str]) -> dict[str, float]:
+    before = _counters(url)
+    for t in texts:
+        r = httpx.post(url + "/v1/completions", timeout=120,
+                       json={"model": model, "prompt": t, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+    after = _counters(url)
+    d = {k: after[k] - before[k] for k in after}
+    d["acceptance_length"] = 1 + d["accepted"] / d["drafts"]
+    return d
+
+
+def test_an_in_place_swap_drafts_on_cached_blocks_as_on_a_fresh_cache(gated):
+    """Prefix caching is on in the pool: blocks cached while head A served hold KV that A's drafter
+    computed. After an in-place swap to B, the same prompts must give B's own spec-decode counters,
+    as after a cache reset (if this ever fails, swaps must reset the replica's prefix cache)."""
+    import asyncio
+
+    from adapt.checkpoint import validate_head
+    from serving.admin import ReplicaAdmin
+
+    prod = gated.get("production")
+    assert prod is not None, "needs the promotion of the test before"
+    stack = gated["stack"]
+    url = stack.pool.replicas[0].url
+    admin = ReplicaAdmin(url)
+    rng = random.Random(7)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(150)) for _ in range(8)]  # several cached blocks each
+    heads = {"cold": gated["cold"], "trained": Path(prod["artifacts"]["head"])}
+    sha = {k: validate_head(v).sha256 for k, v in heads.items()}
+    try:
+        for first, second in (("cold", "trained"), ("trained", "cold")):
+            asyncio.run(admin.load_head(str(heads[first]), None, sha[first]))
+            httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+            _serve(url, stack.model_name, texts)  # the cache now holds blocks computed under `first`
+            asyncio.run(admin.load_head(str(heads[second]), None, sha[second]))
+            cached = _serve(url, stack.model_name, texts)
+            httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+            fresh = _serve(url, stack.model_name, texts)
+            print(f"{first} -> {second}: on cached blocks {cached}, fresh {fresh}")
+            assert cached["hits"] > 0 and fresh["hits"] == 0  # the first pass really reused cached blocks
+            assert cached["acceptance_length"] == pytest.approx(fresh["acceptance_length"], rel=0.01)
+        # The two heads draft differently on these prompts, so a stale drafter KV would show.
+        assert cached["acceptance_length"] != pytest.approx(
+            _serve_after(admin, heads["trained"], sha["trained"], url, stack.model_name, texts), rel=0.05)
+    finally:
+        asyncio.run(admin.load_head(str(heads["trained"]), None, sha["trained"]))
+
+
+def _serve_after(admin, head, sha, url, model, texts) -> float:
+    import asyncio
+
+    asyncio.run(admin.load_head(str(head), None, sha))
+    httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+    return _serve(url, model, texts)["acceptance_length"]
