@@ -1,0 +1,110 @@
+"""The offline acceptance estimator (adapt/evaluate.py) against references built step by step.
+
+No target model: the drafter only sees token ids and aux hidden states, so a
+random head on random inputs exercises every slot and mask rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapt.drafter import DrafterConfig, PEagleDrafter, build_draft_inputs
+from adapt.evaluate import all_step_inputs, simulate
+
+K = 4
+N = 14  # sequence length
+START, END = 3, 12  # steps m in [START, END)
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """A random fp32 head whose attention is far from uniform, so every visible slot moves its logits."""
+    cfg = DrafterConfig(hidden_size=64, target_hidden_size=32, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=100, draft_vocab_size=60,
+                        aux_layer_ids=[1, 2, 3], ptd_token_id=99, num_speculative_tokens=K)
+    torch.manual_seed(0)
+    model = PEagleDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in ("mask_hidden", "mask_embedding"):
+                p.normal_()
+            elif p.dim() == 2:
+                p.normal_(0, 1.5 / p.shape[1] ** 0.5)
+    model.set_draft_vocab(torch.randperm(100)[:60])
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 99, (N,), generator=g)
+    aux = torch.randn(N, cfg.fc_input_size, generator=g)
+    return model.eval(), seq, aux
+
+
+def _reference_mask(C: int) -> torch.Tensor:
+    """all_step_inputs' attention mask written out slot by slot from vLLM's per-step layout."""
+    n = C + (END - START) * (K - 1)
+    ref = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(C):
+        for j in range(i + 1):
+            ref[i, j] = True  # context slots are causal
+    for s, m in enumerate(range(START, END)):
+        for o in range(K - 1):
+            row = C + s * (K - 1) + o
+            # vLLM gives step m the context seq[:m+1], i.e. context slots 0..m-1 ...
+            for j in range(m):
+                ref[row, j] = True
+            # ... and its own earlier mask slots.
+            for o2 in range(o + 1):
+                ref[row, C + s * (K - 1) + o2] = True
+    return ref
+
+
+def _mask_slots_see_one_more_slot(allow: torch.Tensor, C: int) -> torch.Tensor:
+    """The mask with each step's mask slots also seeing context slot m (the token they should predict)."""
+    wrong = allow.clone()
+    steps = torch.arange(START, END).repeat_interleave(K - 1)
+    wrong[C:, :C] = torch.arange(C)[None] <= steps[:, None]
+    return wrong
+
+
+def test_all_step_mask_matches_the_per_step_layout(sharp):
+    model, seq, aux = sharp
+    kwargs, sample = all_step_inputs(model.config, seq, aux, START, END)
+    C = N - 1
+    assert torch.equal(kwargs["attn_mask"][0], _reference_mask(C))
+    assert sample.shape == (END - START, K)
+    assert torch.equal(sample[:, 0], torch.arange(START - 1, END - 1))  # the bonus slot m-1 drafts token 1
+
+
+@torch.no_grad()
+def test_all_step_drafts_equal_drafts_from_only_what_vllm_gives_each_step(sharp):
+    """Step m run alone on seq[:m+1] and aux[:m] (vLLM's per-step pass) gives the all-step pass's logits."""
+    model, seq, aux = sharp
+    kwargs, sample = all_step_inputs(model.config, seq, aux, START, END)
+    fast = model(**kwargs)[0][sample]  # [S, K, draft_vocab]
+    for s, m in enumerate(range(START, END)):
+        seen_seq, seen_aux = seq[:m + 1].clone(), aux[:m].clone()
+        inp = build_draft_inputs(seen_seq[:m], seen_aux, int(seen_seq[m]), model.config)
+        idx = inp.pop("sample_index")
+        slow = model(**inp)[0, idx]
+        torch.testing.assert_close(fast[s], slow, rtol=1e-4, atol=1e-4, msg=f"step m={m}")
+        assert torch.equal(fast[s].argmax(-1), slow.argmax(-1)), f"step m={m}"
+
+    # The comparison has teeth: letting mask slots see one slot further (the token
+    # they should predict) changes this head's drafts.
+    C = N - 1
+    leaky = dict(kwargs, attn_mask=_mask_slots_see_one_more_slot(kwargs["attn_mask"][0], C)[None])
+    leaked = model(**leaky)[0][sample]
+    assert (leaked[:, 1:] - fast[:, 1:]).abs().max() > 0.1
+    assert not torch.equal(leaked[:, 1:].argmax(-1), fast[:, 1:].argmax(-1))
+
+
+def test_simulate_stops_at_the_first_wrong_draft():
+    """Drafts that match after a mismatch are not accepted (vLLM accepts the longest matching prefix)."""
+    seq = [1, 2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    prompt_len, k = 2, 3
+    # Every row the walk should not visit drafts the true continuation, so visiting one changes the counts.
+    drafts = torch.tensor([seq[m + 1:m + 1 + k] for m in range(prompt_len, len(seq) - k)])
+    drafts[0] = torch.tensor([99, 12, 13])  # m=2 (sampled 10): wrong first, right 2nd and 3rd -> 0 accepted, m=3
+    drafts[1] = torch.tensor([12, 99, 14])  # m=3 (sampled 11): right, wrong, right -> 1 accepted, m=5
+    # m=5 (sampled 13): the true continuation 14 15 16 -> 3 accepted, m=9, 8 tokens generated: stop.
+    c = simulate(seq, drafts, prompt_len=prompt_len, max_new_tokens=8)
+    assert c == {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 4, "accepted_per_pos": [2, 1, 1]}
