@@ -194,14 +194,14 @@ def step_base(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, 
     d = cycle_dir(cfg, state["cycle_id"])
     if prod is not None:
         path = reg.download_head(prod.version, d / "parent")
-        sha = validate_head(path).sha256
+        sha = validate_head(path, _target(cfg)).sha256
         return {"parent_version": prod.version, "parent_path": str(path), "parent_sha256": sha,
                 "live_version": prod.version, "live_path": str(path), "live_sha256": sha}
     live = opts.live_head
     if live is None:
         cur = Path(cfg.head.heads_dir) / "current"
         live = str(cur.resolve()) if (cur / "config.json").is_file() else None
-    live_sha = validate_head(live).sha256 if live else None
+    live_sha = validate_head(live, _target(cfg)).sha256 if live else None
     return {"parent_version": None, "parent_path": None, "parent_sha256": None,
             "live_version": None, "live_path": live, "live_sha256": live_sha}
 
@@ -217,7 +217,7 @@ def step_train(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str,
     res = train(cfg, rows, base["parent_path"], d / "head", run_dir=d / "head.run", target_dir=_target(cfg),
                 progress=False)
     (d / "train.json").write_text(json.dumps(res.to_json(), indent=1, default=str))
-    info = validate_head(res.out_dir)
+    info = validate_head(res.out_dir, _target(cfg))
     return {"head_path": res.out_dir, "head_sha256": info.sha256, "num_speculative_tokens": info.num_speculative_tokens,
             "steps": res.steps, "tokens": res.tokens, "tokens_per_s": res.tokens_per_s,
             "final_depth_loss": res.final_depth_loss, "final_depth_acc": res.final_depth_acc,

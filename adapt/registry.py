@@ -234,7 +234,9 @@ def import_head(cfg: Any, head_dir: str | Path, note: str = "imported") -> Any:
     """
     from adapt.checkpoint import validate_head
 
-    info = validate_head(head_dir)
+    from adapt.model_zoo import ensure_target
+
+    info = validate_head(head_dir, ensure_target(cfg.target.model, cfg.target.model_cache))
     reg = Registry(cfg)
     run_id = reg.ensure_run(f"import-{info.sha256[:16]}", run_name=f"import-{info.sha256[:12]}")
     run = reg.client.get_run(run_id)

@@ -69,7 +69,11 @@ class ServingStack:
         return self
 
     async def _start(self, ready_timeout: float) -> None:
+        from adapt.checkpoint import validate_head
+
         cfg = self.cfg
+        # The first head is checked like every swapped-in one, before any replica loads it.
+        await asyncio.to_thread(validate_head, self.head_dir, self.target_dir)
         specs = replica_specs(cfg, self.target_dir, self.head_dir, self.n, self.model_name, self.base_port,
                               self.replica_extra_args)
         procs = [ReplicaProcess(s, self.log_dir / f"replica-{s.port}.log") for s in specs]
