@@ -63,12 +63,31 @@ class ReplicaAdmin:
         return (await self.rpc("drafter_head_info"))[0]
 
     async def load_head(self, head_dir: str, version: str | None, sha256: str | None) -> dict[str, Any]:
-        """Swap the head in place on every worker of the replica; return worker 0's report."""
+        """Swap the head in place on every worker of the replica; return worker 0's report.
+
+        Then the replica's prefix cache is reset: cached blocks hold KV that the previous
+        head's drafter computed, and a new head drafting on them proposes other tokens than
+        on its own KV (measured: acceptance 1.10 on blocks cached under an untrained head
+        against 1.02 after a reset, tests/test_gate_e2e.py). Running requests are preempted
+        and recomputed under the new head rather than failed.
+        """
         results = await self.rpc("drafter_load_head", str(head_dir), version, sha256)
         shas = {r.get("sha256") for r in results}
         if sha256 and shas != {sha256}:
             raise RpcError(f"{self.url}: workers report sha256 {shas}, expected {sha256}")
+        await self.reset_prefix_cache()
         return results[0]
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix block (and recompute running requests) on this replica."""
+        try:
+            async with httpx.AsyncClient() as client:
+                r = await client.post(self.url + "/reset_prefix_cache", params={"reset_running_requests": "true"},
+                                      timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise RpcError(f"{self.url}: reset_prefix_cache failed: {exc}") from exc
+        if r.status_code != 200 or not r.json().get("success"):
+            raise RpcError(f"{self.url}: reset_prefix_cache -> HTTP {r.status_code}: {r.text[:300]}")
 
     async def param_digest(self) -> dict[str, str]:
         return (await self.rpc("drafter_param_digest"))[0]

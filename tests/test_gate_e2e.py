@@ -59,7 +59,7 @@ def gated(tmp_path_factory, model_cache):
         "training": {"max_steps": 150, "max_minutes": 3.0, "batch_tokens": 1024, "max_seq_len": 256,
                      "warmup_steps": 5, "learning_rate": 3e-3, "device": "cpu", "seed": 0},
         "serving": {"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN,
-                    "max_model_len": 512},
+                    "max_model_len": 1024},
         "bench": {"concurrencies": [1, 2], "max_prompts": 16, "max_tokens": 32, "rounds": 2},
         "demo": {"max_tokens": 48, "concurrency": 4, "gap_seconds": 4},
     })
@@ -163,10 +163,11 @@ def _serve(url: str, model: str, texts: list[str]) -> dict[str, float]:
     return d
 
 
-def test_an_in_place_swap_drafts_on_cached_blocks_as_on_a_fresh_cache(gated):
+def test_an_in_place_swap_drafts_as_on_a_fresh_cache(gated):
     """Prefix caching is on in the pool: blocks cached while head A served hold KV that A's drafter
-    computed. After an in-place swap to B, the same prompts must give B's own spec-decode counters,
-    as after a cache reset (if this ever fails, swaps must reset the replica's prefix cache)."""
+    computed, and B drafting on them proposes other tokens (this test found acceptance 1.10 on A's
+    blocks against 1.02 fresh). So an in-place swap resets the replica's prefix cache: the same
+    prompts served right after an A -> B swap give B's own spec-decode counters, as on a cache reset."""
     import asyncio
 
     from adapt.checkpoint import validate_head
@@ -178,31 +179,21 @@ def test_an_in_place_swap_drafts_on_cached_blocks_as_on_a_fresh_cache(gated):
     url = stack.pool.replicas[0].url
     admin = ReplicaAdmin(url)
     rng = random.Random(7)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(150)) for _ in range(8)]  # several cached blocks each
+    # ~600 tokens each: four full 128-token CPU blocks, of which vLLM reuses all but the last for EAGLE
+    texts = [" ".join(rng.choice(WORDS) for _ in range(420)) for _ in range(8)]
     heads = {"cold": gated["cold"], "trained": Path(prod["artifacts"]["head"])}
     sha = {k: validate_head(v).sha256 for k, v in heads.items()}
     try:
         for first, second in (("cold", "trained"), ("trained", "cold")):
             asyncio.run(admin.load_head(str(heads[first]), None, sha[first]))
-            httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
-            _serve(url, stack.model_name, texts)  # the cache now holds blocks computed under `first`
+            _serve(url, stack.model_name, texts)
+            assert _serve(url, stack.model_name, texts)["hits"] > 0  # `first`'s blocks are cached now
             asyncio.run(admin.load_head(str(heads[second]), None, sha[second]))
-            cached = _serve(url, stack.model_name, texts)
+            after_swap = _serve(url, stack.model_name, texts)
             httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
             fresh = _serve(url, stack.model_name, texts)
-            print(f"{first} -> {second}: on cached blocks {cached}, fresh {fresh}")
-            assert cached["hits"] > 0 and fresh["hits"] == 0  # the first pass really reused cached blocks
-            assert cached["acceptance_length"] == pytest.approx(fresh["acceptance_length"], rel=0.01)
-        # The two heads draft differently on these prompts, so a stale drafter KV would show.
-        assert cached["acceptance_length"] != pytest.approx(
-            _serve_after(admin, heads["trained"], sha["trained"], url, stack.model_name, texts), rel=0.05)
+            print(f"{first} -> {second}: right after the swap {after_swap}, on a reset cache {fresh}")
+            assert after_swap["hits"] == 0  # the swap dropped the blocks `first` had cached
+            assert after_swap["acceptance_length"] == pytest.approx(fresh["acceptance_length"], rel=0.01)
     finally:
         asyncio.run(admin.load_head(str(heads["trained"]), None, sha["trained"]))
-
-
-def _serve_after(admin, head, sha, url, model, texts) -> float:
-    import asyncio
-
-    asyncio.run(admin.load_head(str(head), None, sha))
-    httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
-    return _serve(url, model, texts)["acceptance_length"]
