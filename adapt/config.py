@@ -108,6 +108,12 @@ class ServingConfig(_Section):
     admin_token: str = ""
     capture_sampling_pct: float = Field(100, ge=0, le=100)
     capture_endpoint: str = "local-endpoint"
+    # -- the router's request limits ------------------------------------------------------
+    # Largest request body (413 beyond); 0 = capture.max_line_bytes, the largest line ingest keeps.
+    max_body_bytes: int = Field(0, ge=0)
+    # Seconds a client has to send a request's headers, and then its body (408 beyond).
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
 
     def resolved_admin_token(self) -> str:
         """Admin bearer token: config value, else ``ADAPT_ADMIN_TOKEN``."""

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from adapt import gate as gate_mod
 from adapt import registry as reg_mod
+from capture.fsmode import write_private
 
 log = logging.getLogger("adapt.cycle")
 
@@ -85,7 +86,7 @@ def save_state(cfg: Any, state: dict[str, Any]) -> None:
     d.mkdir(parents=True, exist_ok=True)
     state["updated_at"] = _now()
     tmp = d / f".state.json.{os.getpid()}"
-    tmp.write_text(json.dumps(state, indent=1, default=str))
+    write_private(tmp, json.dumps(state, indent=1, default=str))  # owner-only, whatever the umask
     os.replace(tmp, d / "state.json")  # atomic: a crash leaves the previous state
 
 

@@ -92,13 +92,17 @@ def register(app: typer.Typer) -> None:
         once: Annotated[bool, typer.Option("--once", help="One reconcile pass, then exit.")] = False,
     ) -> None:
         """Run the controller: reconcile the pool to Production, watch live acceptance, roll back."""
+        from serving.admin import ExposureError
         from serving.controller import Controller
 
         cfg = get_config(config)
         # Structured events are JSON lines on stderr (stdout stays for --json output).
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-        ctl = Controller(cfg, router_url=router_url, health_host=health_host,
-                         health_port=None if once else health_port)
+        try:
+            ctl = Controller(cfg, router_url=router_url, health_host=health_host,
+                             health_port=None if once else health_port)
+        except ExposureError as exc:
+            fail(str(exc), 2)
         if once:
             try:
                 ctl.step()

@@ -19,7 +19,7 @@ import binascii
 import re
 from typing import Any, Union
 
-from capture.formats import ROLE_MAP, Conversation
+from capture.formats import ROLE_MAP, Conversation, sampling_ok
 from capture.records import CaptureRecord, Payload, parse_time
 
 try:
@@ -362,6 +362,8 @@ def exchange(req_text: str, resp_text: str, resp_ct: str | None) -> Exchange:
         raise _Decline
     if not answer or answer.isspace() or not human:  # isspace: "not answer.strip()" without the copy
         raise _Decline
+    if not (sampling_ok("temperature", out[4]) and sampling_ok("top_p", out[5])):
+        raise _Decline  # the reference quarantines it
     turns = out[0]
     turns.append(("gpt", answer))
     for _, v in turns:

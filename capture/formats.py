@@ -16,6 +16,7 @@ payloads that are broken.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,32 @@ def _loads(text: str, reason: str) -> Any:
         raise quarantine(reason, str(exc)[:200]) from None
 
 
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+# What a sampler takes, per parameter: a number outside its range (NaN, 1e999, a negative
+# temperature, a top_p above 1, an integer too large for a float) is bad data, quarantined
+# with a reason, never stored. The fast paths (fastpath.sampling_ok, the native decoder)
+# decline such lines so that this reference decides them.
+SAMPLING_RANGES = {"temperature": (0.0, math.inf), "top_p": (0.0, 1.0)}
+
+
+def sampling_ok(name: str, value: float | None) -> bool:
+    """True if ``value`` (a float or absent) is in ``name``'s range."""
+    if value is None:
+        return True
+    lo, hi = SAMPLING_RANGES[name]
+    return math.isfinite(value) and lo <= value <= hi
+
+
+def _sampling(name: str, v: Any) -> float | None:
+    """A sampling parameter as stored: ``None`` unless a number; a quarantine if out of range."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        raise quarantine("invalid_sampling_param", f"{name}: an integer of {len(str(v))} digits") from None
+    if not sampling_ok(name, f):
+        raise quarantine("invalid_sampling_param", f"{name}={f!r}, outside {list(SAMPLING_RANGES[name])}")
+    return f
 
 
 def _int(v: Any) -> int | None:
@@ -247,7 +272,8 @@ def _params(p: Any) -> dict[str, Any]:
         max_tokens = _int(p.get(k))
         if max_tokens is not None:
             break
-    return {"temperature": _num(p.get("temperature")), "top_p": _num(p.get("top_p")), "max_tokens": max_tokens}
+    return {"temperature": _sampling("temperature", p.get("temperature")), "top_p": _sampling("top_p", p.get("top_p")),
+            "max_tokens": max_tokens}
 
 
 def to_conversation(request: Payload, response: Payload | None) -> Conversation:

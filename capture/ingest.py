@@ -35,13 +35,16 @@ from capture.batchpath import ROW_SCHEMA, decode_block, rows_batch, split_block
 from capture.fastpath import fast_decode
 from capture.formats import to_conversation
 from capture.records import Reject, decode_line
-from capture.redact import redact_array
-from capture.sources import ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when, s3_client
+from capture.redact import redact_array, redact_values
+from capture.sources import LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when, s3_client
 from capture.warehouse import SCHEMA, TURN, Warehouse
 
 log = logging.getLogger("capture.ingest")
 
 EXCERPT_BYTES = 1024
+# Redaction sees this much more of a quarantined line than its excerpt keeps, so that a
+# secret which the excerpt's end would cut in two is still recognised whole.
+EXCERPT_LOOKAHEAD = 512
 # Below this much input a pool's start-up costs more than it saves.
 POOL_MIN_BYTES = 8 << 20
 CHECKPOINT_BYTES = 512 << 20
@@ -103,9 +106,36 @@ def content_hash(turns: Iterable[tuple[str, str]]) -> str:
     return hashlib.blake2b(flat.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def _excerpt(line: bytes) -> str:
-    s = line[:EXCERPT_BYTES].decode("utf-8", "replace").replace("\x00", "\\x00")
-    return s + ("…" if len(line) > EXCERPT_BYTES else "")
+def _excerpt(line: bytes, size: int | None = None) -> str:
+    """The start of a quarantined line, decoded leniently; cut to its final length by :func:`_finish_quarantine`."""
+    keep = EXCERPT_BYTES + EXCERPT_LOOKAHEAD
+    s = line[:keep].decode("utf-8", "replace").replace("\x00", "\\x00")
+    return s + ("…" if (len(line) if size is None else size) > keep else "")
+
+
+def _quarantined(obj: SourceObject, line_no: int, reason: str, detail: str, line: bytes,
+                 size: int | None = None) -> dict:
+    return {"source_uri": obj.uri, "line_no": line_no, "reason": reason, "detail": detail[:500],
+            "excerpt": _excerpt(line, size), "event_id": None}
+
+
+def _finish_quarantine(rows: list[dict], redact: bool) -> None:
+    """Redact the quarantine rows' excerpts and details (as the turns are: they land in the catalog),
+    then cut the excerpts to ``EXCERPT_BYTES`` characters.
+
+    A detail may quote a decoded value, which can hold a lone surrogate (a ``\\ud800`` escape):
+    it is written as that escape, since neither Arrow nor DuckDB stores one.
+    """
+    for q in rows:
+        q["detail"] = q["detail"].encode("utf-8", "backslashreplace").decode("utf-8")
+    if redact and rows:
+        texts = [q["excerpt"] for q in rows] + [q["detail"] for q in rows]
+        redact_values(texts)
+        for q, excerpt, detail in zip(rows, texts, texts[len(rows):]):
+            q["excerpt"], q["detail"] = excerpt, detail
+    for q in rows:
+        if len(q["excerpt"]) > EXCERPT_BYTES:
+            q["excerpt"] = q["excerpt"][:EXCERPT_BYTES] + "…"
 
 
 _WORKER: dict[str, Any] = {}
@@ -169,16 +199,10 @@ class _PerLine:
             if rej.kind == "skip":
                 res.skips[rej.reason] += 1
             else:
-                res.quarantine.append(
-                    {"source_uri": obj.uri, "line_no": line_no, "reason": rej.reason, "detail": rej.detail[:500],
-                     "excerpt": _excerpt(line), "event_id": None}
-                )
+                res.quarantine.append(_quarantined(obj, line_no, rej.reason, rej.detail, line))
             return
         except Exception as exc:  # a decoder bug must not lose the rest of the file
-            res.quarantine.append(
-                {"source_uri": obj.uri, "line_no": line_no, "reason": "internal_error",
-                 "detail": f"{type(exc).__name__}: {exc}"[:500], "excerpt": _excerpt(line), "event_id": None}
-            )
+            res.quarantine.append(_quarantined(obj, line_no, "internal_error", f"{type(exc).__name__}: {exc}", line))
             return
         for frm, v in turns:
             self.t_from.append(frm)
@@ -219,7 +243,12 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
     line_no = 0  # lines before the chunk at hand
     client = _client() if obj.uri.startswith("s3://") else None
     try:
-        for block in iter_blocks(obj.uri, client=client):
+        for block in iter_blocks(obj.uri, client=client, max_line=max_line):
+            if isinstance(block, LongLine):  # over the cap, and not read into memory
+                line_no += 1
+                res.quarantine.append(_quarantined(obj, line_no, "line_too_large", f"{block.size} bytes > {max_line}",
+                                                   block.head, block.size))
+                continue
             pos = 0
             while pos < len(block):
                 if batch:
@@ -259,6 +288,7 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
         rows = rows.sort_by("line_no")  # per-line rows interleave with the batch rows
     res.table, res.row_redactions, dropped = _finish(rows, obj, redact, hashes, unique=not unchecked)
     res.file_duplicates += dropped
+    _finish_quarantine(res.quarantine, redact)
     return res
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -209,13 +209,29 @@ class ObjectMissing(Exception):
 BLOCK_BYTES = 4 << 20
 
 
-def iter_blocks(uri: str, client: Any = None, s3: Any = None, block_size: int = BLOCK_BYTES) -> Iterator[memoryview]:
+@dataclass(frozen=True, slots=True)
+class LongLine:
+    """A line longer than the reader's cap, which it did not buffer: its first bytes and its length
+    (without the newline)."""
+
+    head: bytes
+    size: int
+
+
+# What a LongLine keeps of its line: enough for a quarantine excerpt.
+LONG_LINE_HEAD = 4096
+
+
+def iter_blocks(uri: str, client: Any = None, s3: Any = None, block_size: int = BLOCK_BYTES,
+                max_line: int | None = None) -> Iterator[memoryview | LongLine]:
     """Stream one capture file as blocks of whole lines: each ends with ``\\n``, but the last may not.
 
     The lines of a block are :func:`iter_lines`'s. A block is about ``block_size`` bytes
     (more where one line is longer) and is a view of a buffer that the next block reuses:
-    use it, or copy from it, before asking for the next. Raises :class:`ObjectMissing`
-    if the object is gone.
+    use it, or copy from it, before asking for the next. With ``max_line``, a line that
+    does not fit in ``max(block_size, max_line + 1)`` bytes is not buffered whole: it comes
+    as a :class:`LongLine` in its place, so memory stays bounded whatever the file holds.
+    Raises :class:`ObjectMissing` if the object is gone.
     """
     if is_s3(uri):
         bucket, key = split_s3(uri)
@@ -228,7 +244,7 @@ def iter_blocks(uri: str, client: Any = None, s3: Any = None, block_size: int = 
                 raise ObjectMissing(uri) from exc
             raise
         try:
-            yield from _blocks(_readinto_of(body.read), block_size)
+            yield from _blocks(_readinto_of(body.read), block_size, max_line)
         finally:
             body.close()
         return
@@ -237,7 +253,7 @@ def iter_blocks(uri: str, client: Any = None, s3: Any = None, block_size: int = 
     except FileNotFoundError as exc:
         raise ObjectMissing(uri) from exc
     with f:
-        yield from _blocks(f.readinto, block_size)
+        yield from _blocks(f.readinto, block_size, max_line)
 
 
 def _readinto_of(read: Callable[[int], bytes]) -> Callable[[memoryview], int]:
@@ -250,11 +266,13 @@ def _readinto_of(read: Callable[[int], bytes]) -> Callable[[memoryview], int]:
     return readinto
 
 
-def _blocks(readinto: Callable[[memoryview], int], block_size: int) -> Iterator[memoryview]:
+def _blocks(readinto: Callable[[memoryview], int], block_size: int,
+            max_line: int | None = None) -> Iterator[memoryview | LongLine]:
     """Fill a buffer, hand out its whole lines, carry the partial last line to the buffer's start.
 
     The buffer is filled before each block (streams may read short), and doubled while
-    it holds no newline (a line longer than it).
+    it holds no newline (a line longer than it), up to ``max_line + 1`` bytes: a line
+    longer than that is read through to its end without being kept (see :class:`LongLine`).
     """
     buf = bytearray(max(1, block_size))
     have = searched = 0  # bytes in buf; bytes of them known to hold no newline
@@ -273,9 +291,18 @@ def _blocks(readinto: Callable[[memoryview], int], block_size: int) -> Iterator[
             return
         cut = buf.rfind(b"\n", searched, have) + 1
         if not cut:
+            if max_line is not None and len(buf) > max_line:
+                # The line at buf[0] is over the cap: skip to its end, keeping only its head.
+                head = bytes(view[:LONG_LINE_HEAD])
+                rest = yield from _skip_line(readinto, buf, have, head)
+                if rest < 0:
+                    return
+                have, searched = rest, 0
+                continue
             # No newline yet: the line is longer than the buffer. A new, larger buffer
             # (the old one may still be viewed by the caller, so it cannot be resized).
-            bigger = bytearray(2 * len(buf))
+            size = 2 * len(buf) if max_line is None else min(2 * len(buf), max_line + 1)
+            bigger = bytearray(size)
             bigger[:have] = view[:have]
             buf, searched = bigger, have
             continue
@@ -284,6 +311,26 @@ def _blocks(readinto: Callable[[memoryview], int], block_size: int) -> Iterator[
         # A copy first: the two ranges may overlap. Same length, so allowed while views exist.
         buf[:rest] = bytes(view[cut:have])
         have, searched = rest, rest
+
+
+def _skip_line(readinto: Callable[[memoryview], int], buf: bytearray, size: int,
+               head: bytes) -> Generator[LongLine, None, int]:
+    """Read the rest of a line of which ``size`` bytes were read, into ``buf`` again and again;
+    yield its :class:`LongLine` and return how many bytes after its newline ``buf`` starts with
+    (-1 at the end of the file)."""
+    view = memoryview(buf)
+    while True:
+        n = readinto(view)
+        if not n:
+            yield LongLine(head, size)
+            return -1
+        nl = buf.find(b"\n", 0, n)
+        if nl >= 0:
+            yield LongLine(head, size + nl)
+            rest = n - nl - 1
+            buf[:rest] = bytes(view[nl + 1:n])
+            return rest
+        size += n
 
 
 def iter_lines(uri: str, client: Any = None, s3: Any = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:

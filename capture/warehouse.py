@@ -14,6 +14,7 @@ pyarrow's own S3 filesystem, see :meth:`Warehouse.read_conversations`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from capture.fsmode import FILE_MODE, create_private, owner_only_umask, private_dirs
 
 TURN = pa.struct([("from", pa.string()), ("value", pa.string())])
 
@@ -104,6 +107,15 @@ def _insert_rows(con: duckdb.DuckDBPyConnection, table: str, cols: dict[str, str
                 [[r.get(n) for r in rows] for n in cols] + list(constants.values()))
 
 
+def _tighten(path: Path) -> None:
+    """Make an existing file of ours owner-only (someone else's file is left alone)."""
+    try:
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, FILE_MODE)
+    except (FileNotFoundError, PermissionError):
+        pass
+
+
 class IngestLocked(RuntimeError):
     """Another ingest run holds the warehouse."""
 
@@ -157,25 +169,28 @@ class Warehouse:
             con = duckdb.connect(":memory:")
             con.execute(_DDL)
             return con
-        self.catalog.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.catalog.parent)
         # An ingest holds the file only for its brief commits; wait those out rather than fail.
         for attempt in range(50):
             try:
-                con = duckdb.connect(str(self.catalog), read_only=read_only)
+                # DuckDB creates the file with no mode of ours: the umask makes it owner-only.
+                with owner_only_umask() if not read_only else contextlib.nullcontext():
+                    con = duckdb.connect(str(self.catalog), read_only=read_only)
                 break
             except duckdb.IOException as exc:
                 if "lock" not in str(exc).lower() or attempt == 49:
                     raise
                 time.sleep(0.2)
         if not read_only:
+            _tighten(self.catalog)  # a catalog made before files were created owner-only
             con.execute(_DDL)
         return con
 
     @contextmanager
     def lock(self) -> Iterator[None]:
         """Exclusive ingest lock (one writer at a time); fails fast if held."""
-        self.catalog.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(self.catalog) + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        private_dirs(self.catalog.parent)
+        fd = os.open(str(self.catalog) + ".lock", os.O_CREAT | os.O_RDWR, FILE_MODE)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -221,8 +236,9 @@ class Warehouse:
             bucket, key = path.split("/", 1)
             self._client().upload_fileobj(io.BytesIO(body), bucket, key)
             return path, len(body)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(Path(path).parent)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        os.close(create_private(tmp))  # the writer truncates it and keeps its mode
         pq.write_table(table, tmp, **PARQUET_OPTIONS)
         os.replace(tmp, path)
         return path, os.path.getsize(path)
@@ -261,6 +277,13 @@ class Warehouse:
         final: bool,
     ) -> None:
         """Make one checkpoint of a run visible: all of it in one transaction, or none."""
+        with owner_only_umask():  # DuckDB creates the WAL at the first write
+            self._commit(con, run_id, manifest=manifest, quarantine=quarantine, skipped=skipped, hashes=hashes,
+                         files=files, totals=totals, final=final)
+
+    def _commit(self, con: duckdb.DuckDBPyConnection, run_id: str, *, manifest: list[dict], quarantine: list[dict],
+                skipped: list[dict], hashes: list[str] | pa.Array | pa.ChunkedArray, files: list[dict],
+                totals: dict[str, Any], final: bool) -> None:
         now = datetime.now(timezone.utc)
         con.execute("BEGIN TRANSACTION")
         try:

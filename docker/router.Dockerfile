@@ -13,4 +13,4 @@ COPY capture ./capture
 COPY serving ./serving
 EXPOSE 8090
 ENTRYPOINT ["python", "-m", "adapt"]
-CMD ["controller", "--health-host", "0.0.0.0", "--health-port", "8090"]
+CMD ["controller", "--health-host", "127.0.0.1", "--health-port", "8090"]

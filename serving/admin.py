@@ -9,6 +9,7 @@ admin route refuses, so weights can never change without authentication.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from typing import Any
 
 import httpx
@@ -17,6 +18,60 @@ from fastapi import Header, HTTPException
 
 class RpcError(RuntimeError):
     """A replica's collective_rpc failed or a worker reported an error."""
+
+
+class ExposureError(RuntimeError):
+    """A server would listen beyond loopback without a real admin token."""
+
+
+MIN_TOKEN_CHARS = 24
+# Values that ship in examples and compose files, or that people type: never a token off loopback.
+WELL_KNOWN_TOKENS = frozenset({
+    "changeme", "admin", "administrator", "password", "passw0rd", "secret", "token", "test", "testing", "default",
+    "example", "letmein", "drafter", "drafteradapt", "adapt", "admintoken", "adaptadmintoken", "s3cret", "qwerty",
+    "123456", "12345678", "none", "null", "dev", "development", "insecure",
+})
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname or "" (every interface): assume others can reach it
+
+
+def token_weakness(token: str) -> str | None:
+    """Why ``token`` is no real credential, or ``None`` if it may be one."""
+    if not token:
+        return "is empty"
+    plain = "".join(c for c in token.lower() if c.isalnum())
+    if plain in WELL_KNOWN_TOKENS or plain.startswith("changeme"):
+        return "is a well-known value"
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}"
+    if len(set(token)) < 8:
+        return "repeats too few characters"
+    return None
+
+
+def check_exposure(host: str, token: str, what: str = "the router") -> None:
+    """Refuse to serve beyond loopback unless the admin token is a real credential.
+
+    On loopback an empty token is fine: every admin route then refuses (see
+    :func:`make_auth_dependency`), and only this machine can connect anyway.
+    """
+    if is_loopback(host):
+        return
+    weakness = token_weakness(token)
+    if weakness:
+        raise ExposureError(
+            f"refusing to start {what} on {host!r}, which is not loopback: the admin token {weakness}. "
+            f"Set ADAPT_ADMIN_TOKEN (or [serving].admin_token) to a random value of at least {MIN_TOKEN_CHARS} "
+            "characters, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`, "
+            "or bind to 127.0.0.1.")
 
 
 def make_auth_dependency(token: str):

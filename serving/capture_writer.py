@@ -4,17 +4,26 @@ Objects land at ``{dest}/{endpoint}/{variant}/yyyy/mm/dd/hh/{MM-SS-mmm}-{uuid}.j
 the layout ``capture.sources`` reads. The request path only calls :meth:`offer`,
 which never blocks: a full queue or a failed/slow write drops records, counted
 in :attr:`counts` (and exported as Prometheus metrics by the router).
+
+Each record is encoded on its own, so that one request's body cannot fail the batch
+it shares with others: a lone surrogate (a ``"\\ud800"`` escape that JSON allows and
+UTF-8 does not) is written back as that escape, as SageMaker writes its capture; a
+record that is no single line of text is dropped alone and counted. Local objects are
+owner-only (they hold users' prompts), and a failed write leaves no partial file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from capture.fsmode import create_private, private_dirs
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +33,17 @@ def object_key(endpoint: str, variant: str, when: datetime) -> str:
     when = when.astimezone(timezone.utc)
     return (f"{endpoint}/{variant}/{when:%Y/%m/%d/%H}/"
             f"{when:%M-%S}-{when.microsecond // 1000:03d}-{uuid.uuid4()}.jsonl")
+
+
+def encode_record(line: Any) -> bytes | None:
+    """One record as its JSONL bytes (newline included), or ``None`` if it is no single line of text.
+
+    ``backslashreplace`` writes a lone surrogate as its ``\\uXXXX`` escape: in a JSON document
+    one can only stand inside a string, where that escape means the same character.
+    """
+    if not isinstance(line, str) or "\n" in line or "\r" in line:
+        return None
+    return line.encode("utf-8", "backslashreplace") + b"\n"
 
 
 class CaptureWriter:
@@ -41,7 +61,7 @@ class CaptureWriter:
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=max_queue)
         self.rng = rng or random.Random()
         self.counts = {"offered": 0, "sampled_out": 0, "written": 0, "dropped_queue_full": 0,
-                       "dropped_write_error": 0, "objects": 0}
+                       "dropped_write_error": 0, "dropped_bad_record": 0, "objects": 0}
         self.last_error: str | None = None
         self._task: asyncio.Task | None = None
         self._s3 = None
@@ -71,7 +91,7 @@ class CaptureWriter:
 
     @property
     def dropped(self) -> int:
-        return self.counts["dropped_queue_full"] + self.counts["dropped_write_error"]
+        return self.counts["dropped_queue_full"] + self.counts["dropped_write_error"] + self.counts["dropped_bad_record"]
 
     # -- background task ----------------------------------------------------------
 
@@ -109,20 +129,29 @@ class CaptureWriter:
                     batch.append(await asyncio.wait_for(self.queue.get(), remaining))
                 except asyncio.TimeoutError:
                     break
+            records: list[bytes] = []
             try:
-                await asyncio.wait_for(asyncio.to_thread(self._write, batch), self.write_timeout)
-                self.counts["written"] += len(batch)
-                self.counts["objects"] += 1
+                # Encoded off the event loop: bodies can be megabytes.
+                records = await asyncio.to_thread(lambda: [r for r in map(encode_record, batch) if r is not None])
+                if len(records) < len(batch):
+                    bad = len(batch) - len(records)
+                    self.counts["dropped_bad_record"] += bad
+                    self.last_error = f"{bad} record(s) that are no single line of text dropped"
+                    log.warning("capture: %s", self.last_error)
+                if records:
+                    await asyncio.wait_for(asyncio.to_thread(self._write, records), self.write_timeout)
+                    self.counts["written"] += len(records)
+                    self.counts["objects"] += 1
             except Exception as exc:  # noqa: BLE001 - a capture failure must not propagate
-                self.counts["dropped_write_error"] += len(batch)
+                self.counts["dropped_write_error"] += len(records)
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("capture batch of %d dropped: %s", len(batch), self.last_error)
+                log.warning("capture batch of %d dropped: %s", len(records), self.last_error)
             finally:
                 for _ in batch:
                     self.queue.task_done()
 
-    def _write(self, lines: list[str]) -> None:
-        body = ("\n".join(lines) + "\n").encode("utf-8")
+    def _write(self, records: list[bytes]) -> None:
+        body = b"".join(records)
         key = object_key(self.endpoint, self.variant, datetime.now(timezone.utc))
         if self.destination.startswith("s3://"):
             import boto3
@@ -134,8 +163,14 @@ class CaptureWriter:
                                 ContentType="application/jsonl")
         else:
             path = Path(self.destination) / key
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dirs(path.parent)
             tmp = path.with_suffix(".jsonl.part")
-            tmp.write_bytes(body)
-            # Readers list *.jsonl: publish only complete objects.
-            tmp.replace(path)
+            fd = create_private(tmp)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(body)
+                # Readers list *.jsonl: publish only complete objects.
+                tmp.replace(path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk must not leave a partial object behind
+                raise

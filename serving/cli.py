@@ -59,9 +59,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Start N vLLM replicas with the P-EAGLE head and the capturing router; run until Ctrl-C."""
         from adapt.model_zoo import ensure_target
+        from serving.admin import ExposureError, check_exposure
         from serving.serve import ServingStack
 
         cfg = get_config(config)
+        try:  # before the model is fetched: a refusal should come at once
+            check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
+        except ExposureError as exc:
+            fail(str(exc), 2)
         target = ensure_target(cfg.target.model, cfg.target.model_cache)
         stack = ServingStack(cfg, head_dir=_current_head(cfg, head), target_dir=target, replicas=replicas,
                              attach_urls=attach, router_port=router_port)

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import httpx
 
 from adapt import registry as reg_mod
+from serving.admin import check_exposure
 
 log = logging.getLogger("adapt.controller")
 
@@ -55,6 +56,8 @@ class Controller:
         self.cfg = cfg
         self.router_url = (router_url or f"http://{cfg.serving.host}:{cfg.serving.router_port}").rstrip("/")
         token = admin_token if admin_token is not None else cfg.serving.resolved_admin_token()
+        if health_port is not None:  # its events name versions, replicas and errors
+            check_exposure(health_host, token, "the controller's health endpoint")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.poll = poll_seconds or cfg.controller.poll_seconds
         self.rollback_fraction = cfg.controller.rollback_fraction if rollback_fraction is None else rollback_fraction

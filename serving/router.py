@@ -10,6 +10,13 @@
 * ``/metrics``: router and capture counters (Prometheus).
 * ``/admin/*``: bearer-token protected (see ``serving.admin``); the router never
   forwards any other path, so replicas' ``/collective_rpc`` is unreachable here.
+
+Limits (a client must not hold resources for nothing, nor reach the replicas with more
+than a request): a body over ``max_body_bytes`` gets 413; headers must arrive within
+``header_timeout`` and a body within ``body_timeout`` of them, else 408 and the
+connection is closed (:func:`server_config`); a body that is not UTF-8 JSON, or is
+nested too deeply to parse, gets 400; only :data:`FORWARD_HEADERS` reach a replica
+(no cookies, API keys or forwarding headers); no OpenAPI docs are served.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable
 
 import httpx
+import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -33,8 +41,114 @@ from serving.capture_writer import CaptureWriter
 from serving.pool import Pool
 
 log = logging.getLogger(__name__)
-HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-               "authorization", "accept-encoding"}
+# Request headers passed to a replica; everything else (cookies, credentials, X-Forwarded-*,
+# accept-encoding: capture needs the plain body) stays here.
+FORWARD_HEADERS = frozenset({"content-type", "accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
+
+
+def _body_limit(app: Any, max_bytes: int) -> Any:
+    """ASGI wrapper: 413 for a body over ``max_bytes``, declared (Content-Length) or streamed.
+
+    Raised as HTTPException from ``receive``, so that FastAPI answers it wherever the body
+    is read (FastAPI re-raises HTTPExceptions met while parsing a body).
+    """
+
+    async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > max_bytes:
+            await JSONResponse(_too_large(max_bytes), 413, headers={"connection": "close"})(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > max_bytes:
+                raise HTTPException(413, _too_large(max_bytes)["error"]["message"], headers={"connection": "close"})
+            return message
+
+        await app(scope, limited, send)
+
+    return guarded
+
+
+def _too_large(max_bytes: int) -> dict:
+    return {"error": {"message": f"request body over {max_bytes} bytes", "type": "PayloadTooLarge"}}
+
+
+class _Deadlines:
+    """Mixed into uvicorn's HTTP protocol: a request's headers must arrive within ``header_timeout``
+    of its first byte (or of the connection), and its body within ``body_timeout`` of its headers;
+    else 408 and the connection is closed. uvicorn has no such limit, so a client sending slowly
+    would hold a socket and a task as long as it liked."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._deadline: asyncio.TimerHandle | None = None
+        self._awaited: Any = None
+        self._arm(self.header_timeout)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._late)
+        self._awaited = self.cycle  # headers: a new cycle ends the wait; a body: this cycle's last byte
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def data_received(self, data: bytes) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if self._deadline is None and idle:
+            self._arm(self.header_timeout)  # the next request's first bytes (or a body no one reads)
+        super().data_received(data)  # type: ignore[misc]
+        c = self.cycle
+        if self._deadline is None or c is None:
+            return
+        if c is not self._awaited:  # headers complete
+            if c.more_body and not c.response_complete:
+                self._arm(self.body_timeout)
+            else:
+                self._disarm()
+        elif not c.more_body or c.response_complete:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _late(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        c = self.cycle
+        if c is None or c.response_complete or not c.response_started:
+            msg = b"request not received in time"
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(msg), msg))
+        self.transport.close()
+
+
+def server_config(app: Any, host: str, port: int, *, header_timeout: float = 10.0, body_timeout: float = 30.0,
+                  **kwargs: Any) -> uvicorn.Config:
+    """uvicorn settings for the router: its HTTP protocol with the request deadlines of :class:`_Deadlines`."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools is optional for uvicorn; h11 is not
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+    protocol = type("RouterHTTP", (_Deadlines, base), {"header_timeout": header_timeout, "body_timeout": body_timeout})
+    return uvicorn.Config(app, host=host, port=port, http=protocol, **kwargs)
 
 
 class _CaptureCollector:
@@ -47,7 +161,7 @@ class _CaptureCollector:
         c = CounterMetricFamily("adapt_capture_records", "Capture records by outcome", labels=["outcome"])
         q = GaugeMetricFamily("adapt_capture_queue_depth", "Capture records waiting to be written")
         if self.writer is not None:
-            for k in ("written", "sampled_out", "dropped_queue_full", "dropped_write_error"):
+            for k in ("written", "sampled_out", "dropped_queue_full", "dropped_write_error", "dropped_bad_record"):
                 c.add_metric([k], self.writer.counts[k])
             q.add_metric([], self.writer.queue.qsize())
         yield c
@@ -73,8 +187,11 @@ def _capture_line(payload: dict, response_body: bytes, response_ctype: str) -> s
 def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: str = "",
                swap_handler: Callable[[dict], Awaitable[dict]] | None = None,
                request_timeout: float = 600.0, status_window_s: float = 300.0,
-               no_replica_wait: float = 30.0) -> FastAPI:
-    """Build the router app. ``swap_handler(body)`` runs the swap protocol (``serving.swap``)."""
+               no_replica_wait: float = 30.0, max_body_bytes: int = 8 << 20) -> FastAPI:
+    """Build the router app. ``swap_handler(body)`` runs the swap protocol (``serving.swap``).
+
+    Serve it with :func:`server_config` for the header and body deadlines.
+    """
     reg = CollectorRegistry()
     requests_total = Counter("adapt_router_requests", "Requests by route and outcome", ["route", "outcome"],
                              registry=reg)
@@ -98,7 +215,9 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         finally:
             await state["client"].aclose()
 
-    app = FastAPI(title="drafter-adapt router", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: they map the admin plane for anyone who asks.
+    app = FastAPI(title="drafter-adapt router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_body_limit, max_bytes=max_body_bytes)
 
     def _offer_capture(payload: dict, body: bytes, ctype: str, ok: bool) -> None:
         # Never let capture affect the user request: sampling and record building
@@ -114,14 +233,15 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
     async def _forward(request: Request, path: str, route: str) -> Response:
         raw = await request.body()
         try:
-            payload = json.loads(raw)
+            payload = json.loads(raw.decode("utf-8"))  # UTF-8 only: json.loads(bytes) would take UTF-16/32
             if not isinstance(payload, dict):
                 raise ValueError("body must be a JSON object")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             requests_total.labels(route, "bad_request").inc()
-            return JSONResponse({"error": {"message": f"invalid JSON body: {exc}", "type": "BadRequest"}}, 400)
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+            return JSONResponse({"error": {"message": f"invalid JSON body: {why}", "type": "BadRequest"}}, 400)
         stream = bool(payload.get("stream"))
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
         t0 = time.perf_counter()

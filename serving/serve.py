@@ -15,10 +15,11 @@ from typing import Any
 
 import uvicorn
 
+from serving.admin import check_exposure
 from serving.capture_writer import CaptureWriter
 from serving.pool import Pool, head_identity, replica_specs
 from serving.replica import ReplicaProcess
-from serving.router import create_app
+from serving.router import create_app, server_config
 from serving.swap import SwapController
 
 
@@ -35,6 +36,8 @@ class ServingStack:
                  base_port: int | None = None, capture_dest: str | None = None,
                  log_dir: str | Path | None = None, writer_kwargs: dict[str, Any] | None = None,
                  replica_extra_args: list[str] | None = None) -> None:
+        # Before anything starts: off loopback, the admin plane needs a real token.
+        check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
         self.cfg = cfg
         self.head_dir = Path(head_dir).absolute()
         self.target_dir = Path(target_dir).absolute()
@@ -107,9 +110,11 @@ class ServingStack:
             return rep.to_dict()
 
         app = create_app(self.pool, writer=self.writer, admin_token=cfg.serving.resolved_admin_token(),
-                         swap_handler=swap_handler)
-        config = uvicorn.Config(app, host=cfg.serving.host, port=self.router_port, log_level="warning",
-                                lifespan="on", timeout_keep_alive=30)
+                         swap_handler=swap_handler,
+                         max_body_bytes=cfg.serving.max_body_bytes or cfg.capture.max_line_bytes)
+        config = server_config(app, cfg.serving.host, self.router_port, header_timeout=cfg.serving.header_timeout_s,
+                               body_timeout=cfg.serving.body_timeout_s, log_level="warning", lifespan="on",
+                               timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._serve_task = asyncio.create_task(self.server.serve())

@@ -222,7 +222,8 @@ def test_fast_path_edge_variants(encoding):
 NUMBERS = ["0", "-0", "1", "256", "-5", "0.5", "1.0", "12.0", "1e2", "1E+2", "2.5e-3", "1e400", "-1e400", "1e-400",
            "5e-324", "9223372036854775807", "9223372036854775808", "-9223372036854775808", "-9223372036854775809",
            "100000000000000000000000", "0.1000000000000000055511151231257827", "3.141592653589793238462643383279",
-           "true", "false", "null", '"0.5"', '"7"', "[]", "{}", "01", "1.", ".5", "+1", "NaN", "Infinity", "-", "1e"]
+           "true", "false", "null", '"0.5"', '"7"', "[]", "{}", "01", "1.", ".5", "+1", "NaN", "Infinity", "-", "1e",
+           "-0.5", "1.5", "-Infinity", "1" + "0" * 400]
 TEXTS = ["hi", "", " ", "\t\n", "\u3000\u2003", "\x1c", "\xa0x", "ünï", "😀", "中文", "a\u2028b", "a\x85b",
          "\\u00e9", "q\\u0000", "x" * 300, "data: x", "[DONE]", "\"quoted\"", "back\\slash"]
 # Escapes as they appear in JSON text: pairs, lone and reversed surrogates, NUL, printable ASCII.
@@ -452,6 +453,47 @@ def test_every_value_of_the_alphabets_in_every_field():
                 lines.append(json.dumps(line, ensure_ascii=False).encode())
     check(lines)
     check(lines, hour=T0)
+
+
+# Sampling values no sampler takes (issue #23: NaN and 1e999 were stored, a 400-digit number
+# was quarantined as internal_error), and edge values that are fine.
+BAD_SAMPLING = [("temperature", v) for v in ("NaN", "Infinity", "-Infinity", "1e999", "-0.5", "-1e-300", "1" + "0" * 400)]
+BAD_SAMPLING += [("top_p", v) for v in ("NaN", "1e400", "1.5", "1.0000001", "-0.1", "9" * 400)]
+GOOD_SAMPLING = [("temperature", v) for v in ("0", "-0.0", "0.7", "2", "1e30")]
+GOOD_SAMPLING += [("top_p", v) for v in ("0", "1", "1.0", "0.95", "1e-300")]
+
+
+def _sampling_lines(key: str, num: str) -> list[bytes]:
+    """The value in each place a sampling parameter is read: chat, completion, TGI and JumpStart parameters."""
+    q = f"q {key}={num[:20]}"  # each line its own conversation (else they are replays of one)
+    ok = {"choices": [{"message": {"content": "a"}}]}
+    reqs = [('{"messages": [{"role": "user", "content": "%s"}], "%s": %s}' % (q, key, num), ok),
+            ('{"prompt": "%s", "%s": %s}' % (q, key, num), {"choices": [{"text": "a"}]}),
+            ('{"inputs": "%s", "parameters": {"%s": %s}}' % (q, key, num), [{"generated_text": "a"}]),
+            ('{"inputs": [[{"role": "user", "content": "%s"}]], "parameters": {"%s": %s}}' % (q, key, num),
+             [{"generation": {"content": "a"}}])]
+    return [make_capture_record(req.replace(q, f"{q} #{k}"), resp, inference_time=T0).encode()
+            for k, (req, resp) in enumerate(reqs)]
+
+
+def test_sampling_values_out_of_range_are_quarantined_on_every_path(tmp_path, monkeypatch):
+    from capture.fastpath import fast_decode
+
+    bad = [line for key, num in BAD_SAMPLING for line in _sampling_lines(key, num)]
+    good = [line for key, num in GOOD_SAMPLING for line in _sampling_lines(key, num)]
+    lines = bad + good
+    check(lines, exact=True)  # the native and msgspec paths decline the same lines
+    assert not any(fast_decode(line) for line in bad) and all(fast_decode(line) for line in good)
+    p = tmp_path / "sampling.jsonl"
+    p.write_bytes(b"".join(line + b"\n" for line in lines))
+    obj = SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", None)
+    _same_file_result(obj, monkeypatch)  # and the per-line reference decides them alike
+    res = process_file(obj)
+    reasons = {q["line_no"]: q["reason"] for q in res.quarantine}
+    assert reasons == {i: "invalid_sampling_param" for i in range(1, len(bad) + 1)}, res.quarantine[:3]
+    assert res.table.num_rows == len(good)
+    stored = res.table.column("temperature").to_pylist() + res.table.column("top_p").to_pylist()
+    assert all(v is None or (v == v and 0 <= v < float("inf")) for v in stored)
 
 
 def test_mutated_corpus_agrees_with_the_msgspec_path():

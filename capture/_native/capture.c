@@ -729,6 +729,11 @@ static int decode_exchange(Span req, Span resp, Span resp_ct, Row *row) {
         return J_DECLINE; /* empty answers and dialogs without a user turn: the reference decides */
     TRY(push_turn(row, FROM_GPT, answer_first));
 
+    /* Out of capture.formats.SAMPLING_RANGES (json_opt_double already declined NaN and infinities):
+     * the reference quarantines these. The negated compares keep NaN out too. */
+    if ((rq.params.temperature.has && !(rq.params.temperature.v >= 0.0)) ||
+        (rq.params.top_p.has && !(rq.params.top_p.v >= 0.0 && rq.params.top_p.v <= 1.0)))
+        return J_DECLINE;
     row->temperature = rq.params.temperature;
     row->top_p = rq.params.top_p;
     const OptI64 *order[] = {&rq.params.max_tokens, &rq.params.max_completion_tokens, &rq.params.max_new_tokens};
