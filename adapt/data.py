@@ -21,19 +21,7 @@ from typing import Any
 
 import torch
 
-# ShareGPT speaker names -> chat-template roles.
-ROLE_MAP = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-    "function_call": "assistant",
-}
-
+from capture.sharegpt import to_messages
 
 @dataclass
 class Example:
@@ -49,22 +37,6 @@ class Example:
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
-
-
-def to_messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
-    """ShareGPT ``conversations`` (from/value) -> chat messages (role/content)."""
-    convs = row.get("conversations") or row.get("messages") or []
-    out = []
-    for turn in convs:
-        who = turn.get("from", turn.get("role"))
-        text = turn.get("value", turn.get("content"))
-        if who is None or text is None:
-            raise ValueError(f"conversation turn without speaker/text: {turn!r}")
-        role = ROLE_MAP.get(str(who).lower())
-        if role is None:
-            raise ValueError(f"unknown ShareGPT speaker {who!r}")
-        out.append({"role": role, "content": str(text)})
-    return out
 
 
 def row_hash(row: Mapping[str, Any]) -> str:

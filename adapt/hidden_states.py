@@ -16,28 +16,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-ROLE_MAP = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-
-def pick_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def to_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    """ShareGPT row ``{"conversations": [{"from", "value"}]}`` -> chat messages."""
-    convs = row.get("conversations") if isinstance(row, dict) else row
-    if convs is None:
-        raise ValueError("row has no 'conversations'")
-    out = []
-    for turn in convs:
-        role = ROLE_MAP.get(turn.get("from", turn.get("role", "")))
-        if role is None:
-            raise ValueError(f"unknown ShareGPT role {turn.get('from')!r}")
-        out.append({"role": role, "content": turn.get("value", turn.get("content", ""))})
-    return out
-
+from adapt.device import pick_device
+from capture.sharegpt import to_messages
 
 @dataclass
 class TargetOutput:

@@ -28,22 +28,15 @@ from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from adapt.checkpoint import (
-    init_output_from_target,
-    load_head,
-    new_head,
-    save_head,
-    sha256_file,
-    target_identity,
-    target_output_layer,
-    validate_head,
-)
+from adapt.checkpoint import init_output_from_target, load_head, new_head, save_head, target_output_layer
+from headspec.files import sha256_file, target_identity
+from headspec.validate import validate_head
 from adapt.data import (
     Example,
     build_draft_vocab,
@@ -53,7 +46,10 @@ from adapt.data import (
     token_counts,
     tokenize_rows,
 )
-from adapt.drafter import DrafterConfig, PEagleDrafter
+from adapt.device import pick_device, use_bf16_autocast
+from adapt.drafter import PEagleDrafter
+from headspec.config import DrafterConfig, shape_differences
+from headspec.resolve import resolve_head
 from adapt.loss import Features, collate, label_rows, peagle_loss, project_hidden
 from adapt.memory import available_bytes
 
@@ -112,40 +108,13 @@ def init_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size())
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            return torch.device("cuda", local)
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def use_bf16_autocast(dtype: str, device: torch.device) -> bool:
-    """bf16 autocast when asked for, or on ``auto`` where matmuls run natively in bf16.
-
-    That is CUDA, and CPUs with AMX tiles or AVX512-BF16 (e.g. AMD Zen 4), where
-    oneDNN's bf16 kernels make a drafter step ~2x faster than fp32. Master
-    weights and the loss stay fp32.
-    """
-    if dtype != "auto":
-        return dtype == "bf16"
-    if device.type == "cuda":
-        return True
-    if device.type != "cpu":
-        return False
-    probes = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-    return any(probe is not None and bool(probe()) for probe in probes)
-
-
 # --- model --------------------------------------------------------------------------
 
-def resolve_head(base: str, cfg: Any) -> Path:
-    """A head directory for ``base``: a local directory or an MLflow ``models:/`` / ``runs:/`` URI
+def resolve_base(base: str, cfg: Any) -> Path:
+    """A head directory for ``base``: a local directory, an S3 URI or an MLflow ``models:/`` / ``runs:/`` URI
     (downloaded under ``[head].heads_dir/downloaded`` from ``[mlflow].tracking_uri``)."""
-    from serving.swap import resolve_head as resolve
-
-    path, _ = resolve(base, Path(cfg.head.heads_dir) / "downloaded", cfg.mlflow.tracking_uri)
+    path, _ = resolve_head(base, Path(cfg.head.heads_dir) / "downloaded", cfg.mlflow.tracking_uri,
+                           cfg.s3.client_kwargs())
     if not path.is_dir():
         raise FileNotFoundError(f"base head {base!r} is neither a directory nor an MLflow model URI")
     return path
@@ -157,14 +126,9 @@ def configured_head(cfg: Any, target_dir: Path) -> DrafterConfig:
                                      h.aux_layer_ids or None, h.num_layers)
 
 
-SHAPE_FIELDS = ("num_speculative_tokens", "draft_vocab_size", "num_layers", "aux_layer_ids", "hidden_size",
-                "target_hidden_size", "vocab_size")
-
-
 def check_same_shape(head: DrafterConfig, want: DrafterConfig) -> None:
-    """Warm start never changes a head's shape: K, draft vocab, layers, aux layers."""
-    diffs = [f"{f}: head has {getattr(head, f)}, config asks {getattr(want, f)}"
-             for f in SHAPE_FIELDS if getattr(head, f) != getattr(want, f)]
+    """Warm start never changes a head's shape: what an in-place swap needs equal (:func:`shape_differences`)."""
+    diffs = [f"{f}: head has {a}, config asks {b}" for f, (a, b) in shape_differences(head, want).items()]
     if diffs:
         raise ShapeChangeError("warm start cannot change the head's shape (" + "; ".join(diffs)
                                + "); bootstrap a new head (no --base) instead")
@@ -447,7 +411,7 @@ def train(
     target_dir: str | Path | None = None,
     run_dir: str | Path | None = None,
     progress: bool = True,
-    evaluate_rows: Sequence[dict[str, Any]] | None = None,
+    after_export: Callable[[Path, Any], dict[str, Any]] | None = None,
     stop_after_steps: int | None = None,
 ) -> TrainResult:
     """Fine-tune (``base_head``) or bootstrap (None) a head on ``conversations``; export to ``out_dir``.
@@ -459,7 +423,7 @@ def train(
     """
     from transformers import AutoTokenizer
 
-    from adapt.model_zoo import ensure_target
+    from targets.model_zoo import ensure_target
 
     tc = cfg.training
     if tc.max_steps <= 0 and tc.max_minutes <= 0:
@@ -483,7 +447,7 @@ def train(
     parent_sha = None
     vocab_refresh: dict[str, Any] | None = None
     if base_head:
-        head_dir = resolve_head(base_head, cfg)
+        head_dir = resolve_base(base_head, cfg)
         info = validate_head(head_dir, target_dir)
         model, _ = load_head(head_dir)
         check_same_shape(model.config, configured_head(cfg, target_dir))
@@ -602,8 +566,9 @@ def train(
             "draft_vocab_refresh": vocab_refresh,
         }
         save_head(model.cpu(), out_dir, manifest)
-        if evaluate_rows:
-            acceptance = offline_acceptance(out_dir, target, evaluate_rows, cfg)
+        if after_export is not None:
+            # e.g. an offline acceptance estimate, reusing the target already loaded here
+            acceptance = after_export(out_dir, target.runner)
     target.release()
     if dd.world > 1:
         dist.barrier()
@@ -623,11 +588,3 @@ def _max_over_ranks(value: float, dd: Dist) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-def offline_acceptance(head_dir: Path, target: TargetFeatures, rows: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
-    """Offline greedy acceptance of the exported head (adapt.evaluate), reusing the loaded target."""
-    from adapt.evaluate import estimate_acceptance
-
-    return estimate_acceptance(head_dir, target.runner.target_dir, rows, max_new_tokens=cfg.bench.max_tokens,
-                               runner=target.runner)

@@ -8,9 +8,9 @@ With SmolLM2-135M-Instruct served by vLLM(-cpu), in one run:
    deterministically into adapt-train and held-out;
 2. bootstrap a head on MT-Bench (``adapt.train.train(cfg, rows, None, ...)``);
 3. adapt it on the drifted train split, replaying general chat (``replay_ratio``);
-4. offline acceptance of the adapted head on the held-out prompts (``adapt.evaluate``);
+4. offline acceptance of the adapted head on the held-out prompts (``evaluation.offline``);
 5. measure on the held-out prompts in vLLM with the product's replay bench
-   (``serving.bench.run_bench``): the adapted head (candidate), the base head (live), the
+   (``evaluation.bench.run_bench``): the adapted head (candidate), the base head (live), the
    base head again as an A/A control (one spec server, heads swapped in place) and no
    speculation (the generation server), in a counterbalanced order per round; paired
    differences with the A/A spread beside each; acceptance from spec-decode counter deltas;
@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 T0 = time.monotonic()
-MODEL_NAME = "target"  # --served-model-name of tests.services.VllmServer
+MODEL_NAME = "target"  # --served-model-name of the benchmark's replicas
 TARGETS = {"acceptance_gain": 0.30, "tok_s_gain": 0.15, "vs_nospec_c1": 1.5}
 
 
@@ -71,7 +71,7 @@ def stable_order(prompts: list[dict]) -> list[dict]:
 
 def split_drifted(cache: str, heldout: int, train_per_source: int) -> tuple[list[dict], list[dict]]:
     """HumanEval and BFCL, each split into held-out (half of ``heldout``) and adapt-train."""
-    from adapt import public_prompts
+    from traffic import public_prompts
 
     train, held = [], []
     for i, source in enumerate((public_prompts.humaneval(cache), public_prompts.bfcl(cache))):
@@ -227,23 +227,22 @@ def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: li
 # --- vLLM measurement ---------------------------------------------------------------------
 
 
-def server_env() -> dict[str, str]:
-    """The servers' environment: the replica's core split (``serving.replica.cpu_reserved_cores``,
-    where a ``VLLM_CPU_NUM_OF_RESERVED_CPU`` already set wins), the same for every variant."""
-    from serving.replica import cpu_reserved_cores
-
-    return cpu_reserved_cores({**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
-
-
 def server(work: Path, target: Path, head: Path | None, k: int, max_model_len: int, eager: bool):
-    """A vLLM server of the target, the same flags for every variant (plus the head for spec)."""
-    from tests.services import VllmServer
+    """A started vLLM replica of the target, launched like the pool's (``serving.replica``), the same
+    flags for every variant (plus the head for spec); its core split is the replica's rule."""
+    from serving.replica import ReplicaProcess, ReplicaSpec, free_port
 
-    extra = ["--enforce-eager"] if eager else []
-    if head is not None:
-        extra += ["--worker-extension-cls", "serving.hotswap.HeadSwapExtension"]
-    return VllmServer(work / "logs", target, head=head, k=k, max_model_len=max_model_len, extra_args=extra,
-                      env=server_env())
+    spec = ReplicaSpec(target_dir=str(target), head_dir=None if head is None else str(head), num_speculative_tokens=k,
+                       port=free_port(), served_model_name=MODEL_NAME, max_model_len=max_model_len,
+                       extra_args=["--enforce-eager"] if eager else [], env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    proc = ReplicaProcess(spec, work / "logs" / f"vllm-{spec.port}.log")
+    proc.start()
+    try:
+        proc.wait_healthy(1200)
+    except Exception:
+        proc.stop()
+        raise
+    return proc
 
 
 VARIANTS = (("no-spec", "nospec"), ("base", "live"), ("base again (A/A)", "control"), ("adapted", "candidate"))
@@ -386,7 +385,7 @@ def render(res: dict[str, Any]) -> str:
     L.append("")
     off = res.get("offline")
     if off:
-        L.append(f"adapted head, offline (adapt.evaluate, transformers bf16) vs vLLM on the same held-out prompts: "
+        L.append(f"adapted head, offline (evaluation.offline, transformers bf16) vs vLLM on the same held-out prompts: "
                  f"acceptance length {fmt(off['mean_acceptance_length'])} vs {fmt(v['adapted']['mean_acceptance_length'])} "
                  f"({off['relative_difference'] * 100:+.1f}%, within 5%: {off['within_5pct']}); per position offline "
                  f"{[round(a, 2) for a in off['acceptance_rate_per_pos']]}")
@@ -417,7 +416,7 @@ def _ci(d: dict[str, Any], nd: int = 2, scale: float = 1.0) -> str:
 
 def targets(v: dict[str, Any], bench: dict[str, Any], concs: list[int]) -> list[dict[str, Any]]:
     """Each target with its paired 90% CI and the A/A control's spread beside it."""
-    from adapt.gate import aa_noise
+    from loop.gate import aa_noise
 
     out = []
     df, aa, sp = bench["differences"], bench["aa_control"], bench["speedup_vs_nospec"]
@@ -496,12 +495,14 @@ def main() -> int:
 
     import vllm
 
-    from adapt import public_prompts
-    from adapt.checkpoint import sha256_file, validate_head
-    from adapt.config import load_config
-    from adapt.evaluate import estimate_acceptance
-    from adapt.model_zoo import ensure_smollm2
-    from serving.bench import rows_to_requests
+    from traffic import public_prompts
+    from headspec.files import sha256_file
+    from headspec.validate import validate_head
+    from settings.config import load_config
+    from evaluation.offline import estimate_acceptance
+    from targets.model_zoo import ensure_smollm2
+    from evaluation.bench import rows_to_requests
+    from serving.replica import cpu_reserved_cores
 
     work = args.work_dir.expanduser().absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -530,7 +531,8 @@ def main() -> int:
     result: dict[str, Any] = {"target": target.name, "vllm": vllm.__version__, "settings": {
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "concurrencies": concs, "heldout_prompts": len(reqs), "enforce_eager": eager, "k": K,
-        "vllm_cpu_reserved_cores": server_env().get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM default"),
+        "vllm_cpu_reserved_cores": cpu_reserved_cores(dict(os.environ)).get("VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                                                             "vLLM default"),
         "num_layers": args.num_layers or cfg.head.num_layers,
         "replay_ratio": cfg.training.replay_ratio}, "heldout_ids": sorted(held_ids), "heldout_hygiene": hygiene}
     nospec = None
@@ -542,7 +544,7 @@ def main() -> int:
             if nospec is None:
                 log("starting the no-spec vLLM server (generation + no-spec measurement)")
                 t = time.perf_counter()
-                nospec = server(work, target, None, K, 2048, eager).start(timeout=1200)
+                nospec = server(work, target, None, K, 2048, eager)
                 log(f"no-spec server up in {time.perf_counter() - t:.0f}s at {nospec.url}")
             return nospec.url
 
@@ -593,7 +595,7 @@ def main() -> int:
         # 4. offline acceptance of the adapted head on the held-out prompts
         import torch
 
-        log("offline acceptance of the adapted head (adapt.evaluate, bf16 like the server)")
+        log("offline acceptance of the adapted head (evaluation.offline, bf16 like the server)")
         t = time.perf_counter()
         torch.set_num_threads(args.train_threads)
         off = estimate_acceptance(heads / "adapted", target, heldout_rows, max_new_tokens=args.max_tokens,
@@ -606,16 +608,15 @@ def main() -> int:
         # 5. vLLM measurement through the product's replay bench (counterbalanced, A/A control, no-spec arm)
         from concurrent.futures import ThreadPoolExecutor
 
-        from serving.bench import run_bench
+        from evaluation.bench import run_bench
 
         log("starting the spec vLLM server (base head; the adapted head is swapped in place)"
             + ("" if nospec else " and the no-spec server, in parallel"))
         t = time.perf_counter()
-        spec = server(work, target, heads / "base", K, 2048, eager)
         with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(spec.start, 1200), pool.submit(nospec_url)]
-            for f in futures:
-                f.result()
+            futures = [pool.submit(server, work, target, heads / "base", K, 2048, eager), pool.submit(nospec_url)]
+            spec = futures[0].result()
+            futures[1].result()
         log(f"servers up in {time.perf_counter() - t:.0f}s: spec {spec.url}, no-spec {nospec.url}")
         bench_heads = {role: {"path": str(heads / name), "sha256": validate_head(heads / name, target).sha256,
                               "version": name} for role, name in (("candidate", "adapted"), ("live", "base"))}

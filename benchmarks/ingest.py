@@ -75,7 +75,7 @@ def _rss_mb() -> dict[str, float]:
 
 
 def run_capture(data: Path, state: Path, workers: int | None) -> dict:
-    from adapt.config import load_config
+    from settings.config import load_config
     from capture.ingest import ingest
 
     cfg = load_config(overrides={"state_dir": str(state)})

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.loadgen import SteadyLoad  # noqa: E402
+from traffic.loadgen import SteadyLoad  # noqa: E402
 from tests.services import free_ports  # noqa: E402
 
 
@@ -36,8 +36,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from adapt.checkpoint import init_random_head
-    from adapt.config import load_config
-    from adapt.model_zoo import ensure_target
+    from settings.config import load_config
+    from targets.model_zoo import ensure_target
     from serving.serve import ServingStack
 
     work = Path(tempfile.mkdtemp(prefix="swap-bench-"))

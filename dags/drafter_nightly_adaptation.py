@@ -1,6 +1,6 @@
 """Nightly adaptation: one `adapt cycle`, one task per step, passing only the cycle id.
 
-All logic lives in ``adapt.cycle`` (via ``adapt.airflow_tasks``); a cleared or retried
+All logic lives in ``loop.cycle`` (via ``loop.airflow_tasks``); a cleared or retried
 run resumes its cycle, and a step never creates a second model version.
 """
 
@@ -11,7 +11,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
 
-from adapt import airflow_tasks as at
+from loop import airflow_tasks as at
 
 PARAMS = {
     "config": Param(None, type=["null", "string"], description="adapt config TOML (default $ADAPT_CONFIG)"),

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
 
-from adapt import airflow_tasks as at
+from loop import airflow_tasks as at
 
 
 @dag(

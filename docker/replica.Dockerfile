@@ -12,5 +12,5 @@ COPY serving ./serving
 # vLLM, torch and transformers come with the base image; only the project's light deps here.
 RUN pip install --no-cache-dir mlflow==3.17.2 duckdb pyarrow boto3 pydantic typer httpx safetensors gguf matplotlib
 EXPOSE 8000
-ENTRYPOINT ["python", "-m", "adapt"]
+ENTRYPOINT ["python", "-m", "app"]
 CMD ["serve", "--json"]

@@ -12,5 +12,5 @@ COPY adapt ./adapt
 COPY capture ./capture
 COPY serving ./serving
 EXPOSE 8090
-ENTRYPOINT ["python", "-m", "adapt"]
+ENTRYPOINT ["python", "-m", "app"]
 CMD ["controller", "--health-host", "127.0.0.1", "--health-port", "8090"]

@@ -19,5 +19,5 @@ COPY serving ./serving
 # Built into the image (a host's build directory is not reused).
 RUN rm -rf capture/_native/build && python -m capture.native
 VOLUME ["/state", "/cache"]
-ENTRYPOINT ["python", "-m", "adapt"]
+ENTRYPOINT ["python", "-m", "app"]
 CMD ["cycle", "--json"]

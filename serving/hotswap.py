@@ -22,40 +22,11 @@ from typing import Any
 
 import torch
 
-WEIGHTS = "model.safetensors"
-# Fields of the draft config.json that fix tensor shapes or runtime constants the
-# proposer caches at start-up; a head that differs here needs a restart.
-SHAPE_FIELDS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "num_hidden_layers", "vocab_size", "draft_vocab_size", "target_hidden_size",
-    "ptd_token_id", "mask_token_id",
-)
-
+from headspec.config import shape_signature
+from headspec.files import WEIGHTS, sha256_file
 
 class HeadSwapError(RuntimeError):
     """The head cannot be loaded in place (the message says why)."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _aux_ids(cfg: dict) -> list[int] | None:
-    ec = cfg.get("eagle_config") or {}
-    ids = ec.get("eagle_aux_hidden_state_layer_ids")
-    return list(ids) if ids is not None else None
-
-
-def shape_signature(cfg: dict) -> dict[str, Any]:
-    """What must match between two heads for an in-place swap (also used by the controller)."""
-    sig = {k: cfg.get(k) for k in SHAPE_FIELDS}
-    sig["aux_layer_ids"] = _aux_ids(cfg)
-    sig["num_speculative_tokens"] = cfg.get("num_speculative_tokens")
-    return sig
 
 
 class HeadSwapExtension:
@@ -75,7 +46,7 @@ class HeadSwapExtension:
         if st is None:
             # First call: describe the head the engine was started with.
             path = Path(self.vllm_config.speculative_config.model)
-            sha = _sha256(path / WEIGHTS) if (path / WEIGHTS).is_file() else None
+            sha = sha256_file(path / WEIGHTS) if (path / WEIGHTS).is_file() else None
             version = None
             mf = path / "manifest.json"
             if mf.is_file():
@@ -160,7 +131,7 @@ class HeadSwapExtension:
         if diffs:
             raise HeadSwapError(f"head shapes differ from the running drafter, restart needed: {diffs}")
 
-        sha = _sha256(d / WEIGHTS)
+        sha = sha256_file(d / WEIGHTS)
         if expected_sha256 and sha != expected_sha256:
             raise HeadSwapError(f"{d}/{WEIGHTS} sha256 {sha} != expected {expected_sha256}")
 

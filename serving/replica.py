@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,6 +57,8 @@ class ReplicaSpec:
     # vLLM-cpu cores kept off the model's OpenMP threads for the scheduler process; None: auto.
     cpu_reserved_cores: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    # Extra environment of the replica process (over the caller's, under the replica's own rules).
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -64,6 +67,13 @@ class ReplicaSpec:
     def speculative_config(self) -> dict:
         return {"method": "eagle3", "model": str(self.head_dir),
                 "num_speculative_tokens": int(self.num_speculative_tokens), "parallel_drafting": True}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (for replicas that are not on the pool's fixed ports)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def build_command(spec: ReplicaSpec) -> list[str]:
@@ -128,7 +138,7 @@ def cpu_reserved_cores(env: dict[str, str], reserved: int | None = None,
 
 
 def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = intel_openmp_preload(dict(os.environ if base is None else base))
+    env = intel_openmp_preload({**(os.environ if base is None else base), **spec.env})
     env = cpu_reserved_cores(env, spec.cpu_reserved_cores)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
@@ -194,6 +204,10 @@ class ReplicaProcess:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             pass
+
+    def metrics(self, timeout: float = 30.0) -> str:
+        """The replica's Prometheus exposition (``/metrics``)."""
+        return httpx.get(self.url + "/metrics", timeout=timeout).text
 
     def healthy(self, timeout: float = 2.0) -> bool:
         try:

@@ -72,7 +72,7 @@ class ServingStack:
         return self
 
     async def _start(self, ready_timeout: float) -> None:
-        from adapt.checkpoint import validate_head
+        from headspec.validate import validate_head
 
         cfg = self.cfg
         # The first head is checked like every swapped-in one, before any replica loads it.

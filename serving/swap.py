@@ -22,7 +22,8 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
-from serving.hotswap import shape_signature
+from headspec.config import shape_signature
+from headspec.resolve import resolve_head
 from serving.metrics import MEASURE_TIMEOUT, afetch_snapshot
 from serving.pool import Pool, Replica
 
@@ -56,29 +57,6 @@ class SwapReport:
 
 
 FaultHook = Callable[[int, Replica], Awaitable[None] | None]
-
-
-def resolve_head(spec: str, download_dir: str | Path, tracking_uri: str | None = None) -> tuple[Path, str | None]:
-    """A head directory or an MLflow model URI (``models:/name/3``, ``runs:/id/path``) → (local dir, version)."""
-    if "://" not in spec and not spec.startswith(("models:/", "runs:/")):
-        return Path(spec).expanduser().absolute(), None
-    import mlflow
-
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-    version = None
-    if spec.startswith("models:/"):
-        parts = spec[len("models:/"):].split("/")
-        version = parts[1] if len(parts) > 1 else None
-    dst = Path(download_dir) / ("mlflow-" + spec.replace(":/", "-").replace("/", "-"))
-    dst.mkdir(parents=True, exist_ok=True)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=spec, dst_path=str(dst)))
-    # Registered models may wrap the head in a sub-directory; find its config.json.
-    if not (local / "config.json").is_file():
-        found = sorted(p.parent for p in local.rglob("config.json") if (p.parent / "model.safetensors").is_file())
-        if found:
-            local = found[0]
-    return local, version
 
 
 def in_place_compatible(current_dir: str | Path, new_dir: str | Path, k: int) -> tuple[bool, dict]:
@@ -151,7 +129,8 @@ class SwapController:
 
     async def _swap(self, head: str, version: str | None, force_restart: bool,
                     fault: FaultHook | None) -> SwapReport:
-        from adapt.checkpoint import HeadError, validate_head
+        from headspec.errors import HeadError
+        from headspec.validate import validate_head
 
         previous = dict(self.pool.current_head)
         try:

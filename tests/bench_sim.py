@@ -1,6 +1,6 @@
 """Simulated replay-bench measurements for the statistics and cycle tests (no services).
 
-The blocks follow a bench plan (``serving.bench.plan``): per slot, each arm replays
+The blocks follow a bench plan (``evaluation.bench.plan``): per slot, each arm replays
 the slot's prompts. A request's speed is the head's speed times the prompt's own
 factor (lengths and difficulty differ a lot between prompts) times the machine at
 that moment: a drift over the run, a load level per slot (shared by the arms of
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from serving.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, plan
+from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, plan
 from serving.metrics import SpecDelta
 
 N = 24

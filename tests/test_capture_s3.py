@@ -10,7 +10,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from adapt.config import load_config
+from settings.config import load_config
 from capture import ingest as ingest_mod
 from capture.ingest import ingest
 from capture.records import make_capture_record

@@ -194,7 +194,7 @@ def test_warehouse_catalog_parquet_and_lock_are_owner_only(tmp_path, open_umask)
 
 
 def test_cycle_state_file_is_owner_only(tmp_path, open_umask):
-    from adapt import cycle
+    from loop import cycle
 
     cfg = make_cfg(tmp_path)
     cycle.save_state(cfg, {"cycle_id": "c1", "steps": {}, "options": {}})

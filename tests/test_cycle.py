@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from adapt import cycle
-from adapt.config import load_config
+from loop import cycle
+from settings.config import load_config
 
 
 @pytest.fixture
@@ -88,8 +88,8 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
 
 def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch, tmp_path: Path):
     """The re-measurement loop of the bench step: the gate (unchanged) decides on each simulated run."""
-    import serving.bench
-    from serving.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
+    import evaluation.bench
+    from evaluation.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
     from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
 
     runs = iter([dict(load=0.4, speed={CANDIDATE: 1.0, LIVE: 1.0, CONTROL: 1.0}),   # loaded: cannot tell
@@ -108,7 +108,7 @@ def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch, 
         (Path(out) / "bench.json").write_text(json.dumps(res))
         return res
 
-    monkeypatch.setattr(serving.bench, "run_bench_cli", fake_bench)
+    monkeypatch.setattr(evaluation.bench, "run_bench_cli", fake_bench)
     state = {"cycle_id": "rm", "steps": {
         "snapshot": {"heldout": {"jsonl": "h.jsonl"}}, "base": {"live_path": "live"}, "train": {"head_path": "cand"}}}
     out = cycle.step_bench(cfg, state, cycle.CycleOptions())
@@ -122,8 +122,8 @@ def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch, 
 
 
 def test_inconclusive_after_every_attempt_is_recorded_as_such(cfg, monkeypatch):
-    import serving.bench
-    from serving.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
+    import evaluation.bench
+    from evaluation.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
     from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
 
     def fake_bench(c, *, out, seed, **kw):
@@ -136,7 +136,7 @@ def test_inconclusive_after_every_attempt_is_recorded_as_such(cfg, monkeypatch):
         (Path(out) / "bench.json").write_text(json.dumps(res))
         return res
 
-    monkeypatch.setattr(serving.bench, "run_bench_cli", fake_bench)
+    monkeypatch.setattr(evaluation.bench, "run_bench_cli", fake_bench)
     state = {"cycle_id": "rm2", "steps": {
         "snapshot": {"heldout": {"jsonl": "h.jsonl"}}, "base": {"live_path": "live"}, "train": {"head_path": "cand"}}}
     state["steps"]["bench"] = cycle.step_bench(cfg, state, cycle.CycleOptions())

@@ -38,7 +38,7 @@ def probe(tmp_path: Path) -> dict:
 
 
 def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
-    from adapt.cycle import STEPS
+    from loop.cycle import STEPS
 
     out = probe(tmp_path)
     assert out["errors"] == {}
@@ -58,12 +58,12 @@ def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
 def test_dag_files_only_wire_library_calls():
     for f in (REPO / "dags").glob("*.py"):
         src = f.read_text()
-        assert len(src.splitlines()) < 80, f"{f.name} holds logic; move it into adapt/"
-        assert "from adapt import airflow_tasks" in src
+        assert len(src.splitlines()) < 80, f"{f.name} holds logic; move it into loop/"
+        assert "from loop import airflow_tasks" in src
 
 
 def test_airflow_task_ids_are_safe_and_stable():
-    from adapt.airflow_tasks import cycle_id_for
+    from loop.airflow_tasks import cycle_id_for
 
     cid = cycle_id_for({}, "scheduled__2025-01-02T00:00:00+00:00")
     assert cid == cycle_id_for(None, "scheduled__2025-01-02T00:00:00+00:00")  # a retried run resumes its cycle

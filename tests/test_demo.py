@@ -2,8 +2,8 @@
 
 import pytest
 
-from adapt.config import load_config
-from adapt.demo import demo_config, with_overrides
+from settings.config import load_config
+from loop.demo import demo_config, with_overrides
 
 
 def test_demo_has_its_own_state_and_an_admin_token(tmp_path, monkeypatch):
@@ -35,7 +35,7 @@ def test_heldout_hours_for_ingests_and_returns_that_ingest(tmp_path, monkeypatch
     """The demo ingests before each cycle to place the held-out cut; the report keeps that ingest's counts."""
     from datetime import timedelta
 
-    from adapt.demo import heldout_hours_for
+    from loop.demo import heldout_hours_for
     from tests.test_capture_ingest import T0 as t0
     from tests.test_capture_ingest import chat, layout_file
 
@@ -61,9 +61,9 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     """
     import json
 
-    from adapt import gate
-    from adapt.config import dump_toml
-    from adapt.demo import render, run_demo
+    from loop import gate
+    from settings.config import dump_toml
+    from loop.demo import render, run_demo
     from tests.services import free_ports
 
     monkeypatch.delenv("ADAPT_CONFIG", raising=False)
@@ -108,7 +108,7 @@ def _cycle_summary(tmp_path, name, speed, al, verdict, promoted, version):
     """A cycle summary whose bench JSON comes from the real analysis of simulated measurements."""
     import json
 
-    from serving.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, analyze, headline
+    from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, analyze, headline
     from tests.bench_sim import CONCS, simulate, slots_for
 
     arms = [CANDIDATE, LIVE, CONTROL, NOSPEC]
@@ -129,8 +129,8 @@ def _cycle_summary(tmp_path, name, speed, al, verdict, promoted, version):
 def test_report_of_a_rejected_then_passed_demo_says_what_happened(tmp_path):
     """Cycle 1 rejected, cycle 2 passed and served: the summary shows both benches, who serves, and why
     there is no rollback (nothing was ever in Production before version 2)."""
-    from adapt.demo import bench_figures, render
-    from serving.bench import CANDIDATE, CONTROL, LIVE, NOSPEC
+    from loop.demo import bench_figures, render
+    from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC
 
     c1 = _cycle_summary(tmp_path, "c1", {CANDIDATE: 0.8, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 1.1},
                         {CANDIDATE: 1.1, LIVE: 1.2, CONTROL: 1.2}, "rejected", False, "1")
@@ -161,7 +161,7 @@ def test_report_of_a_rejected_then_passed_demo_says_what_happened(tmp_path):
 
 def test_demo_skips_rollback_for_the_right_reason(tmp_path, monkeypatch):
     """The rollback decision itself (run_demo's branch) for the three cycle outcomes."""
-    from adapt.demo import rollback_skip_reason
+    from loop.demo import rollback_skip_reason
 
     assert rollback_skip_reason({"promoted": True}, {"promoted": True}) is None
     assert "cycle 2 did not promote" in rollback_skip_reason({"promoted": True}, {"promoted": False,

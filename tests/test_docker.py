@@ -97,7 +97,7 @@ def test_dockerfiles_pin_bases_and_the_replica_carries_the_worker_extension():
 
 
 def test_compose_config_file_loads_as_an_adapt_config(monkeypatch):
-    from adapt.config import load_config
+    from settings.config import load_config
 
     monkeypatch.setenv("ADAPT_TARGET", "tiny")
     cfg = load_config(DOCKER / "adapt.compose.toml")

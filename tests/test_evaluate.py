@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapt.drafter import DrafterConfig, PEagleDrafter, build_draft_inputs
-from adapt.evaluate import all_step_inputs, simulate
+from adapt.drafter import PEagleDrafter, build_draft_inputs
+from headspec.config import DrafterConfig
+from evaluation.offline import all_step_inputs, simulate
 
 K = 4
 N = 14  # sequence length

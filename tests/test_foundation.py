@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapt.config import dump_toml, load_config
+from settings.config import dump_toml, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "adapt", *args], capture_output=True, text=True, cwd=REPO,
+        [sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=REPO,
         env={**os.environ, **(env or {})}, timeout=300,
     )
 
@@ -74,7 +74,7 @@ def test_tiny_model_loads_and_generates(tiny_model):
 
 
 def test_smollm2_cache_is_converted_once_and_verified(smollm2_model):
-    from adapt import model_zoo
+    from targets import model_zoo
 
     info = json.loads((smollm2_model / model_zoo.READY_MARKER).read_text())
     assert info["gguf_sha256"] == model_zoo.SMOLLM2_GGUF_SHA256

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapt.config import load_config
+from settings.config import load_config
 from tests.services import free_ports
 
 pytestmark = pytest.mark.services
@@ -41,8 +41,8 @@ def prompts(n: int, seed: int) -> list[dict]:
 def gated(tmp_path_factory, model_cache):
     """A pool (cold head) with captured traffic, a bench replica, and the config of the cycles."""
     from adapt.checkpoint import init_random_head
-    from adapt.demo import send_phases, wait_captured
-    from adapt.model_zoo import build_tiny_predictable
+    from loop.demo import send_phases, wait_captured
+    from targets.model_zoo import build_tiny_predictable
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from serving.serve import ServingStack, served_name
@@ -87,8 +87,8 @@ def served(stack) -> set[str]:
 
 
 def test_a_clearly_better_candidate_is_promoted_and_served(gated):
-    from adapt.cycle import CycleOptions, run_cycle
-    from adapt.demo import heldout_hours_for, with_overrides
+    from loop.cycle import CycleOptions, run_cycle
+    from loop.demo import heldout_hours_for, with_overrides
 
     cfg = gated["cfg"]
     hours, _ = heldout_hours_for(cfg, gated["gap_mid"])
@@ -109,15 +109,15 @@ def test_a_clearly_better_candidate_is_promoted_and_served(gated):
 def test_a_degraded_candidate_is_rejected_and_never_served(gated):
     """The next cycle's candidate is the Production head with its draft rows shuffled (the cycle's
     train step is recorded as having produced it); evaluation, bench and gate run for real."""
-    from adapt.checkpoint import validate_head
-    from adapt.cycle import CycleOptions, load_state, run_cycle, run_step, save_state
+    from headspec.validate import validate_head
+    from loop.cycle import CycleOptions, load_state, run_cycle, run_step, save_state
     from adapt.degrade import degraded_copy
-    from adapt.registry import Registry
+    from loop.registry import Registry
 
     prod = gated.get("production")
     assert prod is not None, "needs the promotion of the test before"
     cfg = gated["cfg"]
-    from adapt.demo import heldout_hours_for, with_overrides
+    from loop.demo import heldout_hours_for, with_overrides
 
     hours, _ = heldout_hours_for(cfg, gated["gap_mid"])
     cfg = with_overrides(cfg, capture={"heldout_hours": hours})
@@ -170,7 +170,7 @@ def test_an_in_place_swap_drafts_as_on_a_fresh_cache(gated):
     prompts served right after an A -> B swap give B's own spec-decode counters, as on a cache reset."""
     import asyncio
 
-    from adapt.checkpoint import validate_head
+    from headspec.validate import validate_head
     from serving.admin import ReplicaAdmin
 
     prod = gated.get("production")

@@ -12,16 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from adapt.checkpoint import (
-    HeadError,
-    import_head,
-    init_random_head,
-    load_head,
-    sha256_file,
-    validate_head,
-)
+from adapt.checkpoint import import_head, init_random_head, load_head
+from headspec.errors import HeadError
+from headspec.files import sha256_file
+from headspec.validate import validate_head
 from adapt.drafter import propose
-from adapt.evaluate import draft_all_positions, simulate
+from evaluation.offline import draft_all_positions, simulate
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +119,7 @@ def test_tampered_weights(copy, tiny_model):
 
 
 def test_cli_validate_reports_error_as_json(copy, tiny_model):
-    from adapt.cli import app
+    from app.cli import app
 
     (copy / "model.bin").write_bytes(b"x")
     res = CliRunner().invoke(app, ["head", "validate", str(copy), "--target", str(tiny_model), "--json"])
@@ -234,11 +230,11 @@ def _shift_t2d(t):
     (_zero("fc.weight"), r"fc\.weight is all zeros"),
     (_zero("layers.0.self_attn.q_proj.weight"), r"layers\.0\.self_attn\.q_proj\.weight is all zeros"),
     (_zero("embed_tokens.weight"), r"embed_tokens\.weight is all zeros"),
-    (_cast("fc.weight", torch.int8), r"fc\.weight is torch\.int8, config\.json declares torch\.bfloat16"),
-    (_cast("fc.weight", torch.float16), r"fc\.weight is torch\.float16, config\.json declares torch\.bfloat16"),
-    (_cast("lm_head.weight", torch.float32), r"lm_head\.weight is torch\.float32, config\.json declares"),
-    (_cast("d2t", torch.float32), r"d2t is torch\.float32, must be an integer tensor"),
-    (_cast("t2d", torch.int64), r"t2d is torch\.int64, must be a bool mask"),
+    (_cast("fc.weight", torch.int8), r"fc\.weight is int8, config\.json declares bfloat16"),
+    (_cast("fc.weight", torch.float16), r"fc\.weight is float16, config\.json declares bfloat16"),
+    (_cast("lm_head.weight", torch.float32), r"lm_head\.weight is float32, config\.json declares"),
+    (_cast("d2t", torch.float32), r"d2t is float32, must be an integer tensor"),
+    (_cast("t2d", torch.int64), r"t2d is int64, must be a bool mask"),
     (_shift_t2d, r"t2d marks 256 tokens, not exactly the 256 draft tokens d2t maps to"),
 ])
 def test_broken_tensor_refused(copy, tiny_model, edit, message):
@@ -292,7 +288,8 @@ def test_head_in_its_declared_float_dtype_is_valid(copy, tiny_model, dtype, name
 def test_head_with_attention_bias_is_valid(tiny_model, tmp_path):
     """init_from_target zeroes the biases: a head written with them validates."""
     from adapt.checkpoint import _target_embeddings, save_head
-    from adapt.drafter import DrafterConfig, PEagleDrafter
+    from adapt.drafter import PEagleDrafter
+    from headspec.config import DrafterConfig
 
     cfg = DrafterConfig.from_target(tiny_model, 3, 256)
     cfg.attention_bias = True

@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adapt.checkpoint import init_random_head, load_head, save_head, validate_head
-from adapt.evaluate import all_step_inputs, estimate_acceptance, parse_prometheus_spec
+from adapt.checkpoint import init_random_head, load_head, save_head
+from headspec.validate import validate_head
+from evaluation.offline import all_step_inputs, estimate_acceptance
+from serving.metrics import SpecSnapshot
 from adapt.hidden_states import TargetRunner
-from tests.services import VllmServer
 
 K = 3
 MAX_NEW = 40
@@ -79,13 +80,12 @@ def trained(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spec_server(trained, tmp_path_factory):
+def spec_server(trained, start_replica):
     head, _, _ = trained
     t0 = time.monotonic()
-    server = VllmServer(tmp_path_factory.mktemp("vllm-spec"), trained[1].target_dir, head=head, k=K,
-                        dtype="float32", extra_args=["--enforce-eager"])
-    # float32 instead of the harness default bf16 (see module docstring).
-    server.start()
+    # float32 instead of the target's bf16 (see module docstring).
+    server = start_replica(trained[1].target_dir, head, K, extra_args=("--dtype", "float32", "--enforce-eager"),
+                           name="vllm-spec")
     server.start_seconds = time.monotonic() - t0
     try:
         yield server
@@ -111,14 +111,14 @@ def test_trained_head_is_valid(trained, tiny_model):
 
 def test_vllm_serves_head_and_matches_offline_acceptance(trained, spec_server):
     head, runner, prompts = trained
-    before = parse_prometheus_spec(spec_server.metrics())
+    before = SpecSnapshot.from_text(spec_server.metrics())
     for p in prompts:
         got = _complete(spec_server, p)
         # Greedy speculative decoding must not change the target's output.
         assert got == runner.greedy(p, MAX_NEW), f"spec-decoded output differs for prompt {p}"
-    after = parse_prometheus_spec(spec_server.metrics())
-    vllm = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    vllm_pos = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or [0] * K)]
+    d = SpecSnapshot.from_text(spec_server.metrics()).minus(before)
+    vllm = {"num_drafts": d.drafts, "num_draft_tokens": d.draft_tokens, "num_accepted_tokens": d.accepted}
+    vllm_pos = d.per_pos
     assert vllm["num_drafts"] > 0 and vllm["num_draft_tokens"] == K * vllm["num_drafts"]
     assert sum(vllm_pos) == vllm["num_accepted_tokens"]
     assert vllm["num_accepted_tokens"] > 0, "distilled head should get some drafts accepted"

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapt.config import dump_toml, load_config
+from settings.config import dump_toml, load_config
 from tests.services import ManagedProcess, MlflowServer, free_ports
 
 pytestmark = pytest.mark.services
@@ -97,7 +97,7 @@ def cfg_for(loop, model: str, **over):
 
 
 def opts_for(loop, **kw):
-    from adapt.cycle import CycleOptions
+    from loop.cycle import CycleOptions
 
     return CycleOptions(live_head=str(loop.live), bench_url=loop.pool.replicas[0].url, **kw)
 
@@ -118,8 +118,8 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.5):
 
 
 def test_full_cycle_registers_everything_and_rejected_candidate_is_never_served(loop):
-    from adapt.cycle import run_cycle
-    from adapt.registry import Registry
+    from loop.cycle import run_cycle
+    from loop.registry import Registry
 
     # A margin no tiny random head can clear: the candidate must be registered as rejected.
     cfg = cfg_for(loop, "drafter-cycle", gate={"min_acceptance_gain": 10.0})
@@ -147,7 +147,7 @@ def test_full_cycle_registers_everything_and_rejected_candidate_is_never_served(
                 "train.steps", "gate.passed"):
         assert key in m, (key, sorted(m))
     ev = out["steps"]["evaluate"]
-    if ev["candidate"] is not None:  # adapt.evaluate present: offline acceptance is logged too
+    if ev["candidate"] is not None:  # evaluation.offline present: offline acceptance is logged too
         assert any(k.startswith("offline.candidate") for k in m)
     for key in ("parent_version", "train_snapshot_id", "heldout_snapshot_id", "training.max_steps", "gate.confidence"):
         assert key in p
@@ -171,7 +171,7 @@ def test_full_cycle_registers_everything_and_rejected_candidate_is_never_served(
 
 def _crash_child(cfg_path: str, cycle_id: str, bench_url: str, live: str) -> None:
     """Run a cycle and die like a killed process right after the model version is created."""
-    from adapt.cycle import CycleOptions, run_cycle
+    from loop.cycle import CycleOptions, run_cycle
 
     def fault(point: str) -> None:
         if point == "register.version_created":
@@ -181,8 +181,8 @@ def _crash_child(cfg_path: str, cycle_id: str, bench_url: str, live: str) -> Non
 
 
 def test_killed_cycle_rerun_yields_exactly_one_version(loop):
-    from adapt.cycle import load_state, run_cycle
-    from adapt.registry import Registry
+    from loop.cycle import load_state, run_cycle
+    from loop.registry import Registry
 
     cfg = cfg_for(loop, "drafter-kill")
     path = loop.dir / "kill.toml"
@@ -205,9 +205,9 @@ def test_killed_cycle_rerun_yields_exactly_one_version(loop):
 
 def test_stage_moves_are_followed_within_30s_and_live_drop_rolls_back(loop, tiny_model):
     from adapt.checkpoint import init_random_head
-    from adapt.cli import app
-    from adapt.registry import T_PREVIOUS, Registry, import_head
-    from serving.controller import Controller
+    from app.cli import app
+    from loop.registry import T_PREVIOUS, Registry, import_head
+    from loop.controller import Controller
     from typer.testing import CliRunner
 
     cfg = cfg_for(loop, "drafter-follow")
@@ -265,8 +265,8 @@ def test_stage_moves_are_followed_within_30s_and_live_drop_rolls_back(loop, tiny
 
 
 def test_controller_survives_mlflow_outage(loop, s3_server, tmp_path):
-    from adapt.registry import Registry, import_head
-    from serving.controller import Controller
+    from loop.registry import Registry, import_head
+    from loop.controller import Controller
 
     ml = MlflowServer(tmp_path / "ml", s3_server).start()
     cfg = cfg_for(loop, "drafter-outage", mlflow={"tracking_uri": ml.tracking_uri})
@@ -298,7 +298,7 @@ def test_controller_survives_mlflow_outage(loop, s3_server, tmp_path):
 
 
 def test_nightly_dag_runs_end_to_end_with_dag_test(loop, tmp_path):
-    from adapt.registry import Registry
+    from loop.registry import Registry
 
     cfg = cfg_for(loop, "drafter-nightly")
     cfg_path = loop.dir / "nightly.toml"
@@ -320,7 +320,7 @@ def test_nightly_dag_runs_end_to_end_with_dag_test(loop, tmp_path):
     print(f"dag.test: {time.perf_counter() - t0:.1f}s")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "DAGRUN_STATE" in p.stdout
-    from adapt.cycle import summary
+    from loop.cycle import summary
 
     out = summary(cfg, "nightly-1")
     assert out["complete"] and out["version"] is not None

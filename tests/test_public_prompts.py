@@ -2,7 +2,7 @@
 
 import pytest
 
-from adapt import public_prompts as pp
+from traffic import public_prompts as pp
 
 
 def test_public_prompt_sources(tmp_path_factory):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-from adapt.config import load_config
+from settings.config import load_config
 
 
 def test_pool_status_says_plainly_when_production_is_slower_than_no_speculation(tiny_model, tmp_path):
     from adapt.checkpoint import init_random_head
-    from adapt.registry import T_SPEEDUP, Registry, import_head, slower_than_nospec, speedups
-    from serving.cli import _production_warnings
+    from loop.registry import T_SPEEDUP, Registry, import_head, slower_than_nospec, speedups
+    from app.commands.serving import _production_warnings
 
     cfg = load_config(overrides={"state_dir": str(tmp_path), "target": {"model": str(tiny_model)},
                                  "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
@@ -32,7 +32,7 @@ def test_pool_status_says_plainly_when_production_is_slower_than_no_speculation(
 
 
 def test_pool_status_survives_an_unreachable_registry(tmp_path):
-    from serving.cli import _production_warnings
+    from app.commands.serving import _production_warnings
 
     cfg = load_config(overrides={"state_dir": str(tmp_path),
                                  "mlflow": {"tracking_uri": "http://127.0.0.1:9", "artifact_location": "",

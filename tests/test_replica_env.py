@@ -65,7 +65,7 @@ def test_reserved_cores_leaves_an_operators_value_and_gpu_builds_alone(monkeypat
 
 
 def test_the_serving_config_reaches_the_replica_env(tmp_path):
-    from adapt.config import load_config
+    from settings.config import load_config
     from serving.pool import replica_specs
 
     cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"cpu_reserved_cores": 1}})
@@ -77,7 +77,7 @@ def test_the_serving_config_reaches_the_replica_env(tmp_path):
 
 
 def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
-    from adapt.config import load_config
+    from settings.config import load_config
     from serving.pool import BENCH_PORT_OFFSET, bench_replica_spec, replica_specs
 
     from serving.pool import NO_PREFIX_CACHE

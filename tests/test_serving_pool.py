@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from adapt.checkpoint import init_random_head
-from adapt.config import dump_toml, load_config
-from serving.loadgen import SteadyLoad
+from settings.config import dump_toml, load_config
+from traffic.loadgen import SteadyLoad
 from tests.services import free_ports
 
 pytestmark = pytest.mark.services
@@ -74,7 +74,7 @@ def heads(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
     blob[-3] ^= 0xFF  # one flipped bit pattern in the last tensor's data: manifest sha256 no longer matches
     (corrupt / "model.safetensors").write_bytes(bytes(blob))
     h["corrupt"] = corrupt
-    from adapt.model_zoo import build_tiny_llama
+    from targets.model_zoo import build_tiny_llama
 
     other = build_tiny_llama(d / "other-target", hidden_size=64, intermediate_size=128)
     h["foreign"] = init_random_head(other, d / "foreign", k=3, seed=4, draft_vocab_size=256)
@@ -195,7 +195,7 @@ def test_unauthenticated_swap_is_refused(stack, heads):
     # The CLI without a token refuses before sending anything.
     noauth = stack.cfg_file.with_name("noauth.toml")
     noauth.write_text(stack.cfg_file.read_text().replace(f'admin_token = "{TOKEN}"', 'admin_token = ""'))
-    p = subprocess.run([sys.executable, "-m", "adapt", "swap", str(heads["e1"]), "--json", "--config", str(noauth)],
+    p = subprocess.run([sys.executable, "-m", "app", "swap", str(heads["e1"]), "--json", "--config", str(noauth)],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
                        cwd=REPO)
     assert p.returncode == 2 and "admin token" in p.stderr
@@ -224,7 +224,7 @@ def test_inplace_swap_under_load_has_zero_failures(stack, heads):
     ref = greedy(r0.url, prompts)
     with SteadyLoad(stack.url, MODEL) as load:
         time.sleep(3)
-        p = subprocess.run([sys.executable, "-m", "adapt", "swap", str(heads["e1"]), "--json",
+        p = subprocess.run([sys.executable, "-m", "app", "swap", str(heads["e1"]), "--json",
                             "--config", str(stack.cfg_file)], capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
         time.sleep(3)
@@ -297,7 +297,7 @@ def test_hot_swap_matches_cold_start_and_leaves_target_alone(stack, heads):
 
 def test_pool_status_cli(stack):
     stack.run_coro(stack.pool.sample_metrics(), 60)
-    p = subprocess.run([sys.executable, "-m", "adapt", "pool", "status", "--json", "--config", str(stack.cfg_file)],
+    p = subprocess.run([sys.executable, "-m", "app", "pool", "status", "--json", "--config", str(stack.cfg_file)],
                        capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
     assert p.returncode == 0, p.stderr
@@ -318,7 +318,7 @@ def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
     r = stack.pool.replicas[1]
     stack.run_coro(stack.pool.drain(r.url), 120)
     try:
-        p = subprocess.run([sys.executable, "-m", "adapt", "bench", "--candidate", str(heads["e0"]),
+        p = subprocess.run([sys.executable, "-m", "app", "bench", "--candidate", str(heads["e0"]),
                             "--live", str(heads["r1"]), "--heldout", str(held), "--url", r.url,
                             "--out", str(tmp_path / "bench"), "--json", "--config", str(stack.cfg_file)],
                            capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)),

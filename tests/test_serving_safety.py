@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from adapt.config import load_config
+from settings.config import load_config
 from serving.admin import ExposureError, check_exposure, token_weakness
 from serving.capture_writer import CaptureWriter
 from serving.pool import Pool
@@ -74,8 +74,8 @@ def test_serving_stack_refuses_before_starting_anything(tmp_path, monkeypatch):
 def test_adapt_serve_and_controller_refuse_with_a_clear_error(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from adapt.cli import app
-    from adapt.config import dump_toml
+    from app.cli import app
+    from settings.config import dump_toml
 
     monkeypatch.delenv("ADAPT_ADMIN_TOKEN", raising=False)
     cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"host": "0.0.0.0"}})
@@ -87,7 +87,7 @@ def test_adapt_serve_and_controller_refuse_with_a_clear_error(tmp_path, monkeypa
 
 
 def test_controller_health_endpoint_refuses_off_loopback_with_a_weak_token(tmp_path):
-    from serving.controller import Controller
+    from loop.controller import Controller
 
     cfg = load_config(overrides={"state_dir": str(tmp_path)})
     with pytest.raises(ExposureError, match="health endpoint"):

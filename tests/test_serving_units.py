@@ -237,7 +237,7 @@ def test_capture_writer_s3_is_read_back_by_capture(s3_server, tmp_path: Path):
     from capture.ingest import ingest
     from capture.records import make_capture_record
     from capture.warehouse import Warehouse
-    from adapt.config import load_config
+    from settings.config import load_config
 
     dest = f"s3://{s3_server.bucket}/router-capture"
     cfg = load_config(overrides={"state_dir": str(tmp_path), "s3": {"endpoint_url": s3_server.endpoint_url},
@@ -266,7 +266,7 @@ def test_capture_writer_s3_is_read_back_by_capture(s3_server, tmp_path: Path):
 
 
 def test_steady_load_counts_every_request_and_names_failures():
-    from serving.loadgen import SteadyLoad
+    from traffic.loadgen import SteadyLoad
 
     app = FastAPI()
     app.state.n = 0
@@ -295,7 +295,8 @@ def test_steady_load_counts_every_request_and_names_failures():
 
 def test_swap_smoke_and_bench_wait_for_a_slow_metrics_endpoint(monkeypatch, tmp_path: Path):
     """On a loaded CPU host /metrics can take seconds: a measurement's snapshot waits MEASURE_TIMEOUT, not 5 s."""
-    from serving import bench, swap
+    from serving import swap
+    from evaluation import bench
     from serving.metrics import MEASURE_TIMEOUT
 
     seen: list[tuple[str, float]] = []

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adapt.checkpoint import validate_head
-from adapt.config import load_config
+from headspec.validate import validate_head
+from settings.config import load_config
 from adapt.train import ShapeChangeError, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model,
     recomputed on demand, identically."""
     import adapt.train as T
     from adapt.data import tokenize_rows
-    from adapt.drafter import default_aux_layer_ids
+    from headspec.config import default_aux_layer_ids
 
     rss = {"now": 1 << 30}
     monkeypatch.setattr(T, "process_rss_bytes", lambda: rss["now"])
@@ -183,7 +183,7 @@ def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tin
     import adapt.hidden_states as H
     import adapt.train as T
     from adapt.data import tokenize_rows
-    from adapt.drafter import default_aux_layer_ids
+    from headspec.config import default_aux_layer_ids
     from adapt.loss import collate, peagle_loss
 
     draft = torch.randperm(512, generator=torch.Generator().manual_seed(0))[:200]
@@ -289,7 +289,7 @@ def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
 
 @pytest.mark.parametrize("amx, avx512_bf16, want", [(True, False, True), (False, True, True), (False, False, False)])
 def test_auto_dtype_is_bf16_where_the_cpu_multiplies_bf16_natively(monkeypatch, amx, avx512_bf16, want):
-    from adapt.train import use_bf16_autocast
+    from adapt.device import use_bf16_autocast
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
@@ -351,7 +351,7 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
         "import json, sys\n"
-        "from adapt.config import load_config\nfrom adapt.data import read_sharegpt_jsonl\nfrom adapt.train import train\n"
+        "from settings.config import load_config\nfrom adapt.data import read_sharegpt_jsonl\nfrom adapt.train import train\n"
         f"cfg = load_config(None, {{'state_dir': {str(tmp_path / 'st')!r}, 'target': {{'model': {str(tiny_model)!r}}},"
         " 'head': {'draft_vocab_size': 256}, 'training': {'max_steps': 3, 'max_minutes': 30, 'batch_tokens': 200, 'max_seq_len': 100}})\n"
         f"r = train(cfg, read_sharegpt_jsonl({str(data)!r}), None, {str(tmp_path / 'ddp')!r}, progress=False)\n"
@@ -381,8 +381,8 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
 def test_cli_train_on_jsonl_reports_losses_and_offline_acceptance(tiny_model, tmp_path):
     from typer.testing import CliRunner
 
-    from adapt.cli import app
-    from adapt.config import dump_toml
+    from app.cli import app
+    from settings.config import dump_toml
 
     cfg = make_cfg(tmp_path, tiny_model)
     cfg.bench.max_tokens = 8

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from adapt.data import build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts, Example
-from adapt.drafter import DrafterConfig, PEagleDrafter, build_draft_inputs
+from adapt.drafter import PEagleDrafter, build_draft_inputs
+from headspec.config import DrafterConfig
 from adapt.layout import build_layout, chain_depths
 from adapt.loss import Features, collate, label_rows, peagle_loss
 

@@ -19,11 +19,11 @@ import httpx
 import pytest
 import torch
 
-from adapt.config import load_config
-from adapt.evaluate import estimate_acceptance, parse_prometheus_spec
+from settings.config import load_config
+from evaluation.offline import estimate_acceptance
+from serving.metrics import SpecSnapshot
 from adapt.hidden_states import TargetRunner
 from adapt.train import train
-from tests.services import VllmServer
 
 K = 3
 MAX_NEW = 40
@@ -67,8 +67,8 @@ def adapted(tiny_model, tmp_path_factory):
     return work / "head", runner, held, res
 
 
-def _serve_and_count(server: VllmServer, prompts: list[list[int]]) -> tuple[list[list[int]], float, list[float]]:
-    before = parse_prometheus_spec(server.metrics())
+def _serve_and_count(server, prompts: list[list[int]]) -> tuple[list[list[int]], float, list[float]]:
+    before = SpecSnapshot.from_text(server.metrics())
     outs = []
     for p in prompts:
         r = httpx.post(server.url + "/v1/completions", timeout=180, json={
@@ -76,27 +76,22 @@ def _serve_and_count(server: VllmServer, prompts: list[list[int]]) -> tuple[list
             "ignore_eos": True, "return_token_ids": True})
         r.raise_for_status()
         outs.append(r.json()["choices"][0]["token_ids"])
-    after = parse_prometheus_spec(server.metrics())
-    drafts = after["num_drafts"] - before["num_drafts"]
-    acc = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-    per_pos = [(a - b) / drafts for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or [0] * K)]
+    d = SpecSnapshot.from_text(server.metrics()).minus(before)
+    drafts, acc = d.drafts, d.accepted
+    per_pos = [x / drafts for x in d.per_pos]
     assert drafts > 0
     return outs, 1 + acc / drafts, per_pos
 
 
-def test_trained_head_beats_untrained_in_vllm_with_identical_text(adapted, vllm_server, tmp_path_factory):
+def test_trained_head_beats_untrained_in_vllm_with_identical_text(adapted, vllm_server, start_replica):
     head, runner, held, res = adapted
     assert res.steps > 20 and res.loss_curve[-1] < res.loss_curve[0]
     # Untrained head: the session's server (random head, K=3).
     _, base_mal, base_pos = _serve_and_count(vllm_server, held)
 
     t0 = time.monotonic()
-    server = VllmServer(tmp_path_factory.mktemp("vllm-trained"), runner.target_dir, head=head, k=K,
-                        extra_args=["--enforce-eager"])
-    plain = server.command
-    server.command = lambda port: [("float32" if prev == "--dtype" else a)
-                                   for prev, a in zip([None] + plain(port)[:-1], plain(port))]
-    server.start()
+    server = start_replica(runner.target_dir, head, K, extra_args=("--dtype", "float32", "--enforce-eager"),
+                           name="vllm-trained")
     try:
         outs, mal, pos = _serve_and_count(server, held)
     finally:

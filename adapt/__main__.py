@@ -1,3 +1,0 @@
-from adapt.cli import main
-
-main()

@@ -1,0 +1,20 @@
+"""`adapt demo`: the main job on the embedded default config."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from app.common import ConfigOpt, JsonOpt, emit, get_config
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
+        """Pool + capturing router, bootstrap a head, adapt it to drifted traffic, gate, hot-swap, roll back."""
+        from loop.demo import render, run_demo, stderr_log
+
+        cfg = get_config(config)
+        report = run_demo(cfg, stderr_log(time.monotonic()))
+        emit(report, json_, human=render(report))

@@ -1,0 +1,34 @@
+"""`adapt models prepare`: build the cached target model directories."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from targets import model_zoo
+from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+
+
+def register(app: typer.Typer) -> None:
+    models = typer.Typer(help="Target model cache.", no_args_is_help=True)
+    app.add_typer(models, name="models")
+
+    @models.command("prepare")
+    def prepare(
+        config: ConfigOpt = None,
+        json_: JsonOpt = False,
+        tiny: bool = typer.Option(False, "--tiny", help="Also build the tiny random test model."),
+    ) -> None:
+        """Convert the configured target once into a cached bf16 safetensors directory."""
+        cfg = get_config(config)
+        out = {}
+        t0 = time.perf_counter()
+        try:
+            out["target"] = str(model_zoo.ensure_target(cfg.target.model, cfg.target.model_cache))
+            if tiny:
+                out["tiny"] = str(model_zoo.ensure_target("tiny", cfg.target.model_cache))
+        except model_zoo.ModelZooError as exc:
+            fail(str(exc))
+        out["seconds"] = round(time.perf_counter() - t0, 2)
+        emit(out, json_, human="\n".join(f"{k}: {v}" for k, v in out.items()))

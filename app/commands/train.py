@@ -1,0 +1,90 @@
+"""`adapt train`: fine-tune (or bootstrap) a P-EAGLE head on captured traffic."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+
+
+def _rows(cfg, data: Optional[Path], split: str) -> list[dict]:
+    """ShareGPT rows from a JSONL file, else the warehouse split captured so far."""
+    from adapt.data import read_sharegpt_jsonl
+
+    if data is not None:
+        return read_sharegpt_jsonl(data)
+    from capture.split import load_split
+
+    return load_split(cfg, split)
+
+
+def _offline_estimate(cfg, rows):
+    """The exported head's offline acceptance on ``rows``, computed with the target runner training loaded."""
+    from evaluation.offline import estimate_acceptance
+
+    def run(head_dir, runner):
+        return estimate_acceptance(head_dir, runner.target_dir, rows, max_new_tokens=cfg.bench.max_tokens, runner=runner)
+
+    return run
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train_cmd(
+        base: Optional[str] = typer.Option(None, "--base", help="Warm-start head: directory or models:/name/version."),
+        out: Optional[Path] = typer.Option(None, "--out", help="Output head directory (default: a new one in [head].heads_dir)."),
+        data: Optional[Path] = typer.Option(None, "--data", help="ShareGPT JSONL to train on (default: the warehouse train split)."),
+        replay: Optional[Path] = typer.Option(None, "--replay", help="ShareGPT JSONL of older conversations to replay."),
+        eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="ShareGPT JSONL for offline acceptance (default: held-out split when --data is not given)."),
+        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Override [training].max_steps."),
+        max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Override [training].max_minutes."),
+        config: ConfigOpt = None,
+        json_: JsonOpt = False,
+    ) -> None:
+        """Train a head; prints its directory, steps, tokens/s, final loss per depth and offline acceptance."""
+        from adapt.train import ShapeChangeError, train
+
+        cfg = get_config(config)
+        if max_steps is not None:
+            cfg.training.max_steps = max_steps
+        if max_minutes is not None:
+            cfg.training.max_minutes = max_minutes
+        try:
+            rows = _rows(cfg, data, "train")
+            replay_rows = _rows(cfg, replay, "train") if replay else None
+            if eval_data is not None:
+                eval_rows = _rows(cfg, eval_data, "heldout")
+            else:
+                eval_rows = None if data is not None else _rows(cfg, None, "heldout")
+        except (FileNotFoundError, ValueError) as exc:
+            fail(str(exc))
+        if not rows:
+            fail("no training conversations (ingest traffic first, or pass --data FILE.jsonl)")
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        out_dir = out or Path(cfg.head.heads_dir) / f"head-{stamp}"
+        try:
+            res = train(cfg, rows, base, out_dir, replay_rows, progress=not json_,
+                        after_export=_offline_estimate(cfg, eval_rows) if eval_rows else None)
+        except (ShapeChangeError, FileNotFoundError, ValueError) as exc:
+            fail(str(exc))
+        obj = {
+            "out_dir": res.out_dir,
+            "steps": res.steps,
+            "tokens": res.tokens,
+            "tokens_per_s": res.tokens_per_s,
+            "final_depth_loss": res.final_depth_loss,
+            "final_depth_acc": res.final_depth_acc,
+            "parent_sha": res.parent_sha,
+            "data_snapshot": res.data_snapshot,
+            "num_examples": res.num_examples,
+            "acceptance": res.acceptance,
+        }
+        human = (f"head: {res.out_dir}\nsteps: {res.steps}  tokens/s: {res.tokens_per_s}\n"
+                 f"loss per depth: {[round(x, 4) for x in res.final_depth_loss]}\n"
+                 f"top-1 per depth: {[round(x, 3) for x in res.final_depth_acc]}\n"
+                 f"offline acceptance: {res.acceptance}")
+        emit(obj, json_, human=human)

@@ -1,0 +1,183 @@
+"""Offline acceptance of a head under greedy verification, counted as vLLM counts it.
+
+vLLM's loop per request: the target has processed m tokens and sampled x_m; the
+drafter proposes K tokens in one parallel pass; the target verifies them and the
+longest matching prefix (a tokens) plus one target token are accepted, so m
+advances by a+1. Counters: num_drafts += 1, num_draft_tokens += K,
+num_accepted_tokens += a, accepted_per_pos[i] += 1 for i < a, and
+mean_acceptance_length = 1 + accepted / drafts.
+
+Because context slots never attend to mask slots, the drafts for *every*
+possible m come out of one drafter forward per conversation: the context slots
+once, plus K-1 mask slots per candidate m that see only context slots < m.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from adapt.checkpoint import load_head
+from adapt.drafter import PEagleDrafter
+from adapt.hidden_states import TargetRunner
+
+
+def all_step_inputs(cfg, seq: torch.Tensor, aux: torch.Tensor, start: int, end: int,
+                    device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One drafter input (batch 1) holding the drafting pass of every step m in [start, end).
+
+    ``seq`` [N] is the full token sequence, ``aux`` [N, n_aux*Ht] its target aux
+    states; step m needs seq[:m+1]. Returns forward() kwargs and ``sample``
+    Long[S, K]: the slots whose logits are drafts 1..K of each step (their
+    labels are seq[m+1..m+K]).
+    """
+    K = cfg.num_speculative_tokens
+    N = int(seq.shape[0])
+    if not 1 <= start <= end <= N:
+        raise ValueError(f"bad step range [{start},{end}) for a sequence of {N}")
+    dev = torch.device(device)
+    C = N - 1  # context slot i: token seq[i+1], hidden aux[i], position i
+    steps = torch.arange(start, end, device=dev)
+    S = int(steps.numel())
+    M = S * (K - 1)
+    n = C + M
+    ids = torch.full((n,), cfg.ptd_token_id, dtype=torch.long, device=dev)
+    ids[:C] = seq[1:].to(dev)
+    pos = torch.empty(n, dtype=torch.long, device=dev)
+    pos[:C] = torch.arange(C, device=dev)
+    off = torch.arange(K - 1, device=dev)
+    pos[C:] = (steps[:, None] + off[None]).flatten()
+    hid = torch.zeros(n, aux.shape[-1], dtype=aux.dtype, device=dev)
+    hid[:C] = aux[:C].to(dev)
+    is_mask = torch.zeros(n, dtype=torch.bool, device=dev)
+    is_mask[C:] = True
+    # Context slots are causal; a mask slot of step m sees context slots < m
+    # (the bonus slot m-1 included) and the earlier mask slots of its own block.
+    allow = torch.zeros(n, n, dtype=torch.bool, device=dev)
+    allow[:C, :C] = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+    step_of = steps.repeat_interleave(K - 1)
+    allow[C:, :C] = torch.arange(C, device=dev)[None] < step_of[:, None]
+    j = torch.arange(M, device=dev)
+    allow[C:, C:] = (j[:, None] // (K - 1) == j[None] // (K - 1)) & (j[:, None] >= j[None])
+    sample = torch.cat([(steps - 1)[:, None], C + j.view(S, K - 1)], dim=1)
+    kwargs = {"input_ids": ids[None], "positions": pos[None], "aux_hidden": hid[None],
+              "is_mask": is_mask[None], "attn_mask": allow[None]}
+    return kwargs, sample
+
+
+@torch.no_grad()
+def draft_all_positions(model: PEagleDrafter, seq: torch.Tensor, aux: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Greedy K-token drafts (target ids) for every step m in [start, end): Long[S, K]."""
+    dev = next(model.parameters()).device
+    kwargs, sample = all_step_inputs(model.config, seq, aux.to(next(model.parameters()).dtype), start, end, dev)
+    logits = model(**kwargs)[0]
+    return model.draft_to_target(logits[sample].argmax(-1)).cpu()
+
+
+def simulate(seq: Sequence[int], drafts: torch.Tensor, prompt_len: int, max_new_tokens: int,
+             stop_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """Walk vLLM's greedy verify loop over a precomputed greedy ``seq``.
+
+    ``drafts[m - prompt_len]`` are the K drafts proposed after m tokens.
+    """
+    K = drafts.shape[1]
+    per_pos = [0] * K
+    num_drafts = accepted = 0
+    m, generated = prompt_len, 1
+    stop = set(stop_ids)
+    if seq[prompt_len] in stop:
+        generated = max_new_tokens
+    while generated < max_new_tokens:
+        d = drafts[m - prompt_len].tolist()
+        a = 0
+        while a < K and m + 1 + a < len(seq) and d[a] == seq[m + 1 + a]:
+            a += 1
+        num_drafts += 1
+        accepted += a
+        for i in range(a):
+            per_pos[i] += 1
+        new = seq[m + 1: m + a + 2]
+        m += a + 1
+        generated += a + 1
+        if stop & set(new):
+            break
+    return {"num_drafts": num_drafts, "num_draft_tokens": num_drafts * K,
+            "num_accepted_tokens": accepted, "accepted_per_pos": per_pos}
+
+
+def summarize(counts: dict[str, Any]) -> dict[str, Any]:
+    nd = counts["num_drafts"]
+    out = dict(counts)
+    out["mean_acceptance_length"] = 1 + counts["num_accepted_tokens"] / nd if nd else 1.0
+    out["acceptance_rate_per_pos"] = [c / nd if nd else 0.0 for c in counts["accepted_per_pos"]]
+    out["draft_acceptance_rate"] = counts["num_accepted_tokens"] / counts["num_draft_tokens"] if nd else 0.0
+    return out
+
+
+def estimate_acceptance(
+    head_dir: str | Path,
+    target_dir: str | Path,
+    conversations: Sequence[dict[str, Any]] | None = None,
+    max_new_tokens: int = 64,
+    *,
+    prompts_ids: Sequence[Sequence[int]] | None = None,
+    ignore_eos: bool = False,
+    device: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    runner: TargetRunner | None = None,
+) -> dict[str, Any]:
+    """Offline per-position acceptance and mean acceptance length of ``head_dir``.
+
+    Prompts are the conversations up to their last assistant turn (rendered with
+    the chat template, generation prompt added) or raw ``prompts_ids``.
+    """
+    model, manifest = load_head(head_dir)
+    cfg = model.config
+    runner = runner or TargetRunner(target_dir, cfg.aux_layer_ids, device=device, dtype=dtype)
+    if runner.aux_layer_ids != sorted(cfg.aux_layer_ids):
+        raise ValueError("runner aux layers differ from the head's")
+    model = model.to(runner.device)
+    K = cfg.num_speculative_tokens
+    prompts = [list(p) for p in (prompts_ids or [])] + [runner.prompt_ids(r) for r in (conversations or [])]
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    eos = runner.tokenizer.eos_token_id
+    stop_ids = () if ignore_eos or eos is None else (eos,)
+    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * K}
+    generated = 0
+    for prompt in prompts:
+        # K extra tokens: the last verification may look that far past the budget.
+        cont = runner.greedy(prompt, max_new_tokens + K)
+        seq = prompt + cont
+        aux, _ = runner.forward(torch.tensor(seq), with_logits=False)
+        n = len(prompt)
+        end = min(n + max_new_tokens, len(seq) - 1)
+        drafts = draft_all_positions(model, torch.tensor(seq), aux.float(), n, end)
+        c = simulate(seq, drafts, n, max_new_tokens, stop_ids)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            total[key] += c[key]
+        total["accepted_per_pos"] = [x + y for x, y in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
+        generated += min(max_new_tokens, len(cont))
+    out = summarize(total)
+    out.update({"num_prompts": len(prompts), "num_generated_tokens": generated, "k": K,
+                "head_sha256": manifest.get("sha256"), "max_new_tokens": max_new_tokens})
+    return out
+
+
+def evaluate_head(head_dir: str | Path, target_dir: str | Path, rows: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
+    """Config-driven wrapper (used by the training recipe)."""
+    max_new = getattr(getattr(cfg, "bench", None), "max_tokens", 64)
+    device = getattr(getattr(cfg, "training", None), "device", "auto")
+    return estimate_acceptance(head_dir, target_dir, rows, max_new_tokens=max_new, device=device)
+
+
+def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows

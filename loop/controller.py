@@ -1,0 +1,310 @@
+"""The controller daemon: keeps the pool on the registry's Production version.
+
+Each poll (``[controller].poll_seconds``):
+
+1. reconcile  Production version (alias ``champion`` kept in step) → if any
+              healthy replica serves another head sha256, ask the router to swap
+              (``POST /admin/swap``: validate, canary, one by one, roll back on
+              failure — the serving issue's swap protocol).
+2. watch      live mean acceptance length over the pool (``/admin/status``,
+              pooled over replicas by drafts) against the version's benchmarked
+              value (its run's ``replay.candidate.mean_acceptance_length``):
+              below ``rollback_fraction`` of it → move the previous Production
+              version back to Production (once per version); below
+              ``drift_fraction`` → trigger the nightly DAG early (with a cooldown).
+
+Every decision is one JSON log line (``event`` + fields) and kept in a ring the
+health endpoint serves. Failures of MLflow or the router never end the loop: the
+next poll is delayed with exponential backoff (capped) and health says degraded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import httpx
+
+from loop import registry as reg_mod
+from serving.admin import check_exposure
+
+log = logging.getLogger("adapt.controller")
+
+BENCH_METRIC = "replay.candidate.mean_acceptance_length"
+NIGHTLY_DAG = "drafter_nightly_adaptation"
+
+
+class Controller:
+    """Reconcile + watch loop, with a health endpoint. ``reconcile()`` is usable alone (one pass)."""
+
+    def __init__(self, cfg: Any, *, router_url: str | None = None, admin_token: str | None = None,
+                 poll_seconds: float | None = None, rollback_fraction: float | None = None,
+                 drift_fraction: float = 0.9, min_live_drafts: float = 50.0, max_backoff: float = 60.0,
+                 trigger: Callable[[dict[str, Any]], Any] | None = None, trigger_cooldown_s: float = 6 * 3600,
+                 health_host: str = "127.0.0.1", health_port: int | None = None,
+                 request_timeout: float = 600.0) -> None:
+        # Fail fast inside a poll instead of MLflow's minutes of retries; the loop does the retrying.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        self.cfg = cfg
+        self.router_url = (router_url or f"http://{cfg.serving.host}:{cfg.serving.router_port}").rstrip("/")
+        token = admin_token if admin_token is not None else cfg.serving.resolved_admin_token()
+        if health_port is not None:  # its events name versions, replicas and errors
+            check_exposure(health_host, token, "the controller's health endpoint")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.poll = poll_seconds or cfg.controller.poll_seconds
+        self.rollback_fraction = cfg.controller.rollback_fraction if rollback_fraction is None else rollback_fraction
+        self.drift_fraction = drift_fraction
+        self.min_live_drafts = min_live_drafts
+        self.max_backoff = max_backoff
+        self.trigger = trigger if trigger is not None else airflow_trigger_from_env()
+        self.trigger_cooldown_s = trigger_cooldown_s
+        self.request_timeout = request_timeout
+        self.registry = reg_mod.Registry(cfg)
+        self.events: deque[dict[str, Any]] = deque(maxlen=500)
+        self.failures = 0
+        self.last_ok: float | None = None
+        self.last_error: str | None = None
+        self.serving_version: str | None = None
+        self.rolled_back: set[str] = set()
+        self.last_trigger: float = 0.0
+        self._bench_cache: dict[str, float | None] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http: ThreadingHTTPServer | None = None
+        self.health_host, self.health_port = health_host, health_port
+        self.polls = 0
+
+    # -- events ------------------------------------------------------------------------
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        ev = {"ts": round(time.time(), 3), "event": kind, **fields}
+        self.events.append(ev)
+        log.info(json.dumps(ev, default=str))
+        return ev
+
+    # -- router ------------------------------------------------------------------------
+
+    def pool_status(self) -> dict[str, Any]:
+        r = httpx.get(self.router_url + "/admin/status", headers=self.headers, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def _swap(self, version: str) -> dict[str, Any]:
+        r = httpx.post(self.router_url + "/admin/swap", headers=self.headers, timeout=self.request_timeout,
+                       json={"head": self.registry.head_uri(version), "version": str(version)})
+        if r.status_code in (401, 403, 501):
+            r.raise_for_status()
+        return r.json()
+
+    # -- one pass ----------------------------------------------------------------------
+
+    def desired(self) -> Any | None:
+        """The Production version (alias synced to it), or None when nothing is in Production."""
+        prod = self.registry.production()
+        if prod is not None:
+            alias = self.registry.alias_version()
+            if alias != prod.version:
+                self.registry.sync_alias()
+                self.event("alias_synced", version=prod.version, previous_alias=alias)
+        return prod
+
+    def reconcile(self) -> dict[str, Any]:
+        """Make every healthy replica serve the Production version's head; returns the decision event."""
+        prod = self.desired()
+        if prod is None:
+            return self.event("no_production", model=self.registry.name)
+        version = prod.version
+        want = prod.tags.get(reg_mod.T_SHA)
+        if self.serving_version not in (None, version) and not prod.tags.get(reg_mod.T_PREVIOUS):
+            # Moved by hand (UI/API): remember what it replaced so an automatic rollback knows where to go.
+            self.registry.set_tags(version, {reg_mod.T_PREVIOUS: self.serving_version})
+        st = self.pool_status()
+        healthy = [r for r in st.get("replicas", []) if r.get("healthy")]
+        if not healthy:
+            return self.event("no_healthy_replica", version=version)
+        stale = [r["url"] for r in healthy if not want or r.get("head_sha256") != want]
+        if not stale:
+            self.serving_version = version
+            return self.event("in_sync", version=version, sha256=want, replicas=len(healthy))
+        if prod.tags.get(reg_mod.T_GATE) == "rejected":
+            # A person moved a gate-rejected version to Production: the registry decides, but say so loudly.
+            self.event("serving_rejected_version", level="warning", version=version,
+                       reason=prod.tags.get(reg_mod.T_REASON))
+        t0 = time.monotonic()
+        rep = self._swap(version)
+        ev = self.event("swapped" if rep.get("ok") else "swap_failed", version=version, sha256=want,
+                        stale=stale, mode=rep.get("mode"), seconds=round(time.monotonic() - t0, 3),
+                        error=rep.get("error"), rolled_back=rep.get("rolled_back") or None)
+        if rep.get("ok"):
+            self.serving_version = version
+        else:
+            raise ControllerError(f"swap to version {version} failed: {rep.get('error')}")
+        return ev
+
+    def bench_value(self, version: str) -> float | None:
+        """The version's benchmarked mean acceptance length (from its run), cached."""
+        if self._bench_cache.get(version) is None:
+            # Not cached while absent: a benchmark may be logged to the run later.
+            mv = self.registry.get(version)
+            if mv.run_id:
+                self._bench_cache[version] = self.registry.client.get_run(mv.run_id).data.metrics.get(BENCH_METRIC)
+        return self._bench_cache.get(version)
+
+    @staticmethod
+    def live_acceptance(status: dict[str, Any]) -> tuple[float | None, float]:
+        """Pooled live mean acceptance length over replicas (weighted by drafts) and the drafts behind it."""
+        drafts = accepted = 0.0
+        for r in status.get("replicas", []):
+            la = r.get("live_acceptance") or {}
+            drafts += float(la.get("drafts") or 0.0)
+            accepted += float(la.get("accepted_tokens") or 0.0)
+        return (1.0 + accepted / drafts if drafts > 0 else None), drafts
+
+    def watch(self) -> dict[str, Any] | None:
+        """Roll back or trigger adaptation when live acceptance falls against the benchmark."""
+        if self.serving_version is None:
+            return None
+        version = self.serving_version
+        bench = self.bench_value(version)
+        live, drafts = self.live_acceptance(self.pool_status())
+        if bench is None or live is None or drafts < self.min_live_drafts:
+            return None
+        ratio = live / bench
+        if ratio < self.rollback_fraction and version not in self.rolled_back:
+            prev = self.registry.previous_production(version)
+            self.rolled_back.add(version)
+            if prev is None:
+                return self.event("rollback_impossible", version=version, live=live, bench=bench,
+                                  reason="no previous Production version recorded")
+            reason = (f"auto rollback: live mean acceptance length {live:.3f} < "
+                      f"{self.rollback_fraction} x benchmarked {bench:.3f}")
+            self.registry.set_tags(version, {"adapt.rolled_back": reason})
+            self.registry.promote(prev, reason=reason)
+            ev = self.event("rollback", version=version, to=prev, live=live, bench=bench, ratio=ratio)
+            self.reconcile()
+            return ev
+        if ratio < self.drift_fraction and time.time() - self.last_trigger > self.trigger_cooldown_s:
+            self.last_trigger = time.time()
+            ev = {"version": version, "live": live, "bench": bench, "ratio": ratio}
+            result = None
+            if self.trigger is not None:
+                try:
+                    result = self.trigger(ev)
+                except Exception as exc:  # noqa: BLE001 - a failed trigger is reported, not fatal
+                    result = f"trigger failed: {exc}"
+            return self.event("drift_trigger", **ev, result=result)
+        return None
+
+    def step(self) -> None:
+        """One poll; raises on MLflow/router failures (the loop catches them)."""
+        self.reconcile()
+        self.watch()
+
+    # -- loop --------------------------------------------------------------------------
+
+    def run(self, max_polls: int | None = None) -> None:
+        """Poll until :meth:`stop` (or ``max_polls``); never raises out of a poll."""
+        self.event("controller_started", router=self.router_url, model=self.registry.name,
+                   tracking_uri=self.registry.tracking_uri, poll_seconds=self.poll)
+        while not self._stop.is_set():
+            self.polls += 1
+            try:
+                self.step()
+                if self.failures:
+                    self.event("recovered", after_failures=self.failures)
+                self.failures, self.last_ok, self.last_error = 0, time.time(), None
+                delay = self.poll
+            except Exception as exc:  # noqa: BLE001 - outages must not end the daemon
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {str(exc)[:500]}"
+                delay = min(self.max_backoff, self.poll * 2 ** min(self.failures - 1, 10)) * random.uniform(0.8, 1.2)
+                self.event("error", level="error", error=self.last_error, failures=self.failures,
+                           retry_in_s=round(delay, 2))
+            if max_polls is not None and self.polls >= max_polls:
+                break
+            self._stop.wait(delay)
+        self.event("controller_stopped")
+
+    def health(self) -> dict[str, Any]:
+        stale_after = max(3 * self.poll, self.max_backoff * 2)
+        ok = self.failures == 0 and self.last_ok is not None and time.time() - self.last_ok < stale_after
+        return {"status": "ok" if ok else "degraded", "serving_version": self.serving_version,
+                "failures": self.failures, "last_ok": self.last_ok, "last_error": self.last_error,
+                "polls": self.polls, "router": self.router_url, "model": self.registry.name,
+                "last_event": self.events[-1] if self.events else None}
+
+    def start(self) -> "Controller":
+        """Run the loop (and the health server, if a port is set) in background threads."""
+        if self.health_port is not None:
+            self._http = _health_server(self, self.health_host, self.health_port)
+            self.health_port = self._http.server_address[1]
+            threading.Thread(target=self._http.serve_forever, name="controller-health", daemon=True).start()
+        self._thread = threading.Thread(target=self.run, name="controller", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+
+class ControllerError(RuntimeError):
+    pass
+
+
+def _health_server(ctl: Controller, host: str, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            if self.path.startswith("/health"):
+                body = ctl.health()
+                code = 200 if body["status"] == "ok" else 503
+            elif self.path.startswith("/events"):
+                body, code = {"events": list(ctl.events)[-100:]}, 200
+            else:
+                body, code = {"error": "not found"}, 404
+            data = json.dumps(body, default=str).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def airflow_trigger_from_env() -> Callable[[dict[str, Any]], Any] | None:
+    """Trigger the nightly DAG through Airflow's REST API when ``ADAPT_AIRFLOW_URL`` is set.
+
+    ``ADAPT_AIRFLOW_TOKEN`` is a bearer token for Airflow 3's ``/api/v2`` (from its ``/auth/token``).
+    """
+    url = os.environ.get("ADAPT_AIRFLOW_URL")
+    if not url:
+        return None
+    token = os.environ.get("ADAPT_AIRFLOW_TOKEN", "")
+
+    def trigger(ev: dict[str, Any]) -> Any:
+        import datetime as _dt
+
+        r = httpx.post(f"{url.rstrip('/')}/api/v2/dags/{NIGHTLY_DAG}/dagRuns",
+                       headers={"Authorization": f"Bearer {token}"} if token else {},
+                       json={"logical_date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+                             "conf": {"reason": "live acceptance drift", **ev}}, timeout=30)
+        r.raise_for_status()
+        return r.json().get("dag_run_id")
+
+    return trigger

