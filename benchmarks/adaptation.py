@@ -495,14 +495,14 @@ def main() -> int:
 
     import vllm
 
-    from traffic import public_prompts
+    from evaluation.bench import rows_to_requests
+    from evaluation.offline import estimate_acceptance
     from headspec.files import sha256_file
     from headspec.validate import validate_head
-    from settings.config import load_config
-    from evaluation.offline import estimate_acceptance
-    from targets.model_zoo import ensure_smollm2
-    from evaluation.bench import rows_to_requests
     from serving.replica import cpu_reserved_cores
+    from settings.config import load_config
+    from targets.model_zoo import ensure_smollm2
+    from traffic import public_prompts
 
     work = args.work_dir.expanduser().absolute()
     work.mkdir(parents=True, exist_ok=True)

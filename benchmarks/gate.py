@@ -80,16 +80,16 @@ def main() -> int:
     import torch
 
     from adapt.checkpoint import init_random_head
-    from headspec.validate import validate_head
-    from settings.config import load_config
     from adapt.degrade import degraded_copy
-    from loop.gate import decide
-    from targets.model_zoo import build_tiny_predictable
     from adapt.train import train
     from capture.overlap import overlap
     from evaluation.bench import rows_to_requests, run_bench
+    from headspec.validate import validate_head
+    from loop.gate import decide
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
+    from settings.config import load_config
+    from targets.model_zoo import build_tiny_predictable
 
     work = args.work_dir.expanduser().absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -101,7 +101,7 @@ def main() -> int:
                   "rounds": args.rounds}})
     target = build_tiny_predictable(Path(cfg.target.model_cache) / "tiny-predictable")
     cold = init_random_head(target, work / "heads" / "cold", k=3, seed=0, draft_vocab_size=256)
-    spec = bench_replica_spec(cfg, target, cold, "target", cfg.bench.concurrencies)
+    spec = bench_replica_spec(cfg.serving, 3, target, cold, "target", cfg.bench.concurrencies)
     replica = ReplicaProcess(spec, work / "bench-replica.log")
     results: list[dict[str, Any]] = []
     torch.set_num_threads(1)  # shares the cores with the replica

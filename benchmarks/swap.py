@@ -18,11 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from serving.replica import free_ports  # noqa: E402
 from traffic.loadgen import SteadyLoad  # noqa: E402
-from tests.services import free_ports  # noqa: E402
 
 
 def main() -> int:
@@ -36,9 +35,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from adapt.checkpoint import init_random_head
+    from serving.serve import ServingStack
     from settings.config import load_config
     from targets.model_zoo import ensure_target
-    from serving.serve import ServingStack
 
     work = Path(tempfile.mkdtemp(prefix="swap-bench-"))
     base, router_port = free_ports(2)

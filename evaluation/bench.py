@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from capture.sharegpt import to_messages
 from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC, aa_noise, analyze
 from serving.admin import ReplicaAdmin
 from serving.metrics import MEASURE_TIMEOUT, afetch_snapshot
+from settings.config import Config
 
 
 @dataclass
@@ -85,7 +85,7 @@ def rows_to_requests(rows: list[dict], model: str, max_tokens_cap: int, limit: i
     return out
 
 
-def load_heldout(cfg, heldout: str | None) -> list[dict]:
+def load_heldout(cfg: Config, heldout: str | None) -> list[dict]:
     """ShareGPT rows from a JSONL export, or the warehouse's held-out split."""
     if heldout:
         p = Path(heldout)
@@ -273,11 +273,12 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                     for r in b["results"]:
                         r.drafts = r.accepted = math.nan
                 blocks.append(b)
-            if progress and (i + 1 == len(slots) or slots[i + 1].round != slot.round
-                             or slots[i + 1].concurrency != slot.concurrency):
+            if progress and (i + 1 == len(slots) or (slots[i + 1].round, slots[i + 1].concurrency)
+                             != (slot.round, slot.concurrency)):
+                done = [b for b in blocks if (b["round"], b["concurrency"]) == (slot.round, slot.concurrency)]
                 progress(f"round {slot.round + 1}/{rounds}, concurrency {slot.concurrency}: "
-                         + ", ".join(f"{a} {_block_tps([b for b in blocks if b['round'] == slot.round and b['concurrency'] == slot.concurrency and b['role'] == a]):.1f}"
-                                     for a in arms) + f" tok/s ({time.perf_counter() - t_run:.0f}s so far)")
+                         + ", ".join(f"{a} {_block_tps([b for b in done if b['role'] == a]):.1f}" for a in arms)
+                         + f" tok/s ({time.perf_counter() - t_run:.0f}s so far)")
     finally:
         # Leave an attached replica on the head it had (in place when shapes allow).
         if original.get("path"):
@@ -323,7 +324,7 @@ async def _load(admin: ReplicaAdmin, url: str, h: dict[str, Any], restart, rnd: 
     return {"round": rnd, "role": role, "how": how, "ms": (time.perf_counter() - t) * 1000}
 
 
-def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: str | None, out: Path | None,
+def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None, url: str | None, out: Path | None,
                   concurrencies: list[int] | None = None, rounds: int | None = None,
                   max_prompts: int | None = None, nospec: bool | None = None, nospec_url: str | None = None,
                   seed: int | None = None, train: str | None = None, heldout_overlap: dict | None = None,
@@ -336,14 +337,14 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
     ``[bench] exclude_train_overlap``, drops the repeats; ``heldout_overlap`` is such a
     report made by the caller (the cycle's snapshot), recorded as it is.
     """
-    from headspec.validate import validate_head
-    from targets.model_zoo import ensure_target
     from capture.overlap import drop_repeats
     from evaluation.plots import plot_bench
+    from headspec.resolve import resolve_head
+    from headspec.validate import validate_head
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from serving.serve import served_name
-    from headspec.resolve import resolve_head
+    from targets.model_zoo import ensure_target
 
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     dl = Path(cfg.head.heads_dir) / "downloaded"
@@ -354,7 +355,7 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
         heads[role] = {"path": str(info.path), "sha256": info.sha256, "spec": spec,
                        "version": ver or info.manifest.get("version") or info.sha256[:12],
                        "num_speculative_tokens": info.num_speculative_tokens}
-    model = served_name(cfg)
+    model = served_name(cfg.target)
     rows = load_heldout(cfg, heldout)
     if train is not None:
         kept, heldout_overlap = drop_repeats(load_heldout(cfg, train), rows)
@@ -371,11 +372,12 @@ def run_bench_cli(cfg, *, candidate: str, live: str, heldout: str | None, url: s
     logs = Path(cfg.state_dir) / "serving" / "logs"
     procs: dict[str, ReplicaProcess] = {}
     if url is None:
-        procs["spec"] = ReplicaProcess(bench_replica_spec(cfg, target, heads["live"]["path"], model, concs),
+        k = cfg.head.num_speculative_tokens
+        procs["spec"] = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, heads["live"]["path"], model, concs),
                                        logs / "bench-replica.log")
         url = procs["spec"].url
     if nospec and nospec_url is None:
-        procs["nospec"] = ReplicaProcess(bench_replica_spec(cfg, target, None, model, concs),
+        procs["nospec"] = ReplicaProcess(bench_replica_spec(cfg.serving, 0, target, None, model, concs),
                                          logs / "bench-nospec-replica.log")
         nospec_url = procs["nospec"].url
 

@@ -167,13 +167,6 @@ def estimate_acceptance(
     return out
 
 
-def evaluate_head(head_dir: str | Path, target_dir: str | Path, rows: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
-    """Config-driven wrapper (used by the training recipe)."""
-    max_new = getattr(getattr(cfg, "bench", None), "max_tokens", 64)
-    device = getattr(getattr(cfg, "training", None), "device", "auto")
-    return estimate_acceptance(head_dir, target_dir, rows, max_new_tokens=max_new, device=device)
-
-
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
     rows = []
     with open(path) as f:

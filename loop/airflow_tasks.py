@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from settings.config import Config, load_config
 from loop.cycle import STEPS, CycleOptions, load_state, run_step, save_state, summary
+from settings.config import Config, load_config
 
 OPTION_KEYS = ("live_head", "bench_url", "nospec_url", "router_url")
 

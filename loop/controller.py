@@ -34,6 +34,7 @@ import httpx
 
 from loop import registry as reg_mod
 from serving.admin import check_exposure
+from settings.config import Config
 
 log = logging.getLogger("adapt.controller")
 
@@ -44,7 +45,7 @@ NIGHTLY_DAG = "drafter_nightly_adaptation"
 class Controller:
     """Reconcile + watch loop, with a health endpoint. ``reconcile()`` is usable alone (one pass)."""
 
-    def __init__(self, cfg: Any, *, router_url: str | None = None, admin_token: str | None = None,
+    def __init__(self, cfg: Config, *, router_url: str | None = None, admin_token: str | None = None,
                  poll_seconds: float | None = None, rollback_fraction: float | None = None,
                  drift_fraction: float = 0.9, min_live_drafts: float = 50.0, max_backoff: float = 60.0,
                  trigger: Callable[[dict[str, Any]], Any] | None = None, trigger_cooldown_s: float = 6 * 3600,

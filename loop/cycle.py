@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from capture.fsmode import write_private
 from loop import gate as gate_mod
 from loop import registry as reg_mod
-from capture.fsmode import write_private
+from settings.config import Config
 
 log = logging.getLogger("loop.cycle")
 
@@ -60,7 +61,7 @@ class CycleOptions:
 
 # --- state ---------------------------------------------------------------------------
 
-def cycles_dir(cfg: Any) -> Path:
+def cycles_dir(cfg: Config) -> Path:
     return Path(cfg.state_dir) / "cycles"
 
 
@@ -68,20 +69,20 @@ def new_cycle_id() -> str:
     return "c" + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def cycle_dir(cfg: Any, cycle_id: str) -> Path:
+def cycle_dir(cfg: Config, cycle_id: str) -> Path:
     if not cycle_id or "/" in cycle_id or cycle_id.startswith("."):
         raise ValueError(f"bad cycle id {cycle_id!r}")
     return cycles_dir(cfg) / cycle_id
 
 
-def load_state(cfg: Any, cycle_id: str) -> dict[str, Any]:
+def load_state(cfg: Config, cycle_id: str) -> dict[str, Any]:
     p = cycle_dir(cfg, cycle_id) / "state.json"
     if p.is_file():
         return json.loads(p.read_text())
     return {"cycle_id": cycle_id, "created_at": _now(), "steps": {}, "options": {}}
 
 
-def save_state(cfg: Any, state: dict[str, Any]) -> None:
+def save_state(cfg: Config, state: dict[str, Any]) -> None:
     d = cycle_dir(cfg, state["cycle_id"])
     d.mkdir(parents=True, exist_ok=True)
     state["updated_at"] = _now()
@@ -90,7 +91,7 @@ def save_state(cfg: Any, state: dict[str, Any]) -> None:
     os.replace(tmp, d / "state.json")  # atomic: a crash leaves the previous state
 
 
-def latest_unfinished(cfg: Any) -> str | None:
+def latest_unfinished(cfg: Config) -> str | None:
     """The newest cycle that has not recorded its last step (what ``adapt cycle`` resumes)."""
     d = cycles_dir(cfg)
     if not d.is_dir():
@@ -106,7 +107,7 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _target(cfg: Any) -> Path:
+def _target(cfg: Config) -> Path:
     from targets.model_zoo import ensure_target
 
     return ensure_target(cfg.target.model, cfg.target.model_cache)
@@ -133,13 +134,13 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
 
 # --- steps ---------------------------------------------------------------------------
 
-def step_ingest(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_ingest(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     from capture.ingest import ingest
 
     return ingest(cfg).summary()
 
 
-def step_snapshot(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_snapshot(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """Freeze both splits as Parquet in the cycle directory: later steps never see newer traffic.
 
     The held-out rows the evaluation and the bench replay (``heldout.jsonl``) leave out
@@ -186,7 +187,7 @@ def step_snapshot(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[s
     return out
 
 
-def step_base(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_base(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """The parent (current Production head; None = bootstrap) and the live head to benchmark against."""
     from headspec.validate import validate_head
 
@@ -207,9 +208,9 @@ def step_base(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, 
             "live_version": None, "live_path": live, "live_sha256": live_sha}
 
 
-def step_train(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    from headspec.validate import validate_head
+def step_train(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     from adapt.train import train
+    from headspec.validate import validate_head
 
     d = cycle_dir(cfg, state["cycle_id"])
     snap, base = _out(state, "snapshot"), _out(state, "base")
@@ -225,25 +226,27 @@ def step_train(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str,
             "data_snapshot": res.data_snapshot, "train_json": str(d / "train.json")}
 
 
-def step_evaluate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    """Offline acceptance on the held-out snapshot (``evaluation.offline.evaluate_head``)."""
-    from evaluation.offline import evaluate_head as offline_acceptance
-
-    from evaluation.offline import load_jsonl
+def step_evaluate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """Offline acceptance on the held-out snapshot (``evaluation.offline.estimate_acceptance``)."""
+    from evaluation.offline import estimate_acceptance, load_jsonl
 
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
     rows = load_jsonl(snap["heldout"]["jsonl"])  # the held-out rows the bench replays
     target = _target(cfg)
-    out = {"candidate": offline_acceptance(Path(tr["head_path"]), target, rows, cfg)}
+    def offline_acceptance(head: str) -> dict[str, Any]:
+        return estimate_acceptance(Path(head), target, rows, max_new_tokens=cfg.bench.max_tokens,
+                                   device=cfg.training.device)
+
+    out = {"candidate": offline_acceptance(tr["head_path"])}
     if base["live_path"]:
-        out["live"] = offline_acceptance(Path(base["live_path"]), target, rows, cfg)
+        out["live"] = offline_acceptance(base["live_path"])
     d = cycle_dir(cfg, state["cycle_id"])
     (d / "offline_eval.json").write_text(json.dumps(out, indent=1, default=str))
     out["json_path"] = str(d / "offline_eval.json")
     return out
 
 
-def step_bench(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_bench(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """Replay the held-out traffic: candidate vs live (with the A/A control), re-measured while inconclusive.
 
     Each attempt runs with its own seed (another counterbalanced order) and is kept in
@@ -279,7 +282,7 @@ def step_bench(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str,
             "attempts": attempts}
 
 
-def step_gate(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_gate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     b = _out(state, "bench")
     if b.get("skipped"):
         return gate_mod.bootstrap_verdict().to_json()
@@ -343,7 +346,7 @@ def run_metrics(state: dict[str, Any]) -> dict[str, float]:
     return m
 
 
-def run_params(cfg: Any, state: dict[str, Any]) -> dict[str, str]:
+def run_params(cfg: Config, state: dict[str, Any]) -> dict[str, str]:
     snap, base, tr = state["steps"]["snapshot"], state["steps"]["base"], state["steps"]["train"]
     p: dict[str, str] = {
         "cycle_id": state["cycle_id"],
@@ -377,7 +380,7 @@ def _dataset(path: str, name: str, source_uri: str, digest: str):
     return PandasDataset(df=df, source=src, name=name, digest=digest[:36])
 
 
-def step_log_run(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_log_run(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """The candidate's MLflow run: params, metrics, artifacts, dataset inputs (found again by cycle id)."""
     import mlflow
     from mlflow.entities import Metric, Param
@@ -422,7 +425,7 @@ def step_log_run(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[st
     return {"run_id": run_id, "artifact_uri": run.info.artifact_uri, "metrics": len(run_metrics(state))}
 
 
-def step_register(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_register(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     reg = reg_mod.Registry(cfg)
     run_id = _out(state, "log_run")["run_id"]
     base, tr, g = (state["steps"][s] for s in ("base", "train", "gate"))
@@ -448,7 +451,7 @@ def speedup_vs_nospec(state: dict[str, Any]) -> dict[str, float]:
             if v["candidate"]["estimate"] is not None}
 
 
-def step_promote(cfg: Any, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_promote(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     g, r = _out(state, "gate"), _out(state, "register")
     if not g["passed"]:
         return {"promoted": False, "reason": g["reason"]}
@@ -471,7 +474,7 @@ STEP_FUNCS: dict[str, Callable[[Any, dict[str, Any], CycleOptions], dict[str, An
 
 # --- drivers ---------------------------------------------------------------------------
 
-def run_step(cfg: Any, cycle_id: str, step: str, opts: CycleOptions | None = None) -> dict[str, Any]:
+def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = None) -> dict[str, Any]:
     """Run one step of ``cycle_id`` unless already recorded; returns its (small) output."""
     if step not in STEP_FUNCS:
         raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
@@ -496,7 +499,7 @@ def run_step(cfg: Any, cycle_id: str, step: str, opts: CycleOptions | None = Non
     return out
 
 
-def summary(cfg: Any, cycle_id: str) -> dict[str, Any]:
+def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
     """The cycle's JSON: every artifact and decision recorded so far."""
     state = load_state(cfg, cycle_id)
     s = state["steps"]
@@ -526,7 +529,7 @@ def summary(cfg: Any, cycle_id: str) -> dict[str, Any]:
     }
 
 
-def run_cycle(cfg: Any, cycle_id: str | None = None, opts: CycleOptions | None = None) -> dict[str, Any]:
+def run_cycle(cfg: Config, cycle_id: str | None = None, opts: CycleOptions | None = None) -> dict[str, Any]:
     """Run (or resume) a whole cycle; returns :func:`summary`. Default id: resume the newest unfinished cycle."""
     cycle_id = cycle_id or latest_unfinished(cfg) or new_cycle_id()
     for step in STEPS:

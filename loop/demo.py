@@ -246,15 +246,15 @@ def rollback_skip_reason(c1: dict[str, Any], c2: dict[str, Any]) -> str | None:
 
 def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``<state_dir>/demo/report.json``)."""
-    from traffic import public_prompts
     from adapt.checkpoint import init_random_head
     from headspec.validate import validate_head
-    from loop.cycle import CycleOptions
-    from targets.model_zoo import ensure_target
     from loop.controller import Controller
+    from loop.cycle import CycleOptions
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from serving.serve import ServingStack, served_name
+    from targets.model_zoo import ensure_target
+    from traffic import public_prompts
 
     t_start = time.monotonic()
     cfg = demo_config(user_cfg)
@@ -276,9 +276,10 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     cold = init_random_head(target, Path(cfg.head.heads_dir) / "cold-start", k=cfg.head.num_speculative_tokens,
                             draft_vocab_size=cfg.head.draft_vocab_size,
                             aux_layer_ids=cfg.head.aux_layer_ids or None, num_layers=cfg.head.num_layers)
-    model = served_name(cfg)
-    bench_spec = bench_replica_spec(cfg, target, cold, model, cfg.bench.concurrencies)
-    nospec_spec = bench_replica_spec(cfg, target, None, model, cfg.bench.concurrencies)
+    model = served_name(cfg.target)
+    k, concs = cfg.head.num_speculative_tokens, cfg.bench.concurrencies
+    bench_spec = bench_replica_spec(cfg.serving, k, target, cold, model, concs)
+    nospec_spec = bench_replica_spec(cfg.serving, k, target, None, model, concs)
     bench = ReplicaProcess(bench_spec, root / "serving" / "logs" / "bench-replica.log")
     nospec = ReplicaProcess(nospec_spec, root / "serving" / "logs" / "bench-nospec-replica.log")
     log(f"starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port}, "

@@ -12,11 +12,12 @@ stock UI can move a version between stages, and mirror them in the alias.
 from __future__ import annotations
 
 import json
-
 import logging
 import warnings
 from pathlib import Path
 from typing import Any
+
+from settings.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class RegistryError(RuntimeError):
 class Registry:
     """Thin, idempotent wrapper around ``MlflowClient`` for ``cfg.mlflow``."""
 
-    def __init__(self, cfg: Any, tracking_uri: str | None = None) -> None:
+    def __init__(self, cfg: Config, tracking_uri: str | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
         self.cfg = cfg
@@ -226,14 +227,13 @@ def slower_than_nospec(version: str, tags: dict[str, str]) -> list[str]:
             for c, x in sorted(speedups(tags).items()) if x < 1.0]
 
 
-def import_head(cfg: Any, head_dir: str | Path, note: str = "imported") -> Any:
+def import_head(cfg: Config, head_dir: str | Path, note: str = "imported") -> Any:
     """Register an existing head directory as a version (idempotent per weights sha256).
 
     For seeding a registry with the head a pool already serves; its gate verdict
     tag says it was imported, not gated.
     """
     from headspec.validate import validate_head
-
     from targets.model_zoo import ensure_target
 
     info = validate_head(head_dir, ensure_target(cfg.target.model, cfg.target.model_cache))

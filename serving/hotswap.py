@@ -25,6 +25,7 @@ import torch
 from headspec.config import shape_signature
 from headspec.files import WEIGHTS, sha256_file
 
+
 class HeadSwapError(RuntimeError):
     """The head cannot be loaded in place (the message says why)."""
 

@@ -22,6 +22,7 @@ import httpx
 from serving.admin import ReplicaAdmin, RpcError
 from serving.metrics import SpecSnapshot, afetch_snapshot
 from serving.replica import ReplicaProcess, ReplicaSpec
+from settings.config import ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -253,14 +254,13 @@ class Pool:
             await self._client.aclose()
 
 
-def replica_specs(cfg, target_dir: str | Path, head_dir: str | Path, n: int,
+def replica_specs(s: ServingConfig, k: int, target_dir: str | Path, head_dir: str | Path, n: int,
                   served_model_name: str, base_port: int | None = None,
                   extra_args: list[str] | None = None) -> list[ReplicaSpec]:
-    """One spec per replica from the [serving] config."""
-    s = cfg.serving
+    """One spec per replica from the [serving] section, for heads drafting ``k`` tokens."""
     port0 = base_port if base_port is not None else s.base_port
     return [ReplicaSpec(target_dir=str(target_dir), head_dir=str(head_dir),
-                        num_speculative_tokens=cfg.head.num_speculative_tokens, port=port0 + i,
+                        num_speculative_tokens=k, port=port0 + i,
                         served_model_name=served_model_name, max_model_len=s.max_model_len,
                         gpu_memory_utilization=s.gpu_memory_utilization,
                         cpu_reserved_cores=s.cpu_reserved_cores, extra_args=list(extra_args or [])) for i in range(n)]
@@ -271,8 +271,8 @@ BENCH_PORT_OFFSET = 50
 NO_PREFIX_CACHE = "--no-enable-prefix-caching"
 
 
-def bench_replica_spec(cfg, target_dir: str | Path, head_dir: str | Path | None, served_model_name: str,
-                       concurrencies: list[int]) -> ReplicaSpec:
+def bench_replica_spec(s: ServingConfig, k: int, target_dir: str | Path, head_dir: str | Path | None,
+                       served_model_name: str, concurrencies: list[int]) -> ReplicaSpec:
     """The replay-bench replica: the pool's spec on its own port, with room for the highest concurrency.
 
     ``head_dir=None`` gives the no-speculation reference replica, on the next port. Bench
@@ -280,8 +280,8 @@ def bench_replica_spec(cfg, target_dir: str | Path, head_dir: str | Path | None,
     cached prompt would make whichever arm comes second skip its prefill (and reuse KV that
     another head's drafter computed).
     """
-    port = cfg.serving.base_port + BENCH_PORT_OFFSET + (1 if head_dir is None else 0)
-    spec = replica_specs(cfg, target_dir, head_dir or "", 1, served_model_name, base_port=port)[0]
+    port = s.base_port + BENCH_PORT_OFFSET + (1 if head_dir is None else 0)
+    spec = replica_specs(s, k, target_dir, head_dir or "", 1, served_model_name, base_port=port)[0]
     return replace(spec, head_dir=None if head_dir is None else str(head_dir), max_num_seqs=max(concurrencies) + 2,
                    extra_args=spec.extra_args + [NO_PREFIX_CACHE])
 

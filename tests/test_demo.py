@@ -2,8 +2,8 @@
 
 import pytest
 
-from settings.config import load_config
 from loop.demo import demo_config, with_overrides
+from settings.config import load_config
 
 
 def test_demo_has_its_own_state_and_an_admin_token(tmp_path, monkeypatch):
@@ -62,8 +62,8 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     import json
 
     from loop import gate
-    from settings.config import dump_toml
     from loop.demo import render, run_demo
+    from settings.config import dump_toml
     from tests.services import free_ports
 
     monkeypatch.delenv("ADAPT_CONFIG", raising=False)
@@ -129,8 +129,8 @@ def _cycle_summary(tmp_path, name, speed, al, verdict, promoted, version):
 def test_report_of_a_rejected_then_passed_demo_says_what_happened(tmp_path):
     """Cycle 1 rejected, cycle 2 passed and served: the summary shows both benches, who serves, and why
     there is no rollback (nothing was ever in Production before version 2)."""
-    from loop.demo import bench_figures, render
     from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC
+    from loop.demo import bench_figures, render
 
     c1 = _cycle_summary(tmp_path, "c1", {CANDIDATE: 0.8, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 1.1},
                         {CANDIDATE: 1.1, LIVE: 1.2, CONTROL: 1.2}, "rejected", False, "1")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from adapt.drafter import PEagleDrafter, build_draft_inputs
-from headspec.config import DrafterConfig
 from evaluation.offline import all_step_inputs, simulate
+from headspec.config import DrafterConfig
 
 K = 4
 N = 14  # sequence length

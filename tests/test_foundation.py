@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 from settings.config import dump_toml, load_config
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from settings.config import GateConfig
 from loop.gate import INCONCLUSIVE, PASSED, REJECTED, aa_noise, bootstrap_verdict, check, decide
+from settings.config import GateConfig
 
 
 def bench(acc=(0.3, 0.1, 0.5), tps=(5.0, 1.0, 9.0), live_tps=100.0, concs=(1,), aa_acc=(0.0, 0.0, 0.0),

@@ -42,10 +42,10 @@ def gated(tmp_path_factory, model_cache):
     """A pool (cold head) with captured traffic, a bench replica, and the config of the cycles."""
     from adapt.checkpoint import init_random_head
     from loop.demo import send_phases, wait_captured
-    from targets.model_zoo import build_tiny_predictable
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from serving.serve import ServingStack, served_name
+    from targets.model_zoo import build_tiny_predictable
 
     d = tmp_path_factory.mktemp("gate-e2e")
     target = build_tiny_predictable(model_cache / "tiny-predictable")
@@ -64,8 +64,8 @@ def gated(tmp_path_factory, model_cache):
         "demo": {"max_tokens": 48, "concurrency": 4, "gap_seconds": 4},
     })
     cold = init_random_head(target, d / "heads" / "cold", k=3, seed=0, draft_vocab_size=256)
-    model = served_name(cfg)
-    spec = bench_replica_spec(cfg, target, cold, model, cfg.bench.concurrencies)
+    model = served_name(cfg.target)
+    spec = bench_replica_spec(cfg.serving, 3, target, cold, model, cfg.bench.concurrencies)
     bench = ReplicaProcess(spec, d / "bench-replica.log")
     bench.start()
     stack = ServingStack(cfg, head_dir=cold, target_dir=target)
@@ -109,9 +109,9 @@ def test_a_clearly_better_candidate_is_promoted_and_served(gated):
 def test_a_degraded_candidate_is_rejected_and_never_served(gated):
     """The next cycle's candidate is the Production head with its draft rows shuffled (the cycle's
     train step is recorded as having produced it); evaluation, bench and gate run for real."""
+    from adapt.degrade import degraded_copy
     from headspec.validate import validate_head
     from loop.cycle import CycleOptions, load_state, run_cycle, run_step, save_state
-    from adapt.degrade import degraded_copy
     from loop.registry import Registry
 
     prod = gated.get("production")

@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from adapt.checkpoint import import_head, init_random_head, load_head
+from adapt.drafter import propose
+from evaluation.offline import draft_all_positions, simulate
 from headspec.errors import HeadError
 from headspec.files import sha256_file
 from headspec.validate import validate_head
-from adapt.drafter import propose
-from evaluation.offline import draft_all_positions, simulate
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from adapt.checkpoint import init_random_head, load_head, save_head
-from headspec.validate import validate_head
-from evaluation.offline import all_step_inputs, estimate_acceptance
-from serving.metrics import SpecSnapshot
 from adapt.hidden_states import TargetRunner
+from evaluation.offline import all_step_inputs, estimate_acceptance
+from headspec.validate import validate_head
+from serving.metrics import SpecSnapshot
 
 K = 3
 MAX_NEW = 40

@@ -204,11 +204,12 @@ def test_killed_cycle_rerun_yields_exactly_one_version(loop):
 
 
 def test_stage_moves_are_followed_within_30s_and_live_drop_rolls_back(loop, tiny_model):
+    from typer.testing import CliRunner
+
     from adapt.checkpoint import init_random_head
     from app.cli import app
-    from loop.registry import T_PREVIOUS, Registry, import_head
     from loop.controller import Controller
-    from typer.testing import CliRunner
+    from loop.registry import T_PREVIOUS, Registry, import_head
 
     cfg = cfg_for(loop, "drafter-follow")
     other = trained_like(init_random_head(tiny_model, loop.dir / "heads" / "other-random", k=3, seed=7,
@@ -265,8 +266,8 @@ def test_stage_moves_are_followed_within_30s_and_live_drop_rolls_back(loop, tiny
 
 
 def test_controller_survives_mlflow_outage(loop, s3_server, tmp_path):
-    from loop.registry import Registry, import_head
     from loop.controller import Controller
+    from loop.registry import Registry, import_head
 
     ml = MlflowServer(tmp_path / "ml", s3_server).start()
     cfg = cfg_for(loop, "drafter-outage", mlflow={"tracking_uri": ml.tracking_uri})

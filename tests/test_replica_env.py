@@ -65,33 +65,31 @@ def test_reserved_cores_leaves_an_operators_value_and_gpu_builds_alone(monkeypat
 
 
 def test_the_serving_config_reaches_the_replica_env(tmp_path):
-    from settings.config import load_config
     from serving.pool import replica_specs
+    from settings.config import load_config
 
     cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"cpu_reserved_cores": 1}})
-    spec = replica_specs(cfg, "t", "h", 1, "target")[0]
+    spec = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, "t", "h", 1, "target")[0]
     assert spec.cpu_reserved_cores == 1
     assert build_env(spec, base={})["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    auto = replica_specs(load_config(overrides={"state_dir": str(tmp_path)}), "t", "h", 1, "target")[0]
+    auto = replica_specs(load_config(overrides={"state_dir": str(tmp_path)}).serving, 3, "t", "h", 1, "target")[0]
     assert auto.cpu_reserved_cores is None
 
 
 def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
-    from settings.config import load_config
-    from serving.pool import BENCH_PORT_OFFSET, bench_replica_spec, replica_specs
-
-    from serving.pool import NO_PREFIX_CACHE
+    from serving.pool import BENCH_PORT_OFFSET, NO_PREFIX_CACHE, bench_replica_spec, replica_specs
     from serving.replica import build_command
+    from settings.config import load_config
 
     cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"cpu_reserved_cores": 1, "base_port": 9100}})
-    spec = bench_replica_spec(cfg, "t", "h", "target", [1, 4])
+    spec = bench_replica_spec(cfg.serving, cfg.head.num_speculative_tokens, "t", "h", "target", [1, 4])
     assert spec.port == 9100 + BENCH_PORT_OFFSET and spec.max_num_seqs == 6
-    pool_spec = replica_specs(cfg, "t", "h", 1, "target")[0]
+    pool_spec = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, "t", "h", 1, "target")[0]
     same = {"port": 0, "max_num_seqs": 0, "extra_args": []}
     assert {**vars(spec), **same} == {**vars(pool_spec), **same}
     assert spec.cpu_reserved_cores == 1 and spec.extra_args == [NO_PREFIX_CACHE]
     # The no-speculation reference: the same replica without a drafter, on the next port.
-    ref = bench_replica_spec(cfg, "t", None, "target", [1, 4])
+    ref = bench_replica_spec(cfg.serving, cfg.head.num_speculative_tokens, "t", None, "target", [1, 4])
     assert ref.port == spec.port + 1 and ref.head_dir is None
     cmd = build_command(ref)
     assert "--speculative-config" not in cmd and "--worker-extension-cls" not in cmd and NO_PREFIX_CACHE in cmd

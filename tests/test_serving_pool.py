@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from adapt.checkpoint import init_random_head
 from settings.config import dump_toml, load_config
-from traffic.loadgen import SteadyLoad
 from tests.services import free_ports
+from traffic.loadgen import SteadyLoad
 
 pytestmark = pytest.mark.services
 TOKEN = "test-admin-token"

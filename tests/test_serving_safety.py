@@ -24,13 +24,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from settings.config import load_config
 from serving.admin import ExposureError, check_exposure, token_weakness
 from serving.capture_writer import CaptureWriter
 from serving.pool import Pool
 from serving.router import create_app, server_config
-from tests.services import free_port
-from tests.test_serving_units import _Server
+from settings.config import load_config
+from tests.services import LoopbackServer, free_port
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
 
@@ -152,7 +151,7 @@ class Router:
 
 def test_router_limits_body_size_and_rejects_undecodable_or_too_deep_json():
     rep = recording_replica()
-    with _Server(rep, free_port()) as s, Router(s.url, max_body_bytes=16 << 10) as r:
+    with LoopbackServer(rep, free_port()) as s, Router(s.url, max_body_bytes=16 << 10) as r:
         ok = httpx.post(r.url + "/v1/completions", json={"prompt": "x" * 1000})
         assert ok.status_code == 200
         big = httpx.post(r.url + "/v1/completions", json={"prompt": "x" * (64 << 10)})
@@ -174,7 +173,7 @@ def test_router_limits_body_size_and_rejects_undecodable_or_too_deep_json():
 
 def test_router_forwards_only_allowed_headers():
     rep = recording_replica()
-    with _Server(rep, free_port()) as s, Router(s.url) as r:
+    with LoopbackServer(rep, free_port()) as s, Router(s.url) as r:
         sent = {"Cookie": "session=abc", "X-Api-Key": "k-123", "X-Forwarded-For": "10.0.0.1",
                 "Authorization": "Bearer user-token", "X-Request-Id": "req-7", "Forwarded": "for=1.2.3.4",
                 "X-Real-IP": "1.2.3.4", "Proxy-Authorization": "Basic eA=="}
@@ -202,7 +201,7 @@ def _read_until_closed(sock: socket.socket, limit: float) -> tuple[bytes, float]
 
 def test_slow_clients_are_cut_off_with_408():
     rep = recording_replica()
-    with _Server(rep, free_port()) as s, Router(s.url, header_timeout=0.5, body_timeout=1.0) as r:
+    with LoopbackServer(rep, free_port()) as s, Router(s.url, header_timeout=0.5, body_timeout=1.0) as r:
         # Nothing at all, then partial headers, then a partial body: each connection is closed in time.
         idle = socket.create_connection(("127.0.0.1", r.port))
         partial_headers = socket.create_connection(("127.0.0.1", r.port))

@@ -21,7 +21,7 @@ from serving.capture_writer import CaptureWriter
 from serving.metrics import SpecSnapshot
 from serving.pool import Pool
 from serving.router import create_app
-from tests.services import free_port
+from tests.services import LoopbackServer, free_port
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -94,26 +94,6 @@ def test_capture_writer_local_layout_sampling_and_drops(tmp_path: Path):
 
 # -- router with fake replicas ------------------------------------------------------------
 
-class _Server:
-    def __init__(self, app, port: int):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        self.server.install_signal_handlers = lambda: None
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self):
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return self
-            time.sleep(0.02)
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(5)
-
-
 def fake_replica(name: str, delay: float = 0.2) -> FastAPI:
     app = FastAPI()
     app.state.hits = 0
@@ -145,7 +125,7 @@ def fake_replica(name: str, delay: float = 0.2) -> FastAPI:
 
 def test_router_balances_drains_skips_and_guards_admin(tmp_path: Path):
     a, b = fake_replica("A"), fake_replica("B")
-    with _Server(a, free_port()) as sa, _Server(b, free_port()) as sb:
+    with LoopbackServer(a, free_port()) as sa, LoopbackServer(b, free_port()) as sb:
         pool = Pool(health_interval=0.2)
         ra, rb = pool.attach(sa.url), pool.attach(sb.url)
         dead = pool.attach(f"http://127.0.0.1:{free_port()}")  # nothing listens there
@@ -285,7 +265,7 @@ def test_steady_load_counts_every_request_and_names_failures():
             return StreamingResponse(gen(), media_type="text/event-stream")
         return JSONResponse({"choices": [{"text": "x"}]})
 
-    with _Server(app, free_port()) as s:
+    with LoopbackServer(app, free_port()) as s:
         with SteadyLoad(s.url, "m", workers=2, max_requests=12) as load:
             for t in load.threads:
                 t.join(30)
@@ -295,8 +275,8 @@ def test_steady_load_counts_every_request_and_names_failures():
 
 def test_swap_smoke_and_bench_wait_for_a_slow_metrics_endpoint(monkeypatch, tmp_path: Path):
     """On a loaded CPU host /metrics can take seconds: a measurement's snapshot waits MEASURE_TIMEOUT, not 5 s."""
-    from serving import swap
     from evaluation import bench
+    from serving import swap
     from serving.metrics import MEASURE_TIMEOUT
 
     seen: list[tuple[str, float]] = []

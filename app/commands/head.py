@@ -8,15 +8,16 @@ from typing import Optional
 import typer
 
 from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from settings.config import Config
 
 
-def _target(cfg, target: Optional[Path]) -> Path:
+def _target(cfg: Config, target: Optional[Path]) -> Path:
     from targets.model_zoo import ensure_target
 
     return Path(target) if target else ensure_target(cfg.target.model, cfg.target.model_cache)
 
 
-def _heldout_rows(cfg, heldout: Optional[Path]) -> list[dict]:
+def _heldout_rows(cfg: Config, heldout: Optional[Path]) -> list[dict]:
     from evaluation.offline import load_jsonl
 
     if heldout is not None:
@@ -44,8 +45,8 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Offline acceptance (per position, mean acceptance length) under greedy verification."""
-        from headspec.errors import HeadError
         from evaluation.offline import estimate_acceptance
+        from headspec.errors import HeadError
 
         cfg = get_config(config)
         try:

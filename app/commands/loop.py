@@ -10,9 +10,10 @@ from typing import Annotated, Optional
 import typer
 
 from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from settings.config import Config
 
 
-def rollback(cfg, to: str) -> dict:
+def rollback(cfg: Config, to: str) -> dict:
     """Move version ``to`` back to Production (the controller makes the pool follow)."""
     from loop.registry import Registry
 
@@ -23,7 +24,7 @@ def rollback(cfg, to: str) -> dict:
             "head_sha256": mv.tags.get("head_sha256"), "alias": reg.alias_version()}
 
 
-def registry_list(cfg) -> dict:
+def registry_list(cfg: Config) -> dict:
     from loop.registry import Registry
 
     reg = Registry(cfg)
@@ -92,8 +93,8 @@ def register(app: typer.Typer) -> None:
         once: Annotated[bool, typer.Option("--once", help="One reconcile pass, then exit.")] = False,
     ) -> None:
         """Run the controller: reconcile the pool to Production, watch live acceptance, roll back."""
-        from serving.admin import ExposureError
         from loop.controller import Controller
+        from serving.admin import ExposureError
 
         cfg = get_config(config)
         # Structured events are JSON lines on stderr (stdout stays for --json output).

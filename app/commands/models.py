@@ -6,8 +6,8 @@ import time
 
 import typer
 
-from targets import model_zoo
 from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from targets import model_zoo
 
 
 def register(app: typer.Typer) -> None:

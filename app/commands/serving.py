@@ -11,20 +11,21 @@ from typing import Annotated, Optional
 import typer
 
 from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from settings.config import Config
 
 
-def _router_url(cfg, url: Optional[str]) -> str:
+def _router_url(cfg: Config, url: Optional[str]) -> str:
     return (url or f"http://{cfg.serving.host}:{cfg.serving.router_port}").rstrip("/")
 
 
-def _admin_headers(cfg) -> dict[str, str]:
+def _admin_headers(cfg: Config) -> dict[str, str]:
     token = cfg.serving.resolved_admin_token()
     if not token:
         fail("no admin token: set [serving].admin_token or ADAPT_ADMIN_TOKEN", 2)
     return {"Authorization": f"Bearer {token}"}
 
 
-def _current_head(cfg, head: Optional[str]) -> Path:
+def _current_head(cfg: Config, head: Optional[str]) -> Path:
     if head:
         return Path(head)
     cur = Path(cfg.head.heads_dir) / "current"
@@ -33,7 +34,7 @@ def _current_head(cfg, head: Optional[str]) -> Path:
     return cur.resolve()
 
 
-def _production_warnings(cfg) -> list[str]:
+def _production_warnings(cfg: Config) -> list[str]:
     """What the registry knows against the Production head (today: slower than no speculation somewhere)."""
     from loop.registry import Registry, slower_than_nospec
 
@@ -58,9 +59,9 @@ def register(app: typer.Typer) -> None:
         router_port: Annotated[Optional[int], typer.Option(help="Router port.")] = None,
     ) -> None:
         """Start N vLLM replicas with the P-EAGLE head and the capturing router; run until Ctrl-C."""
-        from targets.model_zoo import ensure_target
         from serving.admin import ExposureError, check_exposure
         from serving.serve import ServingStack
+        from targets.model_zoo import ensure_target
 
         cfg = get_config(config)
         try:  # before the model is fetched: a refusal should come at once

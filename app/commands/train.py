@@ -9,9 +9,10 @@ from typing import Optional
 import typer
 
 from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from settings.config import Config
 
 
-def _rows(cfg, data: Optional[Path], split: str) -> list[dict]:
+def _rows(cfg: Config, data: Optional[Path], split: str) -> list[dict]:
     """ShareGPT rows from a JSONL file, else the warehouse split captured so far."""
     from adapt.data import read_sharegpt_jsonl
 
@@ -22,7 +23,7 @@ def _rows(cfg, data: Optional[Path], split: str) -> list[dict]:
     return load_split(cfg, split)
 
 
-def _offline_estimate(cfg, rows):
+def _offline_estimate(cfg: Config, rows):
     """The exported head's offline acceptance on ``rows``, computed with the target runner training loaded."""
     from evaluation.offline import estimate_acceptance
 
