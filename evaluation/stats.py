@@ -134,13 +134,29 @@ def _sum_spec(ds: list[SpecDelta]) -> SpecDelta:
         per_pos=[sum(d.per_pos[i] if i < len(d.per_pos) else 0.0 for d in ds) for i in range(n)])
 
 
+PERCENTILES = (50, 90, 99)
+
+
+def latency_summary(name: str, values_s: list[float]) -> dict[str, Any]:
+    """``mean_/median_/std_/p50_/p90_/p99_<name>_ms`` of latencies in seconds, as ``vllm bench serve`` names them."""
+    import numpy as np
+
+    xs = np.asarray([x for x in values_s if not math.isnan(x)], dtype=float) * 1000
+    if xs.size == 0:
+        return {f"{k}_{name}_ms": None for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))}
+    out = {f"mean_{name}_ms": float(xs.mean()), f"median_{name}_ms": float(np.median(xs)),
+           f"std_{name}_ms": float(xs.std())}
+    out.update({f"p{p}_{name}_ms": float(np.percentile(xs, p)) for p in PERCENTILES})
+    return out
+
+
 def _arm_figures(bl: list[dict]) -> dict[str, Any]:
-    """Figures of some blocks of one arm: wall throughput, latency means, spec counters."""
+    """Figures of some blocks of one arm: wall throughput, latency means and percentiles, spec counters."""
     res = [r for b in bl for r in b["results"] if r.ok]
     tokens = sum(r.output_tokens for r in res)
     wall = sum(b["wall"] for b in bl)
     specs = [b["spec"] for b in bl if b["spec"] is not None]
-    return {
+    out = {
         "requests": len(res), "failed": sum(not r.ok for b in bl for r in b["results"]),
         "output_tokens": tokens, "wall_s": wall,
         "output_tok_per_s": _clean(tokens / wall if wall > 0 else math.nan),
@@ -148,7 +164,28 @@ def _arm_figures(bl: list[dict]) -> dict[str, Any]:
         "tpot_ms": _clean(_mean([r.tpot for r in res]) * 1000),
         "itl_ms": _clean(_mean([x for r in res for x in r.itls]) * 1000),
         "spec": _sum_spec(specs).to_dict() if specs else None,
+        # The fields of `vllm bench serve` results, for readers (and tools) that know those.
+        "completed": len(res), "duration": wall, "total_output_tokens": tokens,
+        "request_throughput": _clean(len(res) / wall if wall > 0 else math.nan),
+        "output_throughput": _clean(tokens / wall if wall > 0 else math.nan),
     }
+    for name, values in (("ttft", [r.ttft for r in res]), ("tpot", [r.tpot for r in res]),
+                         ("itl", [x for r in res for x in r.itls]), ("e2el", [r.latency for r in res])):
+        out.update({k: _clean(v) for k, v in latency_summary(name, values).items()})
+    return out
+
+
+def request_records(blocks: list[dict]) -> list[dict[str, Any]]:
+    """One record per request sent: which arm, slot and prompt, its outcome and its latencies."""
+    out = []
+    for b in blocks:
+        for p, r in zip(b["prompts"], b["results"]):
+            out.append({"arm": b["role"], "round": b["round"], "slot": b["slot"], "concurrency": b["concurrency"],
+                        "prompt": p, "ok": r.ok, "output_tokens": r.output_tokens,
+                        "ttft_ms": _clean(r.ttft * 1000), "e2el_ms": _clean(r.latency * 1000),
+                        "tpot_ms": _clean(r.tpot * 1000), "itls_ms": [round(x * 1000, 3) for x in r.itls],
+                        "drafts": _clean(r.drafts), "accepted": _clean(r.accepted), "error": r.error})
+    return out
 
 
 def analyze(blocks: list[dict], arms: list[str], concurrencies: list[int], confidence: float, n_boot: int,

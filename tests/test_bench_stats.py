@@ -115,3 +115,19 @@ def test_failed_requests_are_left_out_of_the_pairs():
     assert res["aa_control"]["c1"]["output_tok_per_s"]["pairs"] == 2 * N  # the control's pairs are all there
     assert res["per_head"][CANDIDATE]["by_concurrency"]["1"]["failed"] == 2
     assert decide(res, GateConfig()).status == REJECTED
+
+
+def test_figures_carry_the_percentiles_and_names_of_vllm_bench_serve():
+    from evaluation.stats import request_records
+
+    blocks = simulate(slots_for(), SAME, load=0.2, jitter=0.1)
+    res = analyze(blocks, ARMS, CONCS, 0.9, 200)
+    f = res["per_head"][CANDIDATE]["by_concurrency"]["1"]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert f[f"p50_{name}_ms"] == pytest.approx(f[f"median_{name}_ms"])
+        assert f[f"p50_{name}_ms"] <= f[f"p90_{name}_ms"] <= f[f"p99_{name}_ms"] and f[f"std_{name}_ms"] >= 0
+    assert f["completed"] == f["requests"] == 2 * N and f["output_throughput"] == f["output_tok_per_s"]
+    records = request_records(blocks)
+    assert len(records) == len(ARMS) * len(CONCS) * 2 * N
+    r = next(x for x in records if x["arm"] == CANDIDATE and x["concurrency"] == 1)
+    assert set(r) >= {"arm", "round", "slot", "prompt", "ok", "output_tokens", "ttft_ms", "e2el_ms", "itls_ms", "drafts"}

@@ -340,6 +340,9 @@ def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
     assert res["per_head"]["control"]["spec"]["mean_acceptance_length"] == pytest.approx(
         live["spec"]["mean_acceptance_length"], rel=0.05)  # the same head measures the same
     assert res["summary"]["delta_mean_acceptance_length"]["aa_spread"] is not None
+    assert res["schema_version"] == 2 and res["environment"]["vllm"] and res["created_at"]
+    assert cand["by_concurrency"]["2"]["p99_e2el_ms"] >= cand["by_concurrency"]["2"]["median_e2el_ms"] > 0
+    assert len(res["request_records"]) == sum(b["requests"] for b in res["blocks"])
     assert cand["spec"]["mean_acceptance_length"] > live["spec"]["mean_acceptance_length"]
     assert len(cand["spec"]["acceptance_per_pos"]) == 3
     for c in ("1", "2"):
