@@ -6,18 +6,31 @@ import importlib
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, emit, get_config
+from app import __version__
+from app.common import ConfigOpt, JsonOpt, command_group, emit, get_config
 
-app = typer.Typer(
+app = command_group(
     name="adapt",
     help="drafter-adapt: keep a P-EAGLE drafter fast on the traffic your vLLM endpoint serves.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
 # Packages that contribute commands; each module exposes register(app).
-COMMAND_MODULES = ["app.commands.doctor", "app.commands.models", "app.commands.capture", "app.commands.serving", "app.commands.train", "app.commands.loop", "app.commands.head", "app.commands.demo"]
+COMMAND_MODULES = ["app.commands.doctor", "app.commands.models", "app.commands.capture", "app.commands.serving",
+                   "app.commands.train", "app.commands.loop", "app.commands.head", "app.commands.demo"]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"drafter-adapt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    """drafter-adapt: keep a P-EAGLE drafter fast on the traffic your vLLM endpoint serves."""
 
 
 @app.command("config")
@@ -25,8 +38,8 @@ def show_config(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     """Print the effective configuration."""
     from settings.config import dump_toml
 
-    cfg = get_config(config)
-    emit(cfg.to_json_dict(), json_, human=dump_toml(cfg))
+    cfg = get_config(config, json_)
+    emit(cfg.to_json_dict(mask_secrets=True), json_, human=dump_toml(cfg, mask_secrets=True))
 
 
 for _name in COMMAND_MODULES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -18,12 +19,23 @@ ConfigOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one machine-readable JSON object.")]
 
 
-def get_config(path: Optional[Path]) -> Config:
+def command_group(**kwargs: Any) -> typer.Typer:
+    """A Typer of this CLI. Rich markup is off: help strings name config sections as ``[section].key``,
+    which rich would read as markup and drop."""
+    return typer.Typer(rich_markup_mode=None, no_args_is_help=True, **kwargs)
+
+
+# Whether the running command was given --json (set by get_config, which every command calls first).
+_AS_JSON: ContextVar[bool] = ContextVar("as_json", default=False)
+
+
+def get_config(path: Optional[Path], as_json: bool = False) -> Config:
+    """The config the command runs with; also notes ``--json`` so that :func:`fail` answers in JSON."""
+    _AS_JSON.set(as_json)
     try:
         return load_config(path)
     except Exception as exc:  # a bad config is a user error, not a traceback
-        typer.echo(f"error: cannot load config: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(f"cannot load config: {exc}", 2)
 
 
 def emit(obj: Any, as_json: bool, human: str | None = None) -> None:
@@ -36,5 +48,16 @@ def emit(obj: Any, as_json: bool, human: str | None = None) -> None:
 
 
 def fail(message: str, code: int = 1) -> None:
-    typer.echo(f"error: {message}", err=True)
+    """Stop the command with ``message``: as ``{"error": ...}`` on stdout under ``--json``, else on stderr."""
+    if _AS_JSON.get():
+        sys.stdout.write(json.dumps({"error": message, "exit_code": code}) + "\n")
+        sys.stdout.flush()
+    else:
+        typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def progress(msg: str) -> None:
+    """A progress line on stderr (stdout stays the command's result)."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()

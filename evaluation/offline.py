@@ -128,8 +128,11 @@ def estimate_acceptance(
     device: str = "auto",
     dtype: torch.dtype = torch.float32,
     runner: TargetRunner | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Offline per-position acceptance and mean acceptance length of ``head_dir``.
+
+    ``progress`` shows a bar on stderr (one tick per prompt).
 
     Prompts are the conversations up to their last assistant turn (rendered with
     the chat template, generation prompt added) or raw ``prompts_ids``.
@@ -148,6 +151,12 @@ def estimate_acceptance(
     stop_ids = () if ignore_eos or eos is None else (eos,)
     total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * K}
     generated = 0
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        prompts = tqdm(prompts, desc="offline acceptance", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     for prompt in prompts:
         # K extra tokens: the last verification may look that far past the budget.
         cont = runner.greedy(prompt, max_new_tokens + K)

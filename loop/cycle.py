@@ -488,12 +488,16 @@ def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = 
         raise CycleError(f"cycle {cycle_id}: step {step!r} needs {missing} first")
     state.setdefault("options", {}).update({k: v for k, v in opts.to_json().items() if v is not None})
     t0 = _dt.datetime.now(_dt.timezone.utc)
+    if opts.progress:
+        opts.progress(f"cycle {cycle_id}: {step} ({STEPS.index(step) + 1}/{len(STEPS)})")
     out = STEP_FUNCS[step](cfg, state, opts)
     out = json.loads(json.dumps(out, default=str))
     state["steps"][step] = out
     state.setdefault("timings", {})[step] = round((_dt.datetime.now(_dt.timezone.utc) - t0).total_seconds(), 3)
     save_state(cfg, state)
     log.info(json.dumps({"event": "cycle.step.done", "cycle_id": cycle_id, "step": step}))
+    if opts.progress:
+        opts.progress(f"cycle {cycle_id}: {step} done in {state['timings'][step]:.0f}s")
     if opts.fault:
         opts.fault(step)
     return out

@@ -192,9 +192,18 @@ class Config(_Section):
     def state_path(self) -> Path:
         return Path(self.state_dir)
 
-    def to_json_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+    def to_json_dict(self, mask_secrets: bool = False) -> dict[str, Any]:
+        """The config as plain JSON; with ``mask_secrets``, every secret value (``SECRET_FIELDS``) shows as ``***``."""
+        data = self.model_dump(mode="json")
+        if mask_secrets:
+            for section, key in SECRET_FIELDS:
+                if data.get(section, {}).get(key):
+                    data[section][key] = "***"
+        return data
 
+
+# (section, field) of every value that must never be printed or logged in clear.
+SECRET_FIELDS = (("serving", "admin_token"),)
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -261,7 +270,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return Config.model_validate(raw)
 
 
-def dump_toml(cfg: Config) -> str:
+def dump_toml(cfg: Config, mask_secrets: bool = False) -> str:
     """Render a config as TOML (for writing test and demo configs)."""
 
     def val(v: Any) -> str:
@@ -275,7 +284,7 @@ def dump_toml(cfg: Config) -> str:
             return "[" + ", ".join(val(x) for x in v) + "]"
         raise TypeError(type(v))
 
-    data = cfg.to_json_dict()
+    data = cfg.to_json_dict(mask_secrets=mask_secrets)
     data.pop("source_file", None)
     lines = [f"{k} = {val(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for k, v in data.items():

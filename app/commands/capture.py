@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config
 
 SourceOpt = Annotated[
     Optional[str], typer.Option("--source", help="Capture dir, file or s3://bucket/prefix (default: config capture.source).")
@@ -18,7 +18,7 @@ EndpointOpt = Annotated[Optional[str], typer.Option("--endpoint", help="Only thi
 
 
 def register(app: typer.Typer) -> None:
-    dataset = typer.Typer(help="The captured conversation dataset.", no_args_is_help=True)
+    dataset = command_group(help="The captured conversation dataset.")
 
     @app.command("ingest")
     def ingest_cmd(
@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         from capture.ingest import ingest
         from capture.warehouse import IngestLocked
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         try:
             res = ingest(cfg, source=source, since=since, until=until, endpoint=endpoint)
         except (IngestLocked, FileNotFoundError, ValueError) as exc:
@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         """Counts per split, day, format and endpoint; token length percentiles."""
         from capture.split import stats
 
-        st = stats(get_config(config))
+        st = stats(get_config(config, json_))
         lines = [f"{st['conversations']} conversations ({', '.join(f'{k} {v}' for k, v in st['splits'].items())})"]
         for key in ("days", "formats", "endpoints"):
             if st[key]:
@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
 
         if split not in SPLITS:
             fail(f"--split must be one of {', '.join(SPLITS)}")
-        n = export(get_config(config), split, out)
+        n = export(get_config(config, json_), split, out)
         emit({"split": split, "rows": n, "out": str(out)}, json_, human=f"wrote {n} {split} conversations to {out}")
 
     app.add_typer(dataset, name="dataset")

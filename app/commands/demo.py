@@ -15,6 +15,6 @@ def register(app: typer.Typer) -> None:
         """Pool + capturing router, bootstrap a head, adapt it to drifted traffic, gate, hot-swap, roll back."""
         from loop.demo import render, run_demo, stderr_log
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         report = run_demo(cfg, stderr_log(time.monotonic()))
         emit(report, json_, human=render(report))

@@ -185,7 +185,7 @@ def register(app: typer.Typer) -> None:
     @app.command("doctor")
     def doctor(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
         """Check versions and health of vLLM, the model cache, S3, MLflow and Airflow."""
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         report = run_checks(cfg)
         lines = []
         for name, c in report["components"].items():

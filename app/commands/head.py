@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config
 from settings.config import Config
 
 
@@ -31,7 +31,7 @@ TargetOpt = typer.Option(None, "--target", help="Target model dir (default: [tar
 
 
 def register(app: typer.Typer) -> None:
-    head_app = typer.Typer(help="Create, import and check P-EAGLE head directories.", no_args_is_help=True)
+    head_app = command_group(help="Create, import and check P-EAGLE head directories.")
     app.add_typer(head_app, name="head")
 
     @app.command("eval")
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         from evaluation.offline import estimate_acceptance
         from headspec.errors import HeadError
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         try:
             rows = _heldout_rows(cfg, heldout)
         except (FileNotFoundError, ValueError) as exc:
@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         try:
             res = estimate_acceptance(head, _target(cfg, target), rows,
                                       max_new_tokens=max_new_tokens or cfg.bench.max_tokens,
-                                      device=cfg.training.device)
+                                      device=cfg.training.device, progress=True)
         except (HeadError, ValueError) as exc:
             fail(str(exc))
         human = (f"{res['num_prompts']} prompts, {res['num_drafts']} drafts: mean acceptance length "
@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
         from adapt.checkpoint import init_random_head
         from headspec.validate import validate_head
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         tdir = _target(cfg, target)
         path = init_random_head(tdir, out, k=k or cfg.head.num_speculative_tokens,
                                 draft_vocab_size=draft_vocab_size or cfg.head.draft_vocab_size, seed=seed,
@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
         from headspec.errors import HeadError
         from headspec.validate import validate_head
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         tdir = _target(cfg, target)
         try:
             path = import_head(src, tdir, out, k=k)
@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
         from headspec.errors import HeadError
         from headspec.validate import validate_head
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         try:
             info = validate_head(head, _target(cfg, target))
         except HeadError as exc:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config, progress
 from settings.config import Config
 
 
@@ -34,7 +34,7 @@ def registry_list(cfg: Config) -> dict:
 
 
 def register(app: typer.Typer) -> None:
-    reg_app = typer.Typer(help="The MLflow model registry of drafter heads.", no_args_is_help=True)
+    reg_app = command_group(help="The MLflow model registry of drafter heads.")
     app.add_typer(reg_app, name="registry")
 
     @app.command("cycle")
@@ -49,13 +49,11 @@ def register(app: typer.Typer) -> None:
         router_url: Annotated[Optional[str], typer.Option(help="Swap the pool behind this router right after promotion.")] = None,
     ) -> None:
         """One adaptation cycle: ingest → snapshot → train → eval → bench → gate → register → promote."""
-        import sys
-
         from loop.cycle import CycleError, CycleOptions, new_cycle_id, run_cycle, run_step, summary
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         opts = CycleOptions(live_head=live_head, bench_url=bench_url, nospec_url=nospec_url, router_url=router_url,
-                            progress=lambda m: print(f"[cycle] {m}", file=sys.stderr, flush=True))
+                            progress=progress)
         try:
             if step:
                 cid = cycle_id or new_cycle_id()
@@ -76,7 +74,7 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Move version N to Production (archiving the current one); the controller swaps the pool."""
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         try:
             out = rollback(cfg, to)
         except Exception as exc:  # noqa: BLE001 - MLflow errors are user-facing here
@@ -96,7 +94,7 @@ def register(app: typer.Typer) -> None:
         from loop.controller import Controller
         from serving.admin import ExposureError
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         # Structured events are JSON lines on stderr (stdout stays for --json output).
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
         try:
@@ -122,7 +120,7 @@ def register(app: typer.Typer) -> None:
     @reg_app.command("list")
     def list_cmd(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
         """Versions with stage, aliases, head sha256, parent and gate verdict."""
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         out = registry_list(cfg)
         lines = [f"{out['model']}: Production {out['production']} (champion {out['champion']})"]
         for v in out["versions"]:
@@ -141,7 +139,7 @@ def register(app: typer.Typer) -> None:
         """Register an existing head as a version (seeds an empty registry)."""
         from loop.registry import Registry, import_head
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         mv = import_head(cfg, head)
         reg = Registry(cfg)
         out = reg.describe(mv, reg.alias_version())

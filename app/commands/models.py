@@ -6,12 +6,12 @@ import time
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config
 from targets import model_zoo
 
 
 def register(app: typer.Typer) -> None:
-    models = typer.Typer(help="Target model cache.", no_args_is_help=True)
+    models = command_group(help="Target model cache.")
     app.add_typer(models, name="models")
 
     @models.command("prepare")
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         tiny: bool = typer.Option(False, "--tiny", help="Also build the tiny random test model."),
     ) -> None:
         """Convert the configured target once into a cached bf16 safetensors directory."""
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         out = {}
         t0 = time.perf_counter()
         try:

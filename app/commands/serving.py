@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config, progress
 from settings.config import Config
 
 
@@ -46,7 +46,7 @@ def _production_warnings(cfg: Config) -> list[str]:
 
 
 def register(app: typer.Typer) -> None:
-    pool_app = typer.Typer(help="Inspect the serving pool.", no_args_is_help=True)
+    pool_app = command_group(help="Inspect the serving pool.")
     app.add_typer(pool_app, name="pool")
 
     @app.command("serve")
@@ -63,7 +63,7 @@ def register(app: typer.Typer) -> None:
         from serving.serve import ServingStack
         from targets.model_zoo import ensure_target
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         try:  # before the model is fetched: a refusal should come at once
             check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
         except ExposureError as exc:
@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
         """Swap the pool to HEAD: validate, canary, then one by one; roll back on failure."""
         import httpx
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         if "://" not in head and not head.startswith(("models:/", "runs:/")):
             head = str(Path(head).absolute())
         try:
@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
         """Each replica's URL, health, head sha256/version and live acceptance."""
         import httpx
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         try:
             r = httpx.get(_router_url(cfg, url) + "/admin/status", headers=_admin_headers(cfg), timeout=60)
         except httpx.HTTPError as exc:
@@ -161,11 +161,11 @@ def register(app: typer.Typer) -> None:
         """Replay held-out traffic: candidate, live and an A/A control in counterbalanced order; JSON + plot."""
         from evaluation.bench import run_bench_cli
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         try:
             result = run_bench_cli(cfg, candidate=candidate, live=live, heldout=heldout, url=url, out=out,
                                    concurrencies=concurrency, rounds=rounds, max_prompts=max_prompts,
-                                   nospec=nospec, nospec_url=nospec_url, seed=seed, train=train)
+                                   nospec=nospec, nospec_url=nospec_url, seed=seed, train=train, progress=progress)
         except (ValueError, FileNotFoundError, RuntimeError) as exc:
             fail(str(exc))
         s = result["summary"]

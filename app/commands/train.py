@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         """Train a head; prints its directory, steps, tokens/s, final loss per depth and offline acceptance."""
         from adapt.train import ShapeChangeError, train
 
-        cfg = get_config(config)
+        cfg = get_config(config, json_)
         if max_steps is not None:
             cfg.training.max_steps = max_steps
         if max_minutes is not None:
