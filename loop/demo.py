@@ -16,7 +16,6 @@ Sizes live in ``[demo]`` of the config; progress goes to stderr, the report to s
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import shutil
@@ -25,8 +24,6 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
-
-import httpx
 
 from settings.config import Config, load_config
 
@@ -62,42 +59,41 @@ def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
     return Config.model_validate(data)
 
 
-# --- traffic -------------------------------------------------------------------------
+# --- traffic ---------------------------------------------------------------------------
 
 
-async def _send_all(url: str, model: str, prompts: list[dict], max_tokens: int, concurrency: int) -> dict[str, Any]:
-    sem = asyncio.Semaphore(concurrency)
-    stats = {"sent": 0, "ok": 0, "failed": 0, "output_tokens": 0}
+def demo_traffic(cache_dir: str, d) -> dict[str, list[dict]]:
+    """The demo's conversations as ShareGPT rows: general ones, and the drift (code-heavy + tool calls)."""
+    from traffic import public_prompts, sharegpt
 
-    async def one(client: httpx.AsyncClient, p: dict) -> None:
-        async with sem:
-            body = {"model": model, "messages": p["messages"], "max_tokens": max_tokens, "temperature": 0}
-            stats["sent"] += 1
-            try:
-                r = await client.post(url + "/v1/chat/completions", json=body, timeout=900)
-                r.raise_for_status()
-                stats["ok"] += 1
-                stats["output_tokens"] += int(r.json()["usage"]["completion_tokens"])
-            except (httpx.HTTPError, KeyError, ValueError):
-                stats["failed"] += 1
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient() as client:
-        await asyncio.gather(*(one(client, p) for p in prompts))
-    stats["seconds"] = round(time.perf_counter() - t0, 2)
-    stats["output_tok_per_s"] = round(stats["output_tokens"] / max(stats["seconds"], 1e-9), 2)
-    return stats
+    convs = [c for c in sharegpt.stable_order(sharegpt.load(cache_dir).conversations, "demo")
+             if len(c.user_turns[0]) <= d.max_turn_chars]
+    general, code = sharegpt.general_and_code(convs)
+    tools = [{"id": p["id"], "conversations": [{"from": "system" if m["role"] == "system" else "human",
+                                                 "value": m["content"]} for m in p["messages"]]}
+             for p in public_prompts.bfcl(cache_dir)[: d.tool_prompts]]
+    drift = [c.to_row() for c in code[: d.drifted_conversations]] + tools
+    drift.sort(key=lambda r: r["id"])  # code and tool calls mixed, the same way every run
+    return {"general": [c.to_row() for c in general[: d.general_conversations]], "drifted": drift}
 
 
-def send_phases(stack, model: str, train: list[dict], heldout: list[dict], dcfg, log: Log, label: str) -> dict[str, Any]:
-    """Send ``train`` then, after a quiet gap, ``heldout``; returns stats and the gap's midpoint (UTC)."""
-    a = asyncio.run(_send_all(stack.url, model, train, dcfg.max_tokens, dcfg.concurrency))
-    log(f"{label}: {a['ok']}/{a['sent']} requests ok, {a['output_tokens']} tokens at {a['output_tok_per_s']} tok/s")
+def send_phases(stack, model: str, rows: list[dict], dcfg, log: Log, label: str) -> dict[str, Any]:
+    """Replay ``rows`` turn by turn through the router: the first part, a quiet gap, then the held-out part.
+
+    Returns the replay counts and the gap's midpoint (UTC): what came after it is held out.
+    """
+    from traffic.replay import replay
+
+    n_hold = max(1, round(len(rows) * dcfg.heldout_fraction))
+    kw = dict(max_tokens=dcfg.max_tokens, max_turns=dcfg.max_turns, concurrency=dcfg.concurrency, rate=dcfg.rate)
+    a = replay(stack.url, model, rows[:-n_hold], **kw).to_dict()
+    log(f"{label}: {a['turns_ok']}/{a['turns_sent']} turns ok in {a['conversations']} conversations "
+        f"({a['context_full']} ended at the context limit), {a['output_tokens']} tokens at {a['output_tok_per_s']} tok/s")
     time.sleep(dcfg.gap_seconds / 2)
     gap_mid = dt.datetime.now(dt.timezone.utc)
     time.sleep(dcfg.gap_seconds / 2)
-    b = asyncio.run(_send_all(stack.url, model, heldout, dcfg.max_tokens, dcfg.concurrency))
-    log(f"{label} (held-out period): {b['ok']}/{b['sent']} requests ok")
+    b = replay(stack.url, model, rows[-n_hold:], **kw).to_dict()
+    log(f"{label} (held-out period): {b['turns_ok']}/{b['turns_sent']} turns ok in {b['conversations']} conversations")
     return {"train_phase": a, "heldout_phase": b, "gap_mid": gap_mid}
 
 
@@ -254,7 +250,6 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     from serving.replica import ReplicaProcess
     from serving.serve import ServingStack, served_name
     from targets.model_zoo import ensure_target
-    from traffic import public_prompts
 
     t_start = time.monotonic()
     cfg = demo_config(user_cfg)
@@ -269,9 +264,9 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
 
     log(f"target model: {cfg.target.model}")
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
-    general = public_prompts.mtbench(cfg.cache_dir)[: d.general_prompts]
-    drift = public_prompts.drifted(cfg.cache_dir)[: d.drifted_train_prompts + d.drifted_heldout_prompts]
-    log(f"prompts: {len(general)} MT-Bench (general chat), {len(drift)} HumanEval + BFCL (drifted)")
+    traffic = demo_traffic(cfg.cache_dir, d)
+    log(f"traffic: {len(traffic['general'])} general ShareGPT conversations, then {len(traffic['drifted'])} "
+        "drifted ones (code-heavy ShareGPT and BFCL tool calls), replayed turn by turn")
 
     cold = init_random_head(target, Path(cfg.head.heads_dir) / "cold-start", k=cfg.head.num_speculative_tokens,
                             draft_vocab_size=cfg.head.draft_vocab_size,
@@ -298,16 +293,15 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                             router_url=stack.url, progress=lambda m: log(f"  {m}"))
 
         # --- general chat → bootstrap ---
-        n_hold = max(2, len(general) // 5)
-        g = send_phases(stack, model, general[:-n_hold], general[-n_hold:], d, log, "general chat")
-        wait_captured(stack, len(general))
+        g = send_phases(stack, model, traffic["general"], d, log, "general chat")
+        sent = g["train_phase"]["turns_ok"] + g["heldout_phase"]["turns_ok"]
+        wait_captured(stack, sent)
         log("cycle 1 (bootstrap from general chat): ingest → snapshot → train → eval → bench → gate → register → promote")
         c1 = _demo_cycle(cfg, opts, stack, g["gap_mid"], d.bootstrap_steps, report, "cycle1", log)
 
         # --- drifted traffic → adaptation ---
-        dtr, dho = drift[: d.drifted_train_prompts], drift[d.drifted_train_prompts:]
-        t = send_phases(stack, model, dtr, dho, d, log, "drifted traffic (code, tool calls)")
-        wait_captured(stack, len(general) + len(drift))
+        t = send_phases(stack, model, traffic["drifted"], d, log, "drifted traffic (code, tool calls)")
+        wait_captured(stack, sent + t["train_phase"]["turns_ok"] + t["heldout_phase"]["turns_ok"])
         report["traffic"] = {"general": _strip(g), "drifted": _strip(t)}
         log("cycle 2 (nightly adaptation to the drift), training from the Production head")
         c2 = _demo_cycle(cfg, opts, stack, t["gap_mid"], d.adapt_steps, report, "cycle2", log)

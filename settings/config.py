@@ -152,9 +152,18 @@ class ControllerConfig(_Section):
 class DemoConfig(_Section):
     """Sizes of `adapt demo` (its run time scales with them)."""
 
-    general_prompts: int = Field(40, ge=4)
-    drifted_train_prompts: int = Field(64, ge=2)
-    drifted_heldout_prompts: int = Field(16, ge=2)
+    # Real users' conversations (ShareGPT), replayed turn by turn: general ones, then code-heavy ones
+    # plus single-turn tool calls (BFCL) as the drift.
+    general_conversations: int = Field(24, ge=4)
+    drifted_conversations: int = Field(32, ge=2)
+    tool_prompts: int = Field(16, ge=0)
+    # The last fraction of each phase is sent after a quiet gap and held out by time.
+    heldout_fraction: float = Field(0.25, gt=0, lt=1)
+    max_turns: int = Field(3, ge=1)
+    # Conversations whose first user turn is longer are skipped (they would not fit the served context).
+    max_turn_chars: int = Field(2000, ge=16)
+    # Conversation arrivals per second (Poisson); 0 sends them back to back.
+    rate: float = Field(0.0, ge=0)
     max_tokens: int = Field(96, ge=8)
     concurrency: int = Field(8, ge=1)
     gap_seconds: float = Field(20.0, ge=2)

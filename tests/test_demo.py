@@ -75,8 +75,9 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
         "serving": {"base_port": base, "router_port": router},
         "training": {"batch_tokens": 1024},
         "bench": {"concurrencies": [1, 2], "max_prompts": 4, "max_tokens": 16, "rounds": 1},
-        "demo": {"general_prompts": 8, "drifted_train_prompts": 6, "drifted_heldout_prompts": 3, "max_tokens": 16,
-                 "concurrency": 4, "gap_seconds": 2, "bootstrap_steps": 6, "adapt_steps": 6, "train_minutes": 1},
+        "demo": {"general_conversations": 6, "drifted_conversations": 4, "tool_prompts": 2, "max_turns": 2,
+                 "max_turn_chars": 400, "max_tokens": 16, "concurrency": 4, "gap_seconds": 2, "bootstrap_steps": 6,
+                 "adapt_steps": 6, "train_minutes": 1},
     })
     cfg_file = tmp_path / "demo.toml"
     cfg_file.write_text(dump_toml(cfg))
@@ -91,17 +92,36 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     prod = [v for v in rb["registry"] if v.get("stage") == "Production"]
     assert [str(v["version"]) for v in prod] == ["1"] and prod[0]["aliases"] == ["champion"]  # alias follows the stage
     assert all(v["aliases"] == [] for v in rb["registry"] if str(v["version"]) != "1")
-    for key, sent in (("cycle1", 8), ("cycle2", 9)):
+    sent = {}
+    for key, phase in (("cycle1", "general"), ("cycle2", "drifted")):
+        tr = report["traffic"][phase]
+        sent[key] = tr["train_phase"]["turns_ok"] + tr["heldout_phase"]["turns_ok"]
+        assert tr["train_phase"]["conversations"] + tr["heldout_phase"]["conversations"] == 6
         b = report[key]["bench"]
         assert b["before"]["mean_acceptance_length"] >= 1.0 and b["after"]["output_tok_per_s"]
         i = report[key]["ingest"]  # what this cycle ingested (its own ingest step then reads nothing new)
-        assert i["read"] == sent and i["read"] == i["normalized"] + i["duplicates"] + i["quarantined"] + i["skipped"]
+        assert i["read"] == sent[key] and i["read"] == i["normalized"] + i["duplicates"] + i["quarantined"] + i["skipped"]
     saved = json.loads((tmp_path / "state" / "demo" / "report.json").read_text())
     assert saved["rollback"]["to_version"] == "1"
     text = render(report)
     assert "rollback: version 1 moved to Production" in text and "cycle 2: adapt to drifted traffic" in text
-    assert "  ingest: read 9, normalized" in text
+    assert f"  ingest: read {sent['cycle2']}, normalized" in text
     assert any("the pool serves version 1 again" in line for line in lines)
+
+
+def test_demo_traffic_is_real_conversations_general_then_code_and_tools(tmp_path_factory):
+    from loop.demo import demo_traffic
+    from settings.config import DemoConfig
+
+    d = DemoConfig(general_conversations=5, drifted_conversations=4, tool_prompts=3, max_turn_chars=300)
+    t = demo_traffic(str(tmp_path_factory.getbasetemp() / "prompt-wheels"), d)
+    assert len(t["general"]) == 5 and len(t["drifted"]) == 7
+    assert not any("```" in turn["value"] for r in t["general"] for turn in r["conversations"])
+    code = [r for r in t["drifted"] if any("```" in turn["value"] for turn in r["conversations"])]
+    assert len(code) == 4 and sum(r["id"].startswith("simple_python") for r in t["drifted"]) == 3
+    for r in t["general"] + code:
+        assert len(next(x["value"] for x in r["conversations"] if x["from"] == "human")) <= 300
+    assert t == demo_traffic(str(tmp_path_factory.getbasetemp() / "prompt-wheels"), d)  # the same every run
 
 
 def _cycle_summary(tmp_path, name, speed, al, verdict, promoted, version):
