@@ -263,7 +263,9 @@ def replica_specs(s: ServingConfig, k: int, target_dir: str | Path, head_dir: st
                         num_speculative_tokens=k, port=port0 + i,
                         served_model_name=served_model_name, max_model_len=s.max_model_len,
                         gpu_memory_utilization=s.gpu_memory_utilization,
-                        cpu_reserved_cores=s.cpu_reserved_cores, extra_args=list(extra_args or [])) for i in range(n)]
+                        cpu_reserved_cores=s.cpu_reserved_cores, extra_args=[*s.vllm_args, *(extra_args or [])],
+                        k_per_batch_size=[tuple(r) for r in s.num_speculative_tokens_per_batch_size])
+            for i in range(n)]
 
 
 # The bench replica sits beside the pool's ports, on the same [serving] settings.

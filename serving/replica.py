@@ -59,14 +59,19 @@ class ReplicaSpec:
     extra_args: list[str] = field(default_factory=list)
     # Extra environment of the replica process (over the caller's, under the replica's own rules).
     env: dict[str, str] = field(default_factory=dict)
+    # vLLM's dynamic K: [(first batch size, last batch size, k), ...]; empty = num_speculative_tokens always.
+    k_per_batch_size: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def speculative_config(self) -> dict:
-        return {"method": "eagle3", "model": str(self.head_dir),
-                "num_speculative_tokens": int(self.num_speculative_tokens), "parallel_drafting": True}
+        out = {"method": "eagle3", "model": str(self.head_dir),
+               "num_speculative_tokens": int(self.num_speculative_tokens), "parallel_drafting": True}
+        if self.k_per_batch_size:
+            out["num_speculative_tokens_per_batch_size"] = [list(map(int, r)) for r in self.k_per_batch_size]
+        return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -105,6 +105,12 @@ class ServingConfig(_Section):
     # unset = 0 on machines of ≤4 cores, vLLM's default (1) on larger ones.
     cpu_reserved_cores: int | None = Field(None, ge=0)
     attach_urls: list[str] = []
+    # Engine arguments passed through to every `vllm serve` this product starts (tensor parallelism,
+    # quantization, dtype, ...), e.g. ["--tensor-parallel-size", "2", "--dtype", "bfloat16"].
+    vllm_args: list[str] = []
+    # Speculative tokens per running batch size, as vLLM's num_speculative_tokens_per_batch_size:
+    # [[first, last, k], ...] (k = 0: no speculation at those batch sizes). Empty: K at every size.
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] = []
     admin_token: str = ""
     capture_sampling_pct: float = Field(100, ge=0, le=100)
     capture_endpoint: str = "local-endpoint"

@@ -94,3 +94,27 @@ def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
     cmd = build_command(ref)
     assert "--speculative-config" not in cmd and "--worker-extension-cls" not in cmd and NO_PREFIX_CACHE in cmd
     assert "--speculative-config" in build_command(spec)
+
+
+def test_engine_arguments_and_dynamic_k_pass_through_to_every_replica(tmp_path):
+    import json
+
+    from serving.pool import NO_PREFIX_CACHE, bench_replica_spec, replica_specs
+    from serving.replica import build_command
+    from settings.config import load_config
+
+    cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {
+        "vllm_args": ["--tensor-parallel-size", "2", "--dtype", "bfloat16"],
+        "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 1]]}})
+    pool = build_command(replica_specs(cfg.serving, 3, "t", "h", 1, "target")[0])
+    bench = build_command(bench_replica_spec(cfg.serving, 3, "t", "h", "target", [1, 4]))
+    for cmd in (pool, bench):
+        at = cmd.index("--tensor-parallel-size")
+        assert cmd[at:at + 4] == ["--tensor-parallel-size", "2", "--dtype", "bfloat16"]
+        spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+        assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 64, 1]]
+        assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 3
+    assert NO_PREFIX_CACHE in bench and NO_PREFIX_CACHE not in pool
+    plain = build_command(replica_specs(load_config(overrides={"state_dir": str(tmp_path)}).serving, 3, "t", "h", 1,
+                                        "target")[0])
+    assert "num_speculative_tokens_per_batch_size" not in plain[plain.index("--speculative-config") + 1]
