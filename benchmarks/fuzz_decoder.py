@@ -5,14 +5,14 @@
 
 Seeds are the real fixture lines (``../shared/fixtures/datacapture``) and synthetic records of
 every format (``capture.synth``). Each round mutates them, structurally (the seeded mutator of
-tests/test_capture_native.py: fields, numbers, escapes, encodings, nesting) and byte-wise
+tests/capture_support.py: fields, numbers, escapes, encodings, nesting) and byte-wise
 (flips, splices, truncations, hostile tokens), then checks, on chunks of lines:
 
 * decoder: the native decoder (``capture/_native``) against the msgspec batch path, the oracle of
-  tests/test_capture_native.py (the native path may decline more; whatever it decides must match);
+  tests/capture_support.py (the native path may decline more; whatever it decides must match);
 * splitting: ``decode_block`` over a buffer of the lines against the same lines one by one;
 * gates: the native redaction gate flags a superset of RE2's GATE, and both flag every string
-  the redactor changes (tests/test_capture_redact.py), on the decoded turns and on the raw lines.
+  the redactor changes (tests/capture_support.py), on the decoded turns and on the raw lines.
 
 It prints counts and exits 1 on the first disagreement, after writing the lines involved under
 ``--out``; a crash or a sanitizer report ends the process non-zero too.
@@ -88,20 +88,19 @@ def havoc(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
 
 
 def mutated(rng: random.Random, pool: list[bytes], text_pool, i: int) -> bytes:
-    from tests.test_capture_native import _mutated_line
+    from tests.capture_support import mutated_line
 
     r = rng.random()
     if r < 0.35:
-        return _mutated_line(rng, text_pool, i).replace(b"\n", b" ")
-    base = rng.choice(pool) if r < 0.8 else _mutated_line(rng, text_pool, i).replace(b"\n", b" ")
+        return mutated_line(rng, text_pool, i).replace(b"\n", b" ")
+    base = rng.choice(pool) if r < 0.8 else mutated_line(rng, text_pool, i).replace(b"\n", b" ")
     return havoc(rng, base, pool)
 
 
 def check_chunk(lines: list[bytes]) -> None:
     """Every oracle on one chunk; raises AssertionError on a disagreement."""
     from capture import batchpath
-    from tests.test_capture_native import check
-    from tests.test_capture_redact import _gates_cover_the_redactor, assert_superset
+    from tests.capture_support import assert_superset, check, gates_cover_the_redactor
 
     check(lines)
     # The native decoder finds the lines in a buffer itself: as one chunk, the same outcome.
@@ -114,7 +113,7 @@ def check_chunk(lines: list[bytes]) -> None:
     values = want.batch.column("conversations").flatten().field("value").to_pylist() if want.batch.num_rows else []
     strings = [t for t in texts + values if "\x00" not in t]
     assert_superset(strings)
-    _gates_cover_the_redactor(strings)
+    gates_cover_the_redactor(strings)
 
 
 def fuzz(seconds: float, max_lines: int, seed: int, out: Path) -> int:
@@ -151,16 +150,8 @@ def build_sanitized(tmp: Path) -> Path:
     """The native module compiled with ASan and UBSan (abort on the first report)."""
     from capture import native
 
-    flags = ["-O1", "-g", "-fPIC", "-shared", "-std=gnu11", "-fno-omit-frame-pointer",
-             "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-    out = tmp / native._so_name()
-    saved = native.CFLAGS
-    native.CFLAGS = flags
-    try:
-        native._compile(native._sources(), out)
-    finally:
-        native.CFLAGS = saved
-    return out
+    return native.build_into(tmp, ["-O1", "-g", "-fPIC", "-shared", "-std=gnu11", "-fno-omit-frame-pointer",
+                                   "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"])
 
 
 def main() -> int:
@@ -175,7 +166,7 @@ def main() -> int:
     if so:  # the sanitized child: load that build instead of the normal one
         from capture import native
 
-        native._module = native._import(Path(so))
+        native.load(Path(so))
     if args.sanitize and not so:
         from capture import native
 

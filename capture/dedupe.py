@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from capture import native
+from capture import backend, native
 
 
 def first_seen(hashes: list[str], seen: set[str]) -> list[bool]:
@@ -27,7 +27,7 @@ class HashSet:
     """
 
     def __init__(self) -> None:
-        self._nat = native.get()
+        self._nat = backend.native()
         self._py: set[str] | None = None if self._nat is not None else set()
         self._slots = 1024
         self._table = bytearray(16 * (self._slots + 1))

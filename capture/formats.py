@@ -11,30 +11,20 @@ Supported request/response pairs:
 Anything else raises :class:`capture.records.Reject`: ``skip`` for traffic that is
 not LLM chat (tabular CSV, ``{"instances": ...}``), ``quarantine`` for LLM-shaped
 payloads that are broken.
+
+This is the reference: it decides every line and names every reason. The rules' values
+(roles, content types, SSE, sampling ranges) are :mod:`capture.rules`', which the fast
+paths apply too.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from capture import rules
 from capture.records import Payload, fast_loads, quarantine, skip
-
-ROLE_MAP = {
-    "system": "system",
-    "developer": "system",
-    "user": "human",
-    "human": "human",
-    "tool": "human",
-    "function": "human",
-    "ipython": "human",
-    "assistant": "gpt",
-    "gpt": "gpt",
-    "model": "gpt",
-    "bot": "gpt",
-}
 
 
 @dataclass(slots=True)
@@ -58,21 +48,6 @@ def _loads(text: str, reason: str) -> Any:
         raise quarantine(reason, str(exc)[:200]) from None
 
 
-# What a sampler takes, per parameter: a number outside its range (NaN, 1e999, a negative
-# temperature, a top_p above 1, an integer too large for a float) is bad data, quarantined
-# with a reason, never stored. The fast paths (fastpath.sampling_ok, the native decoder)
-# decline such lines so that this reference decides them.
-SAMPLING_RANGES = {"temperature": (0.0, math.inf), "top_p": (0.0, 1.0)}
-
-
-def sampling_ok(name: str, value: float | None) -> bool:
-    """True if ``value`` (a float or absent) is in ``name``'s range."""
-    if value is None:
-        return True
-    lo, hi = SAMPLING_RANGES[name]
-    return math.isfinite(value) and lo <= value <= hi
-
-
 def _sampling(name: str, v: Any) -> float | None:
     """A sampling parameter as stored: ``None`` unless a number; a quarantine if out of range."""
     if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -81,8 +56,8 @@ def _sampling(name: str, v: Any) -> float | None:
         f = float(v)
     except OverflowError:
         raise quarantine("invalid_sampling_param", f"{name}: an integer of {len(str(v))} digits") from None
-    if not sampling_ok(name, f):
-        raise quarantine("invalid_sampling_param", f"{name}={f!r}, outside {list(SAMPLING_RANGES[name])}")
+    if not rules.sampling_ok(name, f):
+        raise quarantine("invalid_sampling_param", f"{name}={f!r}, outside {list(rules.SAMPLING_RANGES[name])}")
     return f
 
 
@@ -92,15 +67,11 @@ def _int(v: Any) -> int | None:
 
 
 def _is_csv(p: Payload) -> bool:
-    return p.encoding == "CSV" or (p.content_type or "").split(";")[0].strip().lower() == "text/csv"
+    return p.encoding == rules.CSV or rules.is_csv_content_type(p.content_type)
 
 
 def _looks_sse(p: Payload) -> bool:
-    ct = (p.content_type or "").lower()
-    if "event-stream" in ct:
-        return True
-    head = p.text.lstrip()[:6]
-    return head.startswith("data:")
+    return rules.looks_sse(p.text, p.content_type)
 
 
 def _content_text(content: Any, path: str) -> str:
@@ -137,7 +108,7 @@ def _messages(msgs: Any, path: str) -> list[tuple[str, str]]:
         role = m.get("role")
         if not isinstance(role, str):
             raise quarantine("missing_field" if role is None else "wrong_type", f"{path}[{i}].role")
-        frm = ROLE_MAP.get(role.lower())
+        frm = rules.ROLE_MAP.get(role.lower())
         if frm is None:
             raise quarantine("unknown_role", f"{path}[{i}].role={role[:40]}")
         text = _content_text(m.get("content"), f"{path}[{i}].content")
@@ -152,10 +123,10 @@ def parse_sse(text: str) -> list[Any]:
     parts = []
     for line in text.splitlines():
         line = line.strip()
-        if not line.startswith("data:"):
+        if not line.startswith(rules.SSE_DATA):
             continue  # event:, id:, retry:, comments and blank separators
-        data = line[5:].strip()
-        if data == "[DONE]":
+        data = line[len(rules.SSE_DATA):].strip()
+        if data == rules.SSE_DONE:
             break
         if data:
             parts.append(data)
@@ -268,7 +239,7 @@ def _params(p: Any) -> dict[str, Any]:
     if not isinstance(p, dict):
         return {}
     max_tokens = None
-    for k in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
+    for k in rules.MAX_TOKENS_KEYS:
         max_tokens = _int(p.get(k))
         if max_tokens is not None:
             break
@@ -292,7 +263,7 @@ def to_conversation(request: Payload, response: Payload | None) -> Conversation:
             answer, model = _join_stream(parse_sse(response.text))
         else:
             answer, model = _openai_choice(_response_json(response), chat=True)
-        conv = Conversation(turns=turns, format="openai_chat", **_params(req))
+        conv = Conversation(turns=turns, format=rules.OPENAI_CHAT, **_params(req))
         conv.model = req.get("model") if isinstance(req.get("model"), str) else model
     elif "prompt" in req:
         prompt = req["prompt"]
@@ -304,7 +275,7 @@ def to_conversation(request: Payload, response: Payload | None) -> Conversation:
             answer, model = _join_stream(parse_sse(response.text))
         else:
             answer, model = _openai_choice(_response_json(response), chat=False)
-        conv = Conversation(turns=[("human", prompt)], format="openai_completion", raw=True, **_params(req))
+        conv = Conversation(turns=[(rules.HUMAN, prompt)], format=rules.OPENAI_COMPLETION, raw=True, **_params(req))
         conv.model = req.get("model") if isinstance(req.get("model"), str) else model
     elif "inputs" in req:
         inputs = req["inputs"]
@@ -314,7 +285,7 @@ def to_conversation(request: Payload, response: Payload | None) -> Conversation:
             # return_full_text=true echoes the prompt; the drafter learns the continuation.
             if answer.startswith(inputs) and inputs:
                 answer = answer[len(inputs):]
-            conv = Conversation(turns=[("human", inputs)], format="tgi", raw=True, **_params(params))
+            conv = Conversation(turns=[(rules.HUMAN, inputs)], format=rules.TGI, raw=True, **_params(params))
         elif isinstance(inputs, list):
             dialog = inputs
             if dialog and isinstance(dialog[0], list):
@@ -323,7 +294,7 @@ def to_conversation(request: Payload, response: Payload | None) -> Conversation:
                 dialog = dialog[0]
             turns = _messages(dialog, "request.inputs")
             answer, _ = _tgi_output(response)
-            conv = Conversation(turns=turns, format="jumpstart_chat", **_params(params))
+            conv = Conversation(turns=turns, format=rules.JUMPSTART_CHAT, **_params(params))
         else:
             raise quarantine("wrong_type", f"request.inputs is {type(inputs).__name__}")
         model = req.get("model")
@@ -332,11 +303,11 @@ def to_conversation(request: Payload, response: Payload | None) -> Conversation:
         keys = ",".join(sorted(str(k) for k in req)[:5])
         raise skip("not_llm_traffic", f"JSON request keys: {keys}")
 
-    if not any(frm == "human" for frm, _ in conv.turns):
+    if not any(frm == rules.HUMAN for frm, _ in conv.turns):
         raise quarantine("no_user_turn")
     if not answer.strip():
         raise skip("empty_response")
-    conv.turns.append(("gpt", answer))
+    conv.turns.append((rules.GPT, answer))
     # A NUL decoded from a JSON \u0000 escape is binary junk, not text to train on.
     if any("\x00" in v for _, v in conv.turns):
         raise quarantine("nul_bytes", "decoded message text contains NUL")

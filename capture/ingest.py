@@ -19,9 +19,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -29,15 +29,18 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 from botocore.exceptions import BotoCoreError
 
-from capture import native
+from capture import backend, native
 from capture.dedupe import HashSet
 from capture.batchpath import ROW_SCHEMA, decode_block, rows_batch, split_block
-from capture.fastpath import fast_decode
 from capture.formats import to_conversation
 from capture.records import Reject, decode_line
 from capture.redact import redact_array, redact_values
-from capture.sources import LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when, s3_client
+from capture.sources import (BLOCK_BYTES, LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when,
+                             s3_client)
 from capture.warehouse import SCHEMA, TURN, Warehouse
+
+if TYPE_CHECKING:
+    from settings.config import CaptureConfig, Config, S3Config
 
 log = logging.getLogger("capture.ingest")
 
@@ -92,7 +95,7 @@ class FileResult:
     error: str | None = None
     read: int = 0
     table: pa.Table | None = None
-    table_file: str | None = None  # the table, handed over in shared memory (see _handoff)
+    table_file: str | None = None  # the table, handed over in shared memory (see hand_over)
     file_duplicates: int = 0  # rows dropped as replays of an earlier row of the same file
     row_redactions: list[tuple[int, dict[str, int]]] = field(default_factory=list)
     quarantine: list[dict] = field(default_factory=list)
@@ -138,22 +141,29 @@ def _finish_quarantine(rows: list[dict], redact: bool) -> None:
             q["excerpt"] = q["excerpt"][:EXCERPT_BYTES] + "…"
 
 
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(s3_cfg: Any, redact: bool, max_line_bytes: int) -> None:
-    _WORKER.update(s3=s3_cfg, redact=redact, max_line_bytes=max_line_bytes, client=None)
-
-
-def _client() -> Any:
-    if _WORKER.get("client") is None:
-        _WORKER["client"] = s3_client(_WORKER["s3"])
-    return _WORKER["client"]
-
-
 # Lines per batch-path chunk, at most: a chunk is at most a block (a few MB) of lines,
 # but short lines would otherwise make a chunk's columns large.
 CHUNK_LINES = 8192
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """Everything :func:`process_file` needs besides the file: what a pool worker is started with."""
+
+    redact: bool = True
+    max_line_bytes: int = 8 << 20
+    s3: S3Config | None = None
+    client: Any = None  # an S3 client for s3:// files; None: one is made from ``s3`` when needed
+    chunk_lines: int = CHUNK_LINES
+    block_bytes: int = BLOCK_BYTES
+
+    @classmethod
+    def of(cls, capture: CaptureConfig, s3: S3Config, client: Any = None) -> FileOptions:
+        return cls(redact=capture.redact, max_line_bytes=capture.max_line_bytes, s3=s3, client=client)
+
+    def with_client(self) -> FileOptions:
+        """These options with an S3 client made (once, where many files are read with them)."""
+        return self if self.client is not None or self.s3 is None else replace(self, client=s3_client(self.s3))
 EPOCH_DAY = date(1970, 1, 1)
 
 
@@ -179,16 +189,12 @@ class _PerLine:
         self.t_value: list[str] = []
 
     def decide(self, line: bytes, line_no: int, obj: SourceObject, max_line: int, res: FileResult) -> None:
-        """Decode one line with the fast path, else the reference path; file its row or its reject."""
+        """Decode one line with the reference decoder; file its row or its reject."""
         try:
             if len(line) > max_line:
                 raise Reject("quarantine", "line_too_large", f"{len(line)} bytes > {max_line}")
-            fast = fast_decode(line)
-            if fast is not None:
-                rec, conv = fast
-            else:
-                rec = decode_line(line)
-                conv = to_conversation(rec.request, rec.response)
+            rec = decode_line(line)
+            conv = to_conversation(rec.request, rec.response)
             when = rec.inference_time or obj.hour
             if when is None:
                 raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")
@@ -224,16 +230,15 @@ class _PerLine:
         return rows_batch(offsets=self.offsets, t_from=self.t_from, t_value=self.t_value, **self.cols)
 
 
-def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
+def process_file(obj: SourceObject, opts: FileOptions, batch: bool = True) -> FileResult:
     """Decode, normalize and redact every line of one capture file (runs in a worker).
 
     The file is read in blocks of whole lines (:func:`capture.sources.iter_blocks`); the
-    batch path (:mod:`capture.batchpath`) decodes up to ``CHUNK_LINES`` lines of a block at
-    a time, finding the lines itself. The lines it declines, and every line when ``batch``
-    is false, go through the per-line path.
+    batch path (:mod:`capture.batchpath`) decodes up to ``opts.chunk_lines`` lines of a block
+    at a time, finding the lines itself. The lines it declines, and every line when ``batch``
+    is false, go through the per-line path (the reference decoder).
     """
-    redact: bool = _WORKER["redact"]
-    max_line: int = _WORKER["max_line_bytes"]
+    redact, max_line, chunk_lines = opts.redact, opts.max_line_bytes, opts.chunk_lines
     res = FileResult(obj=obj)
     parts: list[pa.RecordBatch] = []
     hash_parts: list[pa.Array] = []  # the native decoder's hashes of the rows in `parts`
@@ -241,9 +246,9 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
     in_file = HashSet()
     per_line = _PerLine()
     line_no = 0  # lines before the chunk at hand
-    client = _client() if obj.uri.startswith("s3://") else None
     try:
-        for block in iter_blocks(obj.uri, client=client, max_line=max_line):
+        for block in iter_blocks(obj.uri, client=opts.client, s3=opts.s3, block_size=opts.block_bytes,
+                                 max_line=max_line):
             if isinstance(block, LongLine):  # over the cap, and not read into memory
                 line_no += 1
                 res.quarantine.append(_quarantined(obj, line_no, "line_too_large", f"{block.size} bytes > {max_line}",
@@ -252,7 +257,7 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
             pos = 0
             while pos < len(block):
                 if batch:
-                    got = decode_block(block, pos, line_no + 1, CHUNK_LINES, max_line, obj.hour, in_file)
+                    got = decode_block(block, pos, line_no + 1, chunk_lines, max_line, obj.hour, in_file)
                     if got.batch.num_rows:
                         parts.append(got.batch)
                         if got.hashes is not None:
@@ -264,7 +269,7 @@ def process_file(obj: SourceObject, batch: bool = True) -> FileResult:
                         per_line.decide(line, line_no + 1 + i, obj, max_line, res)
                     n, pos = got.lines, got.end
                 else:
-                    lines, pos = split_block(block, pos, CHUNK_LINES)
+                    lines, pos = split_block(block, pos, chunk_lines)
                     for i, line in enumerate(lines):
                         per_line.decide(line, line_no + 1 + i, obj, max_line, res)
                     n = len(lines)
@@ -421,7 +426,7 @@ def content_hashes(offsets: pa.Array, t_from: pa.Array, t_value: pa.Array) -> pa
     n = len(offsets) - 1
     if n <= 0:
         return pa.nulls(0, pa.string())
-    nat = native.get()
+    nat = backend.native()
     if nat is not None and _plain_utf8(t_from) and _plain_utf8(t_value) and len(t_from) == len(t_value):
         rows = np.ascontiguousarray(_numbers(offsets), dtype=np.int32)
         # No nulls (checked above): the validity buffers are not passed.
@@ -450,25 +455,28 @@ def _content_hashes_hashlib(offsets: pa.Array, t_from: pa.Array, t_value: pa.Arr
     return digests.hex().encode("ascii")
 
 
-def _handoff_dir() -> str:
+def handoff_dir() -> str:
+    """Where pool workers leave their tables for the parent: shared memory where there is some."""
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _handoff_prefix(parent_pid: int) -> str:
+def handoff_prefix(parent_pid: int) -> str:
+    """The name prefix of the handoff files of the run in process ``parent_pid``."""
     return f"drafter-ingest-{parent_pid}-"
 
 
-def _process_in_pool(obj: SourceObject) -> FileResult:
-    """:func:`process_file` in a pool worker: the table goes back as an Arrow file in shared memory.
+def hand_over(fr: FileResult, directory: str | None = None) -> FileResult:
+    """``fr`` with its table moved to an Arrow file in ``directory`` (default :func:`handoff_dir`),
+    for the parent process to map (:func:`take_over`); as it was where the file cannot be written.
 
     Pickling a table through the pool's pipe costs two copies and a pickle pass on each side;
     the parent maps this file instead, and reads it without copying.
     """
-    fr = process_file(obj)
     if fr.table is not None and fr.table.num_rows:
         path = None
         try:
-            fd, path = tempfile.mkstemp(prefix=_handoff_prefix(os.getppid()), suffix=".arrow", dir=_handoff_dir())
+            fd, path = tempfile.mkstemp(prefix=handoff_prefix(os.getppid()), suffix=".arrow",
+                                        dir=directory or handoff_dir())
             with os.fdopen(fd, "wb") as f, ipc.new_file(f, fr.table.schema) as w:
                 w.write_table(fr.table)
         except OSError:  # shared memory full or unwritable: send the table through the pipe instead
@@ -479,7 +487,28 @@ def _process_in_pool(obj: SourceObject) -> FileResult:
     return fr
 
 
-def _take_over(path: str) -> pa.Table:
+# A pool worker's options, set once by its initializer (each worker is a process of its own).
+_worker_opts: FileOptions | None = None
+
+
+def _init_worker(opts: FileOptions, on_start: Callable[[], None] | None) -> None:
+    global _worker_opts
+    _worker_opts = opts
+    if on_start is not None:
+        on_start()
+
+
+def _process_in_pool(obj: SourceObject) -> FileResult:
+    """:func:`process_file` in a pool worker, its table handed over in shared memory."""
+    global _worker_opts
+    assert _worker_opts is not None, "the pool's initializer sets the options"
+    if obj.uri.startswith("s3://"):
+        _worker_opts = _worker_opts.with_client()  # one client per worker, not one per file
+    return hand_over(process_file(obj, _worker_opts))
+
+
+def take_over(path: str) -> pa.Table:
+    """The table a worker handed over in ``path`` (:func:`hand_over`); the file is removed."""
     # The mapping outlives the unlink; the memory goes when the table does.
     table = ipc.open_file(pa.memory_map(path)).read_all()
     os.unlink(path)
@@ -488,7 +517,7 @@ def _take_over(path: str) -> pa.Table:
 
 def _drop_handoffs() -> None:
     """Remove handoff files a failed run left behind (the parent unlinks each one it reads)."""
-    for p in glob.glob(os.path.join(_handoff_dir(), _handoff_prefix(os.getpid()) + "*.arrow")):
+    for p in glob.glob(os.path.join(handoff_dir(), handoff_prefix(os.getpid()) + "*.arrow")):
         try:
             os.unlink(p)
         except FileNotFoundError:
@@ -580,7 +609,7 @@ class _Run:
         self.pending_quarantine.extend(fr.quarantine)
         kept = 0
         if fr.table_file is not None:
-            fr.table = _take_over(fr.table_file)
+            fr.table = take_over(fr.table_file)
         t = fr.table
         if t is not None and t.num_rows:
             mask = self.seen.add_new(t.column("content_hash"))
@@ -663,26 +692,28 @@ class _Run:
         self.pending_bytes = 0
 
 
-def _workers(cfg: Any, objs: list[SourceObject]) -> int:
-    want = cfg.capture.workers or min(2, os.cpu_count() or 1)
+def _workers(capture: CaptureConfig, objs: list[SourceObject]) -> int:
+    want = capture.workers or min(2, os.cpu_count() or 1)
     if len(objs) < 2 or sum(o.size for o in objs) < POOL_MIN_BYTES:
         return 1
     return max(1, min(want, len(objs)))
 
 
 def ingest(
-    cfg: Any,
+    cfg: Config,
     source: str | None = None,
     since: str | datetime | None = None,
     until: str | datetime | None = None,
     endpoint: str | None = None,
     workers: int | None = None,
+    on_worker_start: Callable[[], None] | None = None,
 ) -> IngestResult:
     """Ingest new capture files from ``source`` (default ``config.capture.source``) into the warehouse.
 
     ``since`` (inclusive) and ``until`` (exclusive) select layout hours; ``endpoint``
     defaults to ``config.capture.endpoint`` ("" = all). Files already in the manifest
-    with the same ETag are not read again.
+    with the same ETag are not read again. ``cfg`` gives the ``capture``, ``warehouse`` and
+    ``s3`` sections. ``on_worker_start`` (picklable) runs first in each pool worker process.
     """
     source = source or cfg.capture.source
     t_since, t_until = parse_when(since), parse_when(until)
@@ -711,7 +742,9 @@ def ingest(
             con.close()
         sink = _Sink()
         try:
-            _run_files(cfg, _Run(wh, run_id, seen, result, sink), objs, client, workers)
+            opts = FileOptions.of(cfg.capture, cfg.s3, client)
+            n = workers if workers is not None else _workers(cfg.capture, objs)
+            _run_files(opts, _Run(wh, run_id, seen, result, sink), objs, n, on_worker_start)
         except BaseException:
             sink.abort()
             raise
@@ -745,21 +778,19 @@ def _spawn_env(**env: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _run_files(cfg: Any, run: _Run, objs: list[SourceObject], client: Any, workers: int | None) -> None:
-    init = (cfg.s3, cfg.capture.redact, cfg.capture.max_line_bytes)
-    n = workers if workers is not None else _workers(cfg, objs)
+def _run_files(opts: FileOptions, run: _Run, objs: list[SourceObject], n: int,
+               on_worker_start: Callable[[], None] | None) -> None:
     if n <= 1:
-        _init_worker(*init)
-        if client is not None:
-            _WORKER["client"] = client
         for o in objs:
-            run.add(process_file(o))
+            run.add(process_file(o, opts))
             if run.pending_bytes >= CHECKPOINT_BYTES:
                 run.checkpoint(final=False)
     else:
         # spawn, not fork: the parent has pyarrow/duckdb threads that fork would copy mid-state.
         try:
             with _spawn_env(**WORKER_ENV):
+                # The parent's S3 client stays with the parent: each worker makes its own.
+                init = (replace(opts, client=None), on_worker_start)
                 pool = mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init)
             with pool:
                 for fr in pool.imap(_process_in_pool, objs, chunksize=1):

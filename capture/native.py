@@ -9,9 +9,12 @@ A file lock makes parallel processes (pytest workers, ingest pool workers) wait 
 one build instead of racing. ``scripts/env.sh`` runs ``python -m capture.native`` so
 that a fresh checkout builds it once on activation.
 
+The module holds no format rule of its own: :func:`load` hands it :mod:`capture.rules`
+(``configure``) before anyone can call it, so a change of the rules needs no rebuild.
+
 :func:`load` raises :class:`NativeUnavailable` when it cannot build or import the module
-(tests use it, so they fail rather than skip); :func:`get` is for production code: it
-returns ``None`` instead, after one warning, and callers fall back to the msgspec path.
+(tests use it, so they fail rather than skip). Whether production code uses it at all is
+:mod:`capture.backend`'s decision, and only its.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
-import logging
 import os
 import shutil
 import subprocess
@@ -29,14 +31,13 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-log = logging.getLogger("capture.native")
+from capture import rules
 
 NAME = "_capture_native"
 SOURCE_DIR = Path(__file__).resolve().parent / "_native"
 CFLAGS = ["-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-std=gnu11"]
 
 _module: ModuleType | None = None
-_failure: str | None = None  # why get() returned None, once it has
 
 
 class NativeUnavailable(RuntimeError):
@@ -72,6 +73,7 @@ def _import(path: Path) -> ModuleType:
         raise NativeUnavailable(f"cannot import {path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    mod.configure(rules.native_table())
     return mod
 
 
@@ -84,7 +86,7 @@ def _compiler() -> str:
     return cc
 
 
-def _compile(sources: list[Path], out: Path) -> None:
+def _compile(sources: list[Path], out: Path, cflags: list[str] = CFLAGS) -> None:
     """Compile into a temporary file beside ``out``, then rename it into place (atomic)."""
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
@@ -92,7 +94,7 @@ def _compile(sources: list[Path], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [_compiler(), *CFLAGS, "-I", include, *(str(p) for p in sources if p.suffix == ".c"), "-o", tmp]
+        cmd = [_compiler(), *cflags, "-I", include, *(str(p) for p in sources if p.suffix == ".c"), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise NativeUnavailable(f"building the native capture decoder failed:\n$ {' '.join(cmd)}\n{proc.stderr[-4000:]}")
@@ -132,9 +134,22 @@ def _build(sources: list[Path], key: str) -> Path:
     raise NativeUnavailable("no writable directory to build the native capture decoder in: " + "; ".join(errors))
 
 
-def load() -> ModuleType:
-    """The built and imported extension; raises :class:`NativeUnavailable` if it cannot be had."""
+def build_into(directory: Path, cflags: list[str]) -> Path:
+    """The module built with ``cflags`` (say, sanitizers) into ``directory``, for :func:`load` to take."""
+    out = directory / _so_name()
+    _compile(_sources(), out, cflags)
+    return out
+
+
+def load(path: Path | None = None) -> ModuleType:
+    """The built and imported extension, configured with :mod:`capture.rules`; raises
+    :class:`NativeUnavailable` if it cannot be had.
+
+    ``path`` loads that build of it instead (the fuzzer's sanitized one), for the rest of the process.
+    """
     global _module
+    if path is not None:
+        _module = _import(path)
     if _module is not None:
         return _module
     sources = _sources()
@@ -156,24 +171,6 @@ def utf8_args(arr) -> tuple:
     (array offset, length, offsets, data, validity or ``None`` when nothing is null)."""
     validity, offsets, data = arr.buffers()
     return arr.offset, len(arr), offsets, data if data is not None else b"", validity if arr.null_count else None
-
-
-def get() -> ModuleType | None:
-    """:func:`load`, or ``None`` (with one warning per process) where it fails.
-
-    ``DRAFTER_ADAPT_NATIVE=0`` turns the native path off without a warning.
-    """
-    global _failure
-    if _module is not None:
-        return _module
-    if os.environ.get("DRAFTER_ADAPT_NATIVE", "1") == "0" or _failure is not None:
-        return None
-    try:
-        return load()
-    except NativeUnavailable as exc:
-        _failure = str(exc)
-        log.warning("native capture decoder unavailable, using the slower msgspec path: %s", exc)
-        return None
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from capture import rules
+from capture.rules import BASE64, CSV, ENCODINGS, JSON
+
 BOM = b"\xef\xbb\xbf"
-ENCODINGS = ("JSON", "BASE64", "CSV")
 
 
 class Reject(Exception):
@@ -126,8 +128,8 @@ def _payload(side: dict, path: str) -> Payload:
     ct = side.get("observedContentType")
     if ct is not None and not isinstance(ct, str):
         raise quarantine("wrong_type", f"{path}.observedContentType is {type(ct).__name__}")
-    enc = (enc or "JSON").upper()
-    if enc == "BASE64":
+    enc = rules.encoding_of(enc)
+    if enc == BASE64:
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
@@ -136,7 +138,7 @@ def _payload(side: dict, path: str) -> Payload:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise quarantine("invalid_utf8", f"{path}.data (base64) at byte {exc.start}") from None
-    elif enc in ("JSON", "CSV"):
+    elif enc in (JSON, CSV):
         text = data
     else:
         raise quarantine("unknown_encoding", f"{path}.encoding={enc[:40]}")
@@ -183,14 +185,14 @@ def _side(mode: str, payload: dict | list | str | bytes, content_type: str | Non
     if isinstance(payload, (dict, list)):
         raw = json.dumps(payload, ensure_ascii=False)
     elif isinstance(payload, bytes):
-        raw = payload.decode("utf-8") if encoding != "BASE64" else ""
+        raw = payload.decode("utf-8") if encoding != BASE64 else ""
     else:
         raw = payload
     enc = encoding.upper()
-    if enc == "BASE64":
+    if enc == BASE64:
         blob = payload if isinstance(payload, bytes) else raw.encode("utf-8")
         data = base64.b64encode(blob).decode("ascii")
-    elif enc in ("JSON", "CSV"):
+    elif enc in (JSON, CSV):
         data = raw
     else:
         raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
@@ -220,7 +222,7 @@ def make_capture_record(
         inference_time = datetime.now(timezone.utc)
     if isinstance(inference_time, datetime):
         t = inference_time if inference_time.tzinfo else inference_time.replace(tzinfo=timezone.utc)
-        inference_time = t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        inference_time = t.astimezone(timezone.utc).strftime(rules.TIME_FORMAT)
     meta: dict[str, Any] = {"eventId": event_id or str(uuid.uuid4()), "inferenceTime": inference_time}
     if inference_id:
         meta["inferenceId"] = inference_id

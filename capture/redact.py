@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from capture import native
+from capture import backend, native
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -304,21 +304,21 @@ GATE = (
 )
 
 
-def _flagged(values: "pa.Array") -> list[int]:
+def flagged(values: "pa.Array") -> list[int]:
     """Indices of the strings that may hold something to redact: a superset of those GATE matches."""
     import numpy as np
     import pyarrow as pa
 
-    nat = native.get()
+    nat = backend.native()
     if nat is not None and isinstance(values, pa.Array) and values.type == pa.string():
         if not len(values):
             return []
         hits = nat.redact_gate(*native.utf8_args(values))
         return np.frombuffer(hits, dtype=np.int64).tolist()
-    return _flagged_re2(values)
+    return flagged_re2(values)
 
 
-def _flagged_re2(values: "pa.Array") -> list[int]:
+def flagged_re2(values: "pa.Array") -> list[int]:
     """Indices of the strings GATE matches (RE2)."""
     import pyarrow.compute as pc
 
@@ -330,7 +330,7 @@ def redact_values(values: list[str]) -> dict[int, dict[str, int]]:
     out: dict[int, dict[str, int]] = {}
     if not values:
         return out
-    for i in _flagged(_string_array(values)):
+    for i in flagged(_string_array(values)):
         r = Redactor()
         text = r.redact(values[i])
         if r.counts:
@@ -363,7 +363,7 @@ def redact_array(values: "pa.Array") -> tuple["pa.Array", dict[int, dict[str, in
         return values, {}
     out: dict[int, dict[str, int]] = {}
     new: list[str] = []
-    for i in _flagged(values):
+    for i in flagged(values):
         r = Redactor()
         text = r.redact(values[i].as_py())
         if r.counts:  # no count means nothing was replaced

@@ -14,8 +14,11 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from settings.config import S3Config
 
 _HOUR_PARTS = re.compile(r"^\d{4}/\d{2}/\d{2}/\d{2}$")
 _REL = re.compile(r"^(\d+)\s*([hd])$")
@@ -111,10 +114,12 @@ def in_window(hour: datetime | None, since: datetime | None, until: datetime | N
     return True
 
 
-def s3_client(s3_cfg: Any) -> Any:
+def s3_client(s3_cfg: S3Config | None) -> Any:
     """A boto3 S3 client from ``config.s3`` (standard credential chain, optional endpoint URL)."""
     import boto3
 
+    if s3_cfg is None:
+        raise ValueError("an s3:// URI needs the S3 settings (config.s3) or a client")
     return boto3.client("s3", **s3_cfg.client_kwargs())
 
 
@@ -141,7 +146,7 @@ def list_objects(
     variant: str = "",
     since: datetime | None = None,
     until: datetime | None = None,
-    s3: Any = None,
+    s3: S3Config | None = None,
     client: Any = None,
     page_size: int | None = None,
 ) -> Iterator[SourceObject]:
@@ -222,7 +227,7 @@ class LongLine:
 LONG_LINE_HEAD = 4096
 
 
-def iter_blocks(uri: str, client: Any = None, s3: Any = None, block_size: int = BLOCK_BYTES,
+def iter_blocks(uri: str, client: Any = None, s3: S3Config | None = None, block_size: int = BLOCK_BYTES,
                 max_line: int | None = None) -> Iterator[memoryview | LongLine]:
     """Stream one capture file as blocks of whole lines: each ends with ``\\n``, but the last may not.
 
@@ -333,7 +338,7 @@ def _skip_line(readinto: Callable[[memoryview], int], buf: bytearray, size: int,
         size += n
 
 
-def iter_lines(uri: str, client: Any = None, s3: Any = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+def iter_lines(uri: str, client: Any = None, s3: S3Config | None = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:
     """Stream the lines of one capture file, split on ``\\n`` only, without the newline.
 
     Nothing else is stripped (``\\r``, a BOM: the decoders judge those), empty lines are

@@ -12,13 +12,16 @@ import os
 import re
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from capture.warehouse import Warehouse
+
+if TYPE_CHECKING:
+    from settings.config import Config
 
 SPLITS = ("train", "heldout")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -37,7 +40,7 @@ def cutoff(table: pa.Table, heldout_hours: float) -> datetime | None:
     return latest - timedelta(hours=heldout_hours)
 
 
-def split_table(cfg: Any, heldout_hours: float | None = None) -> pa.Table:
+def split_table(cfg: Config, heldout_hours: float | None = None) -> pa.Table:
     """All conversations with a ``split`` column (``train``/``heldout``), oldest first."""
     hours = cfg.capture.heldout_hours if heldout_hours is None else heldout_hours
     t = Warehouse(cfg).read_conversations()
@@ -50,7 +53,7 @@ def split_table(cfg: Any, heldout_hours: float | None = None) -> pa.Table:
     return t.sort_by([("inference_time", "ascending"), ("content_hash", "ascending")])
 
 
-def load_split(cfg: Any, split: str = "train", heldout_hours: float | None = None) -> list[dict]:
+def load_split(cfg: Config, split: str = "train", heldout_hours: float | None = None) -> list[dict]:
     """ShareGPT rows (``id``, ``conversations`` + metadata) of one split, oldest first."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
@@ -69,7 +72,7 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def export(cfg: Any, split: str, out: str | Path, heldout_hours: float | None = None) -> int:
+def export(cfg: Config, split: str, out: str | Path, heldout_hours: float | None = None) -> int:
     """Write one split as ShareGPT JSONL (one conversation a line, with metadata); returns the row count.
 
     The file is written to a temporary name and renamed, so a reader never sees half of it.
@@ -85,7 +88,7 @@ def export(cfg: Any, split: str, out: str | Path, heldout_hours: float | None = 
     return len(rows)
 
 
-def stats(cfg: Any, heldout_hours: float | None = None) -> dict[str, Any]:
+def stats(cfg: Config, heldout_hours: float | None = None) -> dict[str, Any]:
     """Counts per split, day, format and endpoint; token length percentiles; catalog totals."""
     t = split_table(cfg, heldout_hours)
     n = t.num_rows

@@ -31,6 +31,8 @@ from urllib.parse import urlparse
 
 if TYPE_CHECKING:
     import duckdb
+
+    from settings.config import Config, S3Config
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -120,7 +122,7 @@ class IngestLocked(RuntimeError):
     """Another ingest run holds the warehouse."""
 
 
-def _filesystem(uri: str, s3_cfg: Any) -> tuple[pafs.FileSystem, str]:
+def _filesystem(uri: str, s3_cfg: S3Config) -> tuple[pafs.FileSystem, str]:
     """pyarrow filesystem and base path for a warehouse URI (local dir or ``s3://bucket/prefix``)."""
     if uri.startswith("s3://"):
         kw: dict[str, Any] = {"region": s3_cfg.region}
@@ -137,9 +139,9 @@ def _filesystem(uri: str, s3_cfg: Any) -> tuple[pafs.FileSystem, str]:
 
 
 class Warehouse:
-    """Parquet + DuckDB catalog for one config (``[warehouse]`` and ``[s3]``)."""
+    """Parquet + DuckDB catalog for one config (``[warehouse]``, ``[s3]`` and ``capture.heldout_hours``)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.uri = cfg.warehouse.uri
         self.catalog = Path(cfg.warehouse.catalog).expanduser()
         self.is_s3 = self.uri.startswith("s3://")
@@ -212,7 +214,8 @@ class Warehouse:
     def committed_files(self, con: duckdb.DuckDBPyConnection) -> list[str]:
         return [r[0] for r in con.execute("SELECT path FROM parquet_files ORDER BY path").fetchall()]
 
-    def start_run(self, con: duckdb.DuckDBPyConnection, run_id: str, source: str, since: Any, until: Any) -> None:
+    def start_run(self, con: duckdb.DuckDBPyConnection, run_id: str, source: str, since: datetime | None,
+                  until: datetime | None) -> None:
         con.execute(
             "INSERT INTO runs (run_id, started_at, status, source, since, \"until\") VALUES (?, ?, 'running', ?, ?, ?)",
             [run_id, datetime.now(timezone.utc), source, since, until],

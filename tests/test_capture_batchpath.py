@@ -6,40 +6,29 @@ import io
 import json
 import random
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from capture import batchpath
+from capture import backend, batchpath
 from capture import ingest as ingest_mod
-from capture.ingest import process_file
+from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record, parse_time
 from capture.sources import SourceObject, iter_blocks, iter_lines, list_objects
 from capture.synth import FORMATS, TextPool, exchange, write_layout
-from tests.test_capture_fastpath import VARIANTS
+from tests.capture_support import FIXTURES, T0, VARIANTS, obj_of, write
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "datacapture"
-T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "q"}], "temperature": 0.2}
 OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "a"}}]}
+OPTS = FileOptions(redact=True, max_line_bytes=8 << 20)
 
 
-@pytest.fixture(autouse=True)
-def worker(monkeypatch):
-    monkeypatch.setattr(ingest_mod, "_WORKER", {})
-    ingest_mod._init_worker(None, True, 8 << 20)
-
-
-def obj_of(path: Path, hour: datetime | None = None) -> SourceObject:
-    size = path.stat().st_size
-    return SourceObject(str(path), size, str(size), "ep", "AllTraffic", hour)
-
-
-def both(obj: SourceObject):
+def both(obj: SourceObject, opts: FileOptions = OPTS):
     """Run one file through both paths; assert they agree on everything; return the batch result."""
-    fast, slow = process_file(obj, batch=True), process_file(obj, batch=False)
+    fast, slow = process_file(obj, opts, batch=True), process_file(obj, opts, batch=False)
     for attr in ("read", "missing", "error", "file_duplicates"):
         assert getattr(fast, attr) == getattr(slow, attr), attr
     assert fast.skips == slow.skips
@@ -53,15 +42,9 @@ def both(obj: SourceObject):
     return fast
 
 
-def declined(path: Path, hour: datetime | None = None) -> list[int]:
+def declined(path: Path, hour=None) -> list[int]:
     lines = list(iter_lines(str(path)))
     return [i + 1 for i in batchpath.decode_chunk(lines, 1, 8 << 20, hour).declined]
-
-
-def write(path: Path, lines: list[str | bytes]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"".join((x.encode() if isinstance(x, str) else x) + b"\n" for x in lines))
-    return path
 
 
 def test_synthetic_traffic_of_every_format_is_decided_by_the_batch_path_alone(tmp_path):
@@ -131,19 +114,18 @@ def test_bad_input_goes_to_the_per_line_path_by_line_number(tmp_path):
         good[11],
     ]
     p = write(tmp_path / "bad.jsonl", lines)
-    ingest_mod._init_worker(None, True, 25_000)  # the line of 30,000 x is over the limit
-    res = both(obj_of(p))
+    opts = FileOptions(redact=True, max_line_bytes=25_000)  # the line of 30,000 x is over the limit
+    res = both(obj_of(p), opts)
     assert {q["reason"] for q in res.quarantine} >= {"invalid_json", "invalid_base64", "invalid_utf8", "nul_bytes",
                                                       "missing_field", "wrong_type", "too_deeply_nested", "line_too_large"}
     assert res.skips == {"empty_line": 2, "not_llm_traffic": 2, "no_output_captured": 1}
     assert declined(p, None) != [] and 1 not in declined(p, None)
     # With a layout hour the line without a time is kept, stamped with the hour.
-    hour = both(obj_of(p, hour=T0))
+    hour = both(obj_of(p, hour=T0), opts)
     assert hour.table.num_rows + hour.file_duplicates == res.table.num_rows + res.file_duplicates + 2
 
 
-def test_declined_lines_interleave_in_line_order_across_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(ingest_mod, "CHUNK_LINES", 7)
+def test_declined_lines_interleave_in_line_order_across_chunks(tmp_path):
     pool = TextPool(random.Random(5))
     lines = []
     for i in range(60):
@@ -155,7 +137,7 @@ def test_declined_lines_interleave_in_line_order_across_chunks(tmp_path, monkeyp
     for i in (3, 17, 33):
         lines[i] = make_capture_record({"messages": [{"role": "user", "content": [{"type": "text", "text": f"p{i}"}]}]}, OK,
                                        event_id=f"parts{i}", inference_time=T0)
-    res = both(obj_of(write(tmp_path / "mixed.jsonl", lines)))
+    res = both(obj_of(write(tmp_path / "mixed.jsonl", lines)), FileOptions(chunk_lines=7))
     nos = res.table["line_no"].to_pylist()
     assert nos == sorted(nos) and {4, 18, 34} <= set(nos)
 
@@ -178,8 +160,7 @@ def test_redaction_counts_and_switch(tmp_path):
     res = both(obj_of(p))
     assert len(res.row_redactions) == 10 and res.row_redactions[0][1] == {"EMAIL": 1, "CARD": 1, "AWS_ACCESS_KEY": 1}
     assert "[REDACTED_EMAIL]" in res.table["conversations"][0].as_py()[0]["value"]
-    ingest_mod._init_worker(None, False, 8 << 20)
-    off = both(obj_of(p))
+    off = both(obj_of(p), FileOptions(redact=False))
     assert off.row_redactions == [] and "bob@example.com" in off.table["conversations"][0].as_py()[0]["value"]
 
 
@@ -205,10 +186,9 @@ def test_parse_times_matches_parse_time():
 @pytest.mark.parametrize("lines", [[], [b""], [b"not json", b"{}"], [b"x" * 100]],
                          ids=["no lines", "one empty", "all bad", "one long"])
 def test_files_without_a_single_row(tmp_path, lines):
-    ingest_mod._init_worker(None, True, 50)
     p = tmp_path / "f.jsonl"
     p.write_bytes(b"\n".join(lines) + (b"\n" if lines else b""))
-    res = both(obj_of(p))
+    res = both(obj_of(p), FileOptions(max_line_bytes=50))
     assert res.table.num_rows == 0 and res.read == len(lines)
 
 
@@ -313,8 +293,13 @@ def _decode_blocks(blocks: list[bytes], max_lines: int, hour=None):
 
 
 @pytest.mark.parametrize("native_on", [True, False])
-def test_decode_block_cut_at_every_position_equals_decode_chunk(monkeypatch, native_on):
-    monkeypatch.setattr(batchpath, "USE_NATIVE", native_on)
+def test_decode_block_cut_at_every_position_equals_decode_chunk(native_on):
+    with nullcontext() if native_on else backend.python_fallback():
+        _decode_block_cut_at_every_position(native_on)
+
+
+def _decode_block_cut_at_every_position(native_on: bool) -> None:
+    assert (backend.native() is not None) == native_on
     content = _edge_file()
     lines = _lines_of(content)
     ref = batchpath.decode_chunk(lines, 1, 8 << 20, None)
@@ -334,7 +319,7 @@ def _reference(obj: SourceObject) -> ingest_mod.FileResult:
     per_line = ingest_mod._PerLine()
     lines = _lines_of(Path(obj.uri).read_bytes())
     for i, line in enumerate(lines):
-        per_line.decide(line, i + 1, obj, ingest_mod._WORKER["max_line_bytes"], res)
+        per_line.decide(line, i + 1, obj, OPTS.max_line_bytes, res)
     res.read = len(lines)
     rows = pa.Table.from_batches([per_line.batch()], schema=batchpath.ROW_SCHEMA)
     res.table, res.row_redactions, res.file_duplicates = ingest_mod._finish(rows, obj, True)
@@ -347,7 +332,7 @@ def _same(a: ingest_mod.FileResult, b: ingest_mod.FileResult) -> None:
     assert a.table.equals(b.table)
 
 
-def test_process_file_over_blocks_of_any_size_equals_the_line_by_line_path(tmp_path, monkeypatch):
+def test_process_file_over_blocks_of_any_size_equals_the_line_by_line_path(tmp_path):
     pool = TextPool(random.Random(3))
     synth = [make_capture_record(event_id=f"s{i}", inference_time=T0, **exchange(FORMATS[i % len(FORMATS)], pool, i))
              for i in range(40)]
@@ -356,13 +341,11 @@ def test_process_file_over_blocks_of_any_size_equals_the_line_by_line_path(tmp_p
     obj = obj_of(p)
     want = _reference(obj)
     assert want.quarantine and want.skips and want.file_duplicates and want.table.num_rows > 30
-    real = ingest_mod.iter_blocks
     for size in (1, 100, 1000, 5000, 1 << 22):
-        monkeypatch.setattr(ingest_mod, "iter_blocks", lambda uri, size=size, **kw: real(uri, block_size=size, **kw))
         for chunk_lines in (1, 4, 8192):
-            monkeypatch.setattr(ingest_mod, "CHUNK_LINES", chunk_lines)
-            _same(process_file(obj), want)
-            _same(process_file(obj, batch=False), want)
+            opts = FileOptions(block_bytes=size, chunk_lines=chunk_lines)
+            _same(process_file(obj, opts), want)
+            _same(process_file(obj, opts, batch=False), want)
 
 
 def test_a_20_mb_line_spans_blocks(tmp_path):
@@ -371,11 +354,10 @@ def test_a_20_mb_line_spans_blocks(tmp_path):
     small = [make_capture_record(CHAT, OK, event_id=f"e{i}", inference_time=T0).encode() for i in range(2)]
     p = tmp_path / "big.jsonl"
     p.write_bytes(small[0] + b"\n" + big + b"\n" + small[1])
-    res = process_file(obj_of(p))  # max_line 8 MB: quarantined, by its line number
+    res = process_file(obj_of(p), OPTS)  # max_line 8 MB: quarantined, by its line number
     assert res.read == 3 and [(q["line_no"], q["reason"]) for q in res.quarantine] == [(2, "line_too_large")]
     assert res.table["line_no"].to_pylist() == [1]  # the two small lines are replays of one exchange
-    ingest_mod._init_worker(None, True, 32 << 20)
-    res = process_file(obj_of(p))
+    res = process_file(obj_of(p), FileOptions(max_line_bytes=32 << 20))
     assert res.read == 3 and not res.quarantine and res.table["line_no"].to_pylist() == [1, 2]
     assert len(res.table["conversations"][1].as_py()[0]["value"]) == 20 << 20
 
@@ -415,19 +397,19 @@ class _FakeS3:
         return {"Body": self.bodies[-1]}
 
 
-def test_s3_streams_split_and_decode_as_local_files(tmp_path, monkeypatch):
+def test_s3_streams_split_and_decode_as_local_files(tmp_path):
     content = _edge_file() + b"\n" + b"y" * 70_000 + b"\n" + _edge_file()
     p = tmp_path / "f.jsonl"
     p.write_bytes(content)
-    local = process_file(obj_of(p))
+    local = process_file(obj_of(p), OPTS)
     for piece in (1, 999, 1 << 20):
         fake = _FakeS3({"cap/f.jsonl": content}, piece=piece)
-        monkeypatch.setitem(ingest_mod._WORKER, "client", fake)
+        opts = FileOptions(client=fake)
         obj = SourceObject("s3://b/cap/f.jsonl", len(content), "e", "ep", "AllTraffic", None)
         for size in (64, 5000, 1 << 22):
             assert [bytes(b) for b in iter_blocks(obj.uri, client=fake, block_size=size)] == \
                 [bytes(b) for b in iter_blocks(str(p), block_size=size)]
-        s3 = process_file(obj)
+        s3 = process_file(obj, opts)
         assert all(b.closed for b in fake.bodies)
         s3.table = s3.table.set_column(s3.table.schema.get_field_index("source_uri"), "source_uri",
                                        local.table["source_uri"])
@@ -435,8 +417,8 @@ def test_s3_streams_split_and_decode_as_local_files(tmp_path, monkeypatch):
             q["source_uri"] = str(p)
         _same(s3, local)
     # Gone, and failing part-way: the file is left for the next run, nothing of it kept.
-    gone = process_file(SourceObject("s3://b/cap/gone.jsonl", 1, "e", "ep", "AllTraffic", None))
+    gone = process_file(SourceObject("s3://b/cap/gone.jsonl", 1, "e", "ep", "AllTraffic", None), opts)
     assert gone.missing and gone.error is None and gone.table is None
-    monkeypatch.setitem(ingest_mod._WORKER, "client", _FakeS3({"cap/f.jsonl": content}, fail_at=len(content) // 2))
-    broken = process_file(SourceObject("s3://b/cap/f.jsonl", len(content), "e", "ep", "AllTraffic", None))
+    failing = FileOptions(client=_FakeS3({"cap/f.jsonl": content}, fail_at=len(content) // 2))
+    broken = process_file(SourceObject("s3://b/cap/f.jsonl", len(content), "e", "ep", "AllTraffic", None), failing)
     assert broken.missing and "ConnectionResetError" in broken.error and broken.table is None

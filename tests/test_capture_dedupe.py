@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from capture import dedupe, native
+from capture import backend, dedupe, native
 
 
 def _hashes(rng: random.Random, n: int, pool: int) -> list[str]:
@@ -16,7 +16,7 @@ def _hashes(rng: random.Random, n: int, pool: int) -> list[str]:
 
 
 def test_the_native_table_is_in_use():
-    assert native.get() is not None
+    assert backend.native() is not None
     assert dedupe.HashSet()._py is None
 
 
@@ -63,8 +63,7 @@ def test_anything_but_32_lowercase_hex_raises_and_adds_nothing(bad):
 
 
 def test_the_python_fallback_matches(monkeypatch):
-    monkeypatch.setenv("DRAFTER_ADAPT_NATIVE", "0")
-    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setenv("DRAFTER_ADAPT_NATIVE", "0")  # as a machine without the module runs
     rng = random.Random(11)
     batch = _hashes(rng, 2000, 500)
     hs = dedupe.HashSet()
@@ -74,7 +73,7 @@ def test_the_python_fallback_matches(monkeypatch):
 
 
 def test_a_full_table_is_refused_not_looped_on():
-    nat = native.get()
+    nat = native.load()
     table = bytearray(16 * (2 + 1))
     args = native.utf8_args(pa.array(["1" * 32, "2" * 32, "3" * 32]))
     with pytest.raises(ValueError, match="full"):
@@ -86,6 +85,7 @@ def test_a_full_table_is_refused_not_looped_on():
 # ---- in-file replays dropped by the native decoder ---------------------------------------
 
 import json  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 from datetime import datetime, timedelta, timezone  # noqa: E402
 
 from capture import batchpath, ingest  # noqa: E402
@@ -118,18 +118,18 @@ def _replays_file(tmp_path, rng: random.Random, declined: float, n: int = 400):
     return p
 
 
-def _result(p, hour, monkeypatch, native_on: bool):
-    monkeypatch.setattr(batchpath, "USE_NATIVE", native_on)
-    ingest._init_worker(None, True, 1 << 26)
-    return ingest.process_file(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", hour))
+def _result(p, hour, native_on: bool):
+    with nullcontext() if native_on else backend.python_fallback():
+        return ingest.process_file(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", hour),
+                                   ingest.FileOptions(max_line_bytes=1 << 26))
 
 
 @pytest.mark.parametrize("hour", [None, T0])
 @pytest.mark.parametrize("declined", [0.0, 0.05])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_replays_dropped_while_decoding_leave_the_same_file_result(tmp_path, monkeypatch, hour, declined, seed):
+def test_replays_dropped_while_decoding_leave_the_same_file_result(tmp_path, hour, declined, seed):
     p = _replays_file(tmp_path, random.Random(seed), declined)
-    on, off = _result(p, hour, monkeypatch, True), _result(p, hour, monkeypatch, False)
+    on, off = _result(p, hour, True), _result(p, hour, False)
     for attr in ("read", "file_duplicates", "skips", "quarantine", "row_redactions"):
         assert getattr(on, attr) == getattr(off, attr), attr
     assert on.table.to_pylist() == off.table.to_pylist()
@@ -164,7 +164,7 @@ def test_a_full_table_stops_dropping_but_keeps_every_row(tmp_path):
     block = ("\n".join(make_capture_record(kw["request"], kw["response"], event_id=f"e{i}", inference_time=T0)
                        for i in range(50)) + "\n").encode()
     odd = block.replace(b"2025-05-01T10:00:00Z", b"2025-05-01T10:00:00+00:00")
-    nat = native.get()
+    nat = native.load()
     table = bytearray(16 * (1024 + 1))
     out = nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 0, True)  # no room: nothing goes in
     assert (out["rows"], out["duplicates"], out["inserted"], out["unchecked"]) == (50, 0, 0, 50)

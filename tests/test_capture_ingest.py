@@ -13,41 +13,14 @@ import duckdb
 import pytest
 from typer.testing import CliRunner
 
-from settings.config import dump_toml, load_config
+from settings.config import dump_toml
 from capture import ingest as ingest_mod
 from capture.ingest import ingest
-from capture.records import make_capture_record
 from capture.sources import SourceObject
 from capture.split import export, load_split, stats
 from capture.synth import write_layout
 from capture.warehouse import Warehouse
-
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "datacapture"
-T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
-
-
-def make_cfg(tmp_path: Path, **capture):
-    return load_config(overrides={"state_dir": str(tmp_path / "state"), "capture": capture})
-
-
-def reconciles(res) -> bool:
-    return res.read == res.normalized + res.duplicates + res.quarantined + res.skipped
-
-
-def chat(i: int, t: datetime, text: str | None = None, **kw) -> str:
-    req = {"model": "m", "messages": [{"role": "user", "content": text or f"question {i}"}], "temperature": 0.2}
-    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer {i}"}}]}
-    return make_capture_record(req, resp, event_id=f"e{i}", inference_time=t, **kw)
-
-
-def write(path: Path, lines: list[str | bytes], newline: bytes = b"\n") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"".join((ln.encode() if isinstance(ln, str) else ln) + newline for ln in lines))
-    return path
-
-
-def layout_file(root: Path, t: datetime, name: str, lines: list, endpoint: str = "ep", variant: str = "AllTraffic") -> Path:
-    return write(root / endpoint / variant / t.strftime("%Y/%m/%d/%H") / name, lines)
+from tests.capture_support import FIXTURES, T0, chat, layout_file, make_cfg, reconciles, write
 
 
 def test_real_llm_fixture_yields_three_conversations_then_nothing(tmp_path):
@@ -353,7 +326,7 @@ def test_worker_pool_matches_inline(tmp_path):
     assert results[0] == results[1]
     assert results[0][0]["normalized"] > 400 and results[0][0]["skipped"] > 0
     # Tables come back from the workers through shared-memory files; none may be left behind.
-    assert not glob.glob(os.path.join(ingest_mod._handoff_dir(), ingest_mod._handoff_prefix(os.getpid()) + "*"))
+    assert not glob.glob(os.path.join(ingest_mod.handoff_dir(), ingest_mod.handoff_prefix(os.getpid()) + "*"))
 
 
 def test_cli_ingest_stats_export(tmp_path):
@@ -402,7 +375,7 @@ def test_read_failing_mid_file_drops_that_file_and_retries_it(tmp_path, monkeypa
 
     def flaky(uri, **kw):
         # Small blocks: one line each, so the failure comes after a block was decoded.
-        for i, block in enumerate(real_iter(uri, **kw, block_size=64)):
+        for i, block in enumerate(real_iter(uri, **{**kw, "block_size": 64})):
             if uri.endswith("a.jsonl") and i == 1:
                 raise ConnectionResetError("peer went away")
             yield block
@@ -428,19 +401,18 @@ def test_layout_key_round_trips_through_the_reader(tmp_path):
     assert (res.objects, res.normalized) == (1, 1)
 
 
-def test_worker_hands_tables_over_in_shared_memory_or_through_the_pipe(tmp_path, monkeypatch):
+def test_worker_hands_tables_over_in_shared_memory_or_through_the_pipe(tmp_path):
     src = tmp_path / "cap"
     write_layout(src, 50, per_file=50, seed=3)
     obj = next(iter(ingest_mod.list_objects(str(src))))
-    monkeypatch.setattr(ingest_mod, "_WORKER", {})
-    ingest_mod._init_worker(None, True, 8 << 20)
-    direct = ingest_mod.process_file(obj)
-    handed = ingest_mod._process_in_pool(obj)
+    opts = ingest_mod.FileOptions()
+    direct = ingest_mod.process_file(obj, opts)
+    handed = ingest_mod.hand_over(ingest_mod.process_file(obj, opts))
     assert handed.table is None and os.path.exists(handed.table_file)
-    assert ingest_mod._take_over(handed.table_file).equals(direct.table)
+    assert handed.table_file.startswith(ingest_mod.handoff_dir())
+    assert ingest_mod.take_over(handed.table_file).equals(direct.table)
     assert not os.path.exists(handed.table_file)
-    monkeypatch.setattr(ingest_mod, "_handoff_dir", lambda: str(tmp_path / "missing"))
-    piped = ingest_mod._process_in_pool(obj)
+    piped = ingest_mod.hand_over(ingest_mod.process_file(obj, opts), directory=str(tmp_path / "missing"))
     assert piped.table_file is None and piped.table.equals(direct.table)
 
 
@@ -463,12 +435,11 @@ def test_pool_workers_start_with_their_environment_and_the_parent_env_is_restore
     # The initializer runs in the spawned workers; they report what they saw through a file.
     out = tmp_path / "env.txt"
     monkeypatch.setenv("DRAFTER_TEST_ENV_OUT", str(out))
-    monkeypatch.setattr(ingest_mod, "_init_worker", _record_worker_env)
     src = tmp_path / "cap"
     for h in range(2):
         t = T0 + timedelta(hours=h)
         layout_file(src, t, "f.jsonl", [chat(10 * h + i, t) for i in range(3)])
-    res = ingest(make_cfg(tmp_path), source=str(src), workers=2)
+    res = ingest(make_cfg(tmp_path), source=str(src), workers=2, on_worker_start=_record_worker_env)
     assert (res.read, res.normalized) == (6, 6)
     # (a worker the pool ends before it starts writes nothing)
     assert set(out.read_text().splitlines()) == {f"1 {32 << 20} 12345"}
@@ -476,7 +447,6 @@ def test_pool_workers_start_with_their_environment_and_the_parent_env_is_restore
     assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "12345"
 
 
-def _record_worker_env(*init):
-    ingest_mod._WORKER.update(s3=init[0], redact=init[1], max_line_bytes=init[2], client=None)
+def _record_worker_env():
     with open(os.environ["DRAFTER_TEST_ENV_OUT"], "a") as f:
         f.write(" ".join(os.environ.get(k, "unset") for k in ingest_mod.WORKER_ENV) + "\n")

@@ -11,70 +11,21 @@ import base64
 import hashlib
 import json
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
-from capture import batchpath, dedupe, native
+from capture import backend, batchpath, dedupe, native, rules
 from capture import ingest as ingest_mod
-from capture.formats import ROLE_MAP
-from capture.ingest import process_file
+from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record
 from capture.sources import SourceObject, iter_lines
 from capture.synth import FORMATS, TextPool, exchange, write_layout
-from tests.test_capture_fastpath import VARIANTS
-
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "datacapture"
-T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
-MAX_LINE = 8 << 20
-
-
-@pytest.fixture(autouse=True)
-def worker(monkeypatch):
-    monkeypatch.setattr(ingest_mod, "_WORKER", {})
-    ingest_mod._init_worker(None, True, MAX_LINE)
-
-
-def _native_chunk(lines, hour=None, max_line=MAX_LINE):
-    return batchpath._decode_chunk_native(native.load(), lines, 1, max_line, hour)
-
-
-def _outcomes(chunk, n):
-    rows = set(chunk.batch.column("line_no").to_pylist())
-    declined = {i + 1 for i in chunk.declined}
-    skipped = set(range(1, n + 1)) - rows - declined
-    assert sum(chunk.skips.values()) == len(skipped)
-    return rows, declined, skipped
-
-
-def check(lines: list[bytes], hour=None, max_line=MAX_LINE, exact=False) -> tuple[int, int]:
-    """Native vs msgspec on one chunk: native declines a superset, and agrees on every other line.
-
-    Returns (lines native decided, lines msgspec decided); ``exact`` requires the same declines.
-    """
-    nat = _native_chunk(lines, hour, max_line)
-    ref = batchpath.decode_chunk_msgspec(lines, 1, max_line, hour)
-    n_rows, n_dec, n_skip = _outcomes(nat, len(lines))
-    m_rows, m_dec, m_skip = _outcomes(ref, len(lines))
-    assert m_dec <= n_dec, [lines[i - 1][:300] for i in sorted(m_dec - n_dec)]
-    assert n_skip <= m_skip, [lines[i - 1][:300] for i in sorted(n_skip - m_skip)]
-    assert n_rows <= m_rows, [lines[i - 1][:300] for i in sorted(n_rows - m_rows)]
-    keep = pc.is_in(ref.batch.column("line_no"), pa.array(sorted(n_rows), pa.int64()))
-    expected = ref.batch.filter(keep)
-    assert nat.batch.schema == expected.schema
-    for name in nat.batch.schema.names:
-        got, want = nat.batch.column(name).to_pylist(), expected.column(name).to_pylist()
-        if got != want:
-            bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            line_no = expected.column("line_no")[bad].as_py()
-            raise AssertionError(f"{name}: {got[bad]!r} != {want[bad]!r} in {lines[line_no - 1][:500]!r}")
-    assert nat.batch.equals(expected)
-    if exact:
-        assert nat.declined == ref.declined and nat.skips == ref.skips and nat.batch.equals(ref.batch)
-    return len(n_rows) + len(n_skip), len(m_rows) + len(m_skip)
+from tests.capture_support import (CONTENT_TYPES, ENCODINGS, FIXTURES, MAX_LINE, NUMBERS, RAW_ESCAPES, ROLES, T0, TEXTS,
+                                   VARIANTS, check, msgspec_chunk, mutated_line, native_chunk, same_file_result)
 
 
 # -- the module itself -----------------------------------------------------------------
@@ -83,7 +34,7 @@ def check(lines: list[bytes], hour=None, max_line=MAX_LINE, exact=False) -> tupl
 def test_native_module_is_built_and_used(monkeypatch):
     """CI must not fall back silently: the module loads, and decode_chunk goes through it."""
     mod = native.load()
-    assert native.get() is mod and Path(mod.__file__).exists()
+    assert backend.native() is mod and Path(mod.__file__).exists()
 
     def boom(*a, **k):
         raise AssertionError("msgspec path used")
@@ -100,8 +51,9 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(native.NativeUnavailable, match="no C compiler"):
         native.load()
-    monkeypatch.setattr(native, "_failure", None)
-    assert native.get() is None  # production code falls back (after one warning)
+    # Production code falls back (after one warning), and keeps the reason.
+    chooser = backend.Backend(load=native.load)
+    assert chooser.native() is None and "no C compiler" in chooser.failure
 
 
 def test_a_build_in_the_checkout_removes_the_builds_of_older_sources(monkeypatch, tmp_path):
@@ -146,7 +98,7 @@ def test_isspace_matches_python_for_every_code_point():
     assert [c for c in range(0x110000) if isspace(c)] == [c for c in range(0x110000) if chr(c).isspace()]
 
 
-def test_native_content_hashes_equal_hashlib(monkeypatch):
+def test_native_content_hashes_equal_hashlib():
     rng = random.Random(9)
     alphabet = ["a", "Z", " ", ":", "0", "é", "ß", "😀", "\U0010FFFF", "\n", "中", "\u2028", "\x00"]
     rows = [[(rng.choice(["system", "human", "gpt"]), "".join(rng.choices(alphabet, k=rng.choice([0, 1, 5, 60, 400]))))
@@ -160,14 +112,14 @@ def test_native_content_hashes_equal_hashlib(monkeypatch):
         offsets.append(len(t_from) - 1)
     # Sliced arrays (non-zero array offsets), as the turns of a ListArray slice are.
     f, v = pa.array(t_from).slice(1), pa.array(t_value).slice(1)
-    hashlib_path = ingest_mod._content_hashes_hashlib
-    monkeypatch.setattr(ingest_mod, "_content_hashes_hashlib", None)  # the native hash must do it alone
     got = ingest_mod.content_hashes(pa.array(offsets, pa.int32()), f, v)
-    monkeypatch.setattr(ingest_mod, "_content_hashes_hashlib", hashlib_path)
     assert got.to_pylist() == [ingest_mod.content_hash(turns) for turns in rows]
-    assert got.to_pylist() == [
-        ingest_mod._content_hashes_hashlib(pa.array(offsets, pa.int32()), f, v)[32 * i:32 * i + 32].decode()
-        for i in range(len(rows))]
+    # ... which is the native hash's (called here directly, so that it is sure to be the one tested)
+    direct = native.load().content_hashes(np.asarray(offsets, np.int32), *native.utf8_args(f)[:4],
+                                          *native.utf8_args(v)[:4])
+    assert direct == "".join(got.to_pylist()).encode()
+    with backend.python_fallback():  # hashlib does it
+        assert ingest_mod.content_hashes(pa.array(offsets, pa.int32()), f, v).to_pylist() == got.to_pylist()
     assert ingest_mod.content_hashes(pa.array([0, 2], pa.int32()), pa.array(["human", "gpt"]),
                                      pa.array(["hi", "yo"])).to_pylist() == ["f3c4e63129a60f7ac077c2c8b0bbb3b2"]
 
@@ -217,200 +169,7 @@ def test_fast_path_edge_variants(encoding):
     check(lines)
 
 
-# -- a seeded corpus of mutated lines ------------------------------------------------------
-
-NUMBERS = ["0", "-0", "1", "256", "-5", "0.5", "1.0", "12.0", "1e2", "1E+2", "2.5e-3", "1e400", "-1e400", "1e-400",
-           "5e-324", "9223372036854775807", "9223372036854775808", "-9223372036854775808", "-9223372036854775809",
-           "100000000000000000000000", "0.1000000000000000055511151231257827", "3.141592653589793238462643383279",
-           "true", "false", "null", '"0.5"', '"7"', "[]", "{}", "01", "1.", ".5", "+1", "NaN", "Infinity", "-", "1e",
-           "-0.5", "1.5", "-Infinity", "1" + "0" * 400]
-TEXTS = ["hi", "", " ", "\t\n", "\u3000\u2003", "\x1c", "\xa0x", "ünï", "😀", "中文", "a\u2028b", "a\x85b",
-         "\\u00e9", "q\\u0000", "x" * 300, "data: x", "[DONE]", "\"quoted\"", "back\\slash"]
-# Escapes as they appear in JSON text: pairs, lone and reversed surrogates, NUL, printable ASCII.
-RAW_ESCAPES = ["", "", "\\ud83d\\ude00", "\\uD83D\\uDE00", "\\ud800", "\\udc00\\ud800", "\\uDBFF\\uDFFF", "\\u0041",
-               "\\u00e9", "\\u0000", "\\u001c", "\\n", "\\/", "\\u2028"]
-# Every role the reference maps (the C table must follow ROLE_MAP), plus cases and near misses.
-ROLES = [*ROLE_MAP, "USER", "User", "Assistant", "robot", "", "ſystem", "usér", "user "]
-KEYS = ["messages", "prompt", "inputs", "parameters", "model", "temperature", "top_p", "max_tokens",
-        "max_completion_tokens", "max_new_tokens", "choices", "message", "content", "role", "text", "delta", "index",
-        "generated_text", "generation", "error", "object", "token", "stream", "extra"]
-CONTENT_TYPES = [None, "application/json", "text/csv", " TEXT/CSV ; charset=utf-8", "text/event-stream",
-                 "Text/Event-Stream; charset=utf-8", "application/jsonlines", "", "téxt/csv", "\x1ctext/csv\x1f",
-                 "text/csv\u3000", "event-stream\u212a"]
-ENCODINGS = ["JSON", "json", "BASE64", "base64", "Base64", "CSV", "", None, "GZIP", "baſe64", "JSON "]
-
-
-def _value(rng: random.Random, depth: int = 0):
-    """A random JSON value (as text) for unknown fields."""
-    k = rng.randrange(7 if depth < 4 else 4)
-    if k == 0:
-        return rng.choice(NUMBERS[:22])
-    if k == 1:
-        return json.dumps(rng.choice(TEXTS), ensure_ascii=rng.random() < 0.5)
-    if k == 2:
-        return rng.choice(["true", "false", "null"])
-    if k == 3:
-        return json.dumps(rng.random() * 10 ** rng.randrange(-5, 30))
-    if k == 4:
-        return "[" + ", ".join(_value(rng, depth + 1) for _ in range(rng.randrange(4))) + "]"
-    return "{" + ", ".join(f"{json.dumps(rng.choice(KEYS))}: {_value(rng, depth + 1)}" for _ in range(rng.randrange(4))) + "}"
-
-
-def _mutate_json(rng: random.Random, text: str) -> str:
-    """A structural mutation of a JSON document's text (a payload or the outer line)."""
-    k = rng.randrange(12)
-    braces = [i for i, c in enumerate(text) if c in "{,"]
-    if k == 0 and braces:  # an extra member: unknown, or a duplicate of a key of interest
-        i = rng.choice(braces)
-        member = f"{json.dumps(rng.choice(KEYS))}: {_value(rng)}"
-        return text[: i + 1] + member + ("," if text[i] == "{" and text[i + 1:i + 2] != "}" else "") + text[i + 1:] \
-            if text[i] == "{" else text[: i + 1] + member + "," + text[i + 1:]
-    if k == 1:  # a number field replaced
-        for key in ("temperature", "top_p", "max_tokens", "max_new_tokens", "index"):
-            j = text.find(f'"{key}": ')
-            if j >= 0:
-                j += len(key) + 4
-                end = j
-                while end < len(text) and text[end] not in ",}]":
-                    end += 1
-                return text[:j] + rng.choice(NUMBERS) + text[end:]
-        return text
-    if k == 2:  # a character as a \u escape (printable ASCII ones are what escapes_ascii looks for)
-        quotes = [i for i, c in enumerate(text) if c.isalpha()]
-        if quotes:
-            i = rng.choice(quotes)
-            esc = f"\\u{ord(text[i]):04{rng.choice('xX')}}"
-            return text[:i] + esc + text[i + 1:]
-        return text
-    if k == 3:  # a string value replaced by tricky text
-        j = text.find('": "')
-        starts = [i for i in range(len(text)) if text.startswith('": "', i)]
-        if starts:
-            j = rng.choice(starts) + 4
-            end = text.find('"', j)
-            while end > 0 and text[end - 1] == "\\":
-                end = text.find('"', end + 1)
-            if end > 0:
-                body = json.dumps(rng.choice(TEXTS) + rng.choice(["", "\U0001F600"]), ensure_ascii=rng.random() < 0.3)
-                return text[:j] + body[1:-1] + rng.choice(RAW_ESCAPES) + text[end:]
-        return text
-    if k == 4:  # a role
-        j = text.find('"role": "')
-        if j >= 0:
-            j += 9
-            end = text.find('"', j)
-            return text[:j] + rng.choice(ROLES) + text[end:]
-        return text
-    if k == 5:  # a value replaced by null / another type
-        starts = [i for i in range(len(text)) if text.startswith('": ', i)]
-        if starts:
-            j = rng.choice(starts) + 3
-            end = j
-            depth = 0
-            in_str = False
-            while end < len(text):
-                c = text[end]
-                if in_str:
-                    if c == "\\":
-                        end += 1
-                    elif c == '"':
-                        in_str = False
-                elif c == '"':
-                    in_str = True
-                elif c in "[{":
-                    depth += 1
-                elif c in "]}":
-                    if depth == 0:
-                        break
-                    depth -= 1
-                elif c == "," and depth == 0:
-                    break
-                end += 1
-            return text[:j] + rng.choice(["null", "1", '"s"', "[]", "{}", "true", _value(rng)]) + text[end:]
-        return text
-    if k == 6:  # deep nesting in an unknown field
-        d = rng.choice([5, 20, 31, 33, 40, 200, 10_000])
-        i = text.find("{")
-        return text[: i + 1] + '"extra": ' + "[" * d + "]" * d + ", " + text[i + 1:] if i >= 0 else text
-    if k == 7:  # surrounding whitespace
-        return rng.choice([" ", "\n", "\t", "\r\n", "\xa0", "\u3000", "\x0c"]) + text + rng.choice(["", " ", "\n", "\x0b"])
-    if k == 8:  # truncation
-        return text[: rng.randrange(len(text) + 1)]
-    if k == 9:  # a line break in the middle of whitespace or strings
-        i = rng.randrange(len(text) + 1)
-        return text[:i] + rng.choice(["\n", "\r", "\u2028", "\x85", " "]) + text[i:]
-    if k == 10:  # the TGI echo: the answer starts with the prompt
-        m = text.find('"generated_text": "')
-        return text if m < 0 else text[: m + 19] + "[0] " + text[m + 19:]
-    return text
-
-
-def _payload_text(rng: random.Random, payload, mutate: bool) -> str:
-    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=rng.random() < 0.5)
-    for _ in range(rng.choice([0, 1, 1, 2]) if mutate else 0):
-        text = _mutate_json(rng, text)
-    return text
-
-
-def _mutated_line(rng: random.Random, pool: TextPool, i: int) -> bytes:
-    kw = exchange(rng.choice(FORMATS), pool, i)
-    if rng.random() < 0.3:
-        req, resp = rng.choice(VARIANTS)
-        kw = {"request": req, "response": resp,
-              "response_content_type": "text/event-stream" if isinstance(resp, str) else "application/json"}
-    if rng.random() < 0.2 and isinstance(kw["request"], dict) and "inputs" in kw["request"]:
-        kw["response"] = [{"generated_text": str(kw["request"]["inputs"]) + " and more"}]
-    mutate = rng.random() < 0.6  # else only the benign variety above and below
-    req = _payload_text(rng, kw["request"], mutate)
-    resp = _payload_text(rng, kw["response"], mutate)
-    cts = {"request_content_type": kw.get("request_content_type", "application/json"),
-           "response_content_type": kw.get("response_content_type", "application/json")}
-    for side in cts:
-        if mutate and rng.random() < 0.3:
-            cts[side] = rng.choice(CONTENT_TYPES)
-    line = make_capture_record(
-        req, resp, event_id=rng.choice([f"e{i}", None, "é\U0001F600"]),
-        inference_time=rng.choice([T0 + timedelta(seconds=i)] * 4 + ["2025-02-30T00:00:00Z", "{%s}", "",
-                                                                      "2025-05-01T10:00:00.250+02:00"]),
-        inference_id=rng.choice([None, f"inf-{i}"]),
-        **cts,
-        request_encoding=kw.get("request_encoding", "JSON") if rng.random() < 0.8 else rng.choice(["JSON", "BASE64"]),
-        response_encoding=kw.get("response_encoding", "JSON") if rng.random() < 0.8 else rng.choice(["JSON", "BASE64"]),
-    )
-    obj = json.loads(line)
-    if mutate and rng.random() < 0.3:  # the outer document: encodings, nulls, missing parts
-        side = obj["captureData"][rng.choice(["endpointInput", "endpointOutput"])]
-        k = rng.randrange(6)
-        if k == 0:
-            side["encoding"] = rng.choice(ENCODINGS)
-        elif k == 1 and side.get("encoding") == "BASE64":
-            side["data"] = rng.choice(["", "QQ==", "QR==", "QQ=", "Q===", "QUJD\n", "%%%", side["data"][:-1],
-                                       side["data"] + "=", base64.b64encode(b"\xff\xfe").decode(),
-                                       base64.b64encode(b'{"inputs": "a\x00"}').decode()])
-        elif k == 2:
-            obj["eventMetadata"] = rng.choice([None, {}, {"eventId": 5}, [], {"inferenceTime": None}])
-        elif k == 3:
-            del obj["captureData"][rng.choice(["endpointInput", "endpointOutput"])]
-        elif k == 4:
-            side["observedContentType"] = rng.choice(CONTENT_TYPES + [1])
-        else:
-            side["data"] = rng.choice([1, None, ["x"], side["data"]])
-    text = json.dumps(obj, ensure_ascii=rng.random() < 0.3)
-    if mutate and rng.random() < 0.2:
-        text = _mutate_json(rng, text)
-    raw = text.encode("utf-8", "surrogatepass")
-    k = rng.randrange(16) if mutate else 99
-    if k == 0:  # a byte flipped
-        j = rng.randrange(len(raw))
-        raw = raw[:j] + bytes([rng.randrange(256)]) + raw[j + 1:]
-    elif k == 1:
-        raw = b"\xef\xbb\xbf" + raw
-    elif k == 2:
-        raw = raw + b"\r"
-    elif k == 3:  # a raw NUL, or invalid UTF-8 sequences
-        j = rng.randrange(len(raw))
-        raw = raw[:j] + rng.choice([b"\x00", b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82"]) + raw[j:]
-    return raw
+# -- a seeded corpus of mutated lines (tests.capture_support.mutated_line) ------------------------
 
 
 def test_every_value_of_the_alphabets_in_every_field():
@@ -476,19 +235,18 @@ def _sampling_lines(key: str, num: str) -> list[bytes]:
             for k, (req, resp) in enumerate(reqs)]
 
 
-def test_sampling_values_out_of_range_are_quarantined_on_every_path(tmp_path, monkeypatch):
-    from capture.fastpath import fast_decode
-
+def test_sampling_values_out_of_range_are_quarantined_on_every_path(tmp_path):
     bad = [line for key, num in BAD_SAMPLING for line in _sampling_lines(key, num)]
     good = [line for key, num in GOOD_SAMPLING for line in _sampling_lines(key, num)]
     lines = bad + good
     check(lines, exact=True)  # the native and msgspec paths decline the same lines
-    assert not any(fast_decode(line) for line in bad) and all(fast_decode(line) for line in good)
+    got = msgspec_chunk(lines)  # ... the bad ones, and only those
+    assert got.declined == list(range(len(bad))) and got.batch.num_rows == len(good)
     p = tmp_path / "sampling.jsonl"
     p.write_bytes(b"".join(line + b"\n" for line in lines))
     obj = SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", None)
-    _same_file_result(obj, monkeypatch)  # and the per-line reference decides them alike
-    res = process_file(obj)
+    same_file_result(obj)  # and the per-line reference decides them alike
+    res = process_file(obj, FileOptions())
     reasons = {q["line_no"]: q["reason"] for q in res.quarantine}
     assert reasons == {i: "invalid_sampling_param" for i in range(1, len(bad) + 1)}, res.quarantine[:3]
     assert res.table.num_rows == len(good)
@@ -499,7 +257,7 @@ def test_sampling_values_out_of_range_are_quarantined_on_every_path(tmp_path, mo
 def test_mutated_corpus_agrees_with_the_msgspec_path():
     rng = random.Random(20240501)
     pool = TextPool(random.Random(1))
-    lines = [_mutated_line(rng, pool, i) for i in range(4000)]
+    lines = [mutated_line(rng, pool, i) for i in range(4000)]
     decided, reference_decided = 0, 0
     for start in range(0, len(lines), 500):
         chunk = lines[start:start + 500]
@@ -530,7 +288,7 @@ def test_a_missing_separator_anywhere_is_declined():
             lines.append(make_capture_record(bad, {"choices": [{"message": {"content": "a"}}]},
                                              inference_time=T0).encode())
     assert len(lines) > 20
-    nat = _native_chunk(lines)
+    nat = native_chunk(lines)
     assert nat.batch.num_rows == 0 and not nat.skips, nat.batch.column("line_no").to_pylist()
     check(lines)
 
@@ -557,39 +315,26 @@ def test_hostile_lines_are_declined_safely():
     big = make_capture_record({"messages": [{"role": "user", "content": "x" * (20 << 20)}]},
                               {"choices": [{"message": {"content": "y"}}]}, inference_time=T0).encode()
     assert check([big], max_line=32 << 20) == (1, 1)
-    assert _native_chunk([big], max_line=len(big) - 1).declined == [0]
+    assert native_chunk([big], max_line=len(big) - 1).declined == [0]
 
 
 # -- end to end ----------------------------------------------------------------------------
 
 
-def _same_file_result(obj: SourceObject, monkeypatch) -> None:
-    on = process_file(obj)
-    monkeypatch.setattr(batchpath, "USE_NATIVE", False)
-    off = process_file(obj)
-    monkeypatch.setattr(batchpath, "USE_NATIVE", True)
-    for attr in ("read", "missing", "error", "file_duplicates", "skips", "quarantine", "row_redactions"):
-        assert getattr(on, attr) == getattr(off, attr), attr
-    assert on.table.schema == off.table.schema
-    for name in on.table.column_names:  # NaN (from the reference's json) compares unequal to itself
-        nan_safe = [["nan" if v != v else v for v in t[name].to_pylist()] for t in (on.table, off.table)]
-        assert nan_safe[0] == nan_safe[1], name
-
-
-def test_process_file_identical_with_the_native_path_on_and_off(tmp_path, monkeypatch):
+def test_process_file_identical_with_the_native_path_on_and_off(tmp_path):
     for p in write_layout(tmp_path / "cap", 600, per_file=300, seed=5, start=T0):
-        _same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", None), monkeypatch)
+        same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", None))
     for p in sorted(FIXTURES.glob("*.jsonl")):
-        _same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", T0), monkeypatch)
+        same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", T0))
     rng = random.Random(77)
     pool = TextPool(random.Random(7))
     p = tmp_path / "mutated.jsonl"
-    p.write_bytes(b"".join(_mutated_line(rng, pool, i).replace(b"\n", b" ") + b"\n" for i in range(1500)))
+    p.write_bytes(b"".join(mutated_line(rng, pool, i).replace(b"\n", b" ") + b"\n" for i in range(1500)))
     for hour in (None, T0):
-        _same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", hour), monkeypatch)
+        same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", hour))
 
 
-def test_native_parse_times_equal_the_arrow_path(monkeypatch):
+def test_native_parse_times_equal_the_arrow_path():
     rng = random.Random(4)
     values = []
     for i in range(30_000):
@@ -600,9 +345,8 @@ def test_native_parse_times_equal_the_arrow_path(monkeypatch):
     arr = pa.array(values, pa.string())
     for part in (arr, arr.slice(777, 5000)):
         got = batchpath.parse_times(part)
-        monkeypatch.setattr(batchpath, "USE_NATIVE", False)
-        want = batchpath.parse_times(part)
-        monkeypatch.setattr(batchpath, "USE_NATIVE", True)
+        with backend.python_fallback():
+            want = batchpath.parse_times(part)
         assert got.equals(want)
     assert got.null_count and got.null_count < len(got)
 
@@ -628,8 +372,7 @@ def test_no_pandas_import_on_the_native_path(tmp_path):
     (hour / "tabular.jsonl").write_bytes((FIXTURES / "tabular-csv-sdk-fixture.jsonl").read_bytes())
     (hour / "empty.jsonl").write_bytes(b"")
     code = ("import sys\nfrom capture import ingest as m\nfrom capture.sources import list_objects\n"
-            "m._init_worker(None, True, 8 << 20)\n"
-            f"res = [m.process_file(o) for o in list_objects({str(tmp_path / 'cap')!r}, endpoint='')]\n"
+            f"res = [m.process_file(o, m.FileOptions()) for o in list_objects({str(tmp_path / 'cap')!r}, endpoint='')]\n"
             "empty = [r for r in res if r.table.num_rows == 0]\n"
             "assert len(empty) == 2 and sum(r.read for r in empty) > 0, [(r.obj.uri, r.read) for r in res]\n"
             "assert 'pandas' not in sys.modules")

@@ -20,35 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture import batchpath, native, redact
+from capture import backend, batchpath, native, redact
 from capture.redact import GATE, Redactor, redact_array, redact_text
 from capture.synth import lines as synth_lines
+from tests.capture_support import assert_superset, c_gate, gates_cover_the_redactor, re2_gate
 
 KELVIN, LONG_S = "\u212a", "\u017f"
-
-
-def c_gate(values: pa.Array) -> list[int]:
-    """Indices the native gate flags (the module must load: no silent fallback here)."""
-    validity, offsets, data = values.buffers()
-    hits = native.load().redact_gate(values.offset, len(values), offsets, data if data is not None else b"",
-                                     validity if values.null_count else None)
-    return np.frombuffer(hits, dtype=np.int64).tolist()
-
-
-def re2_gate(values: pa.Array) -> list[int]:
-    return redact._flagged_re2(values)
-
-
-def assert_superset(values: list[str | None]) -> tuple[set[int], set[int]]:
-    """C ⊇ RE2 on ``values`` (also sliced, so that the array offset is not 0); returns (re2, c)."""
-    arr = pa.array(values, pa.string())
-    want, got = set(re2_gate(arr)), set(c_gate(arr))
-    missed = sorted(want - got)
-    assert not missed, [values[i] for i in missed[:20]]
-    if len(arr) > 3:
-        sl = arr.slice(3)
-        assert set(re2_gate(sl)) <= set(c_gate(sl))
-    return want, got
 
 
 # -- what the C gate assumes about RE2 -------------------------------------------------
@@ -157,7 +134,7 @@ def test_nulls_and_slices():
     values = ["a@b", None, "plain", None, "call 555-123-4567", "x" * 40, None]
     arr = pa.array(values)
     assert c_gate(arr) == re2_gate(arr) == [0, 4, 5]
-    assert redact._flagged(arr) == [0, 4, 5]
+    assert redact.flagged(arr) == [0, 4, 5]
     for start in range(len(values)):
         for stop in range(start, len(values) + 1):
             sl = arr.slice(start, stop - start)
@@ -238,11 +215,11 @@ def test_redact_array_identical_with_the_native_gate_on_and_off(monkeypatch):
         monkeypatch.setattr(redact, name, spy)
         return seen
 
-    used_re2 = calls("_flagged_re2")
+    used_re2 = calls("flagged_re2")
     on_values, on_counts = redact_array(arr)
-    assert not used_re2 and native.get() is not None
-    monkeypatch.setattr(native, "get", lambda: None)
-    off_values, off_counts = redact_array(arr)
+    assert not used_re2 and backend.native() is not None
+    with backend.python_fallback():
+        off_values, off_counts = redact_array(arr)
     assert used_re2
     assert on_counts == off_counts and len(on_counts) > 500
     assert on_values.to_pylist() == off_values.to_pylist()
@@ -332,15 +309,6 @@ SECRET_PIECES += ["apı_key = ", "apı_key = abcdefghijklmnopqrst", "\u0130PA_KE
                   "abcdefghijklmnopqrst", "٤١١١١١١١١١١١١١١١", "٣٤٥-١٢٣-٤٥٦٧"]
 
 
-def _gates_cover_the_redactor(values: list[str]) -> None:
-    arr = pa.array(values, pa.string())
-    c, r = set(c_gate(arr)), set(re2_gate(arr))
-    for i, v in enumerate(values):
-        if Redactor().redact(v) != v:
-            assert i in c, f"C gate misses {v!r}"
-            assert i in r, f"RE2 gate misses {v!r}"
-
-
 _piece = st.one_of(st.sampled_from(PIECES + SECRET_PIECES), st.text(max_size=6),
                    st.text(alphabet="AKIaeyJSGbpswdo0123456789 -_.:=@+/\"'\n", max_size=12))
 
@@ -351,7 +319,7 @@ _piece = st.one_of(st.sampled_from(PIECES + SECRET_PIECES), st.text(max_size=6),
 def test_whatever_the_redactor_changes_both_gates_flag(strings):
     """Each string is pieces joined; the pieces alone are checked too (a longer string is more
     often flagged for another reason, which would hide a piece the gates miss)."""
-    _gates_cover_the_redactor(["".join(parts) for parts in strings] + [p for parts in strings for p in parts])
+    gates_cover_the_redactor(["".join(parts) for parts in strings] + [p for parts in strings for p in parts])
 
 
 def test_gates_cover_the_redactor_on_a_large_random_corpus():
@@ -360,7 +328,7 @@ def test_gates_cover_the_redactor_on_a_large_random_corpus():
                       for _ in range(rng.randrange(1, 8))) for _ in range(40_000)]
     changed = sum(Redactor().redact(v) != v for v in values[:2000])
     assert changed > 500  # the corpus does exercise the redactor
-    _gates_cover_the_redactor(values)
+    gates_cover_the_redactor(values)
 
 
 # -- the scalar (non-SSE2) gate equals the SSE2 one ----------------------------------------------

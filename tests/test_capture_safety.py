@@ -17,7 +17,7 @@ import pytest
 from capture.ingest import EXCERPT_BYTES, ingest
 from capture.records import make_capture_record
 from capture.sources import LongLine, _blocks, iter_blocks, iter_lines
-from tests.test_capture_ingest import T0, chat, layout_file, make_cfg, reconciles
+from tests.capture_support import T0, chat, layout_file, make_cfg, reconciles
 
 REPO = Path(__file__).resolve().parents[1]
 GHP = "ghp_" + "A1b2C3d4E5" * 4
@@ -140,12 +140,12 @@ def test_a_huge_line_without_newline_costs_no_memory_and_is_quarantined_with_its
         import json, resource
         from capture import ingest as m
         from capture.sources import list_objects
-        m._init_worker(None, True, 1 << 20)
+        opts = m.FileOptions(max_line_bytes=1 << 20)
         (warm,) = list(list_objects({str(tmp_path / "warm.jsonl")!r}))
-        m.process_file(warm)  # imports and the native module: not the buffers under test
+        m.process_file(warm, opts)  # imports and the native module: not the buffers under test
         (obj,) = list(list_objects({str(tmp_path / "cap")!r}))
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        r = m.process_file(obj)
+        r = m.process_file(obj, opts)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps({{"grew_mb": (peak - base) / 1024, "read": r.read, "rows": r.table.num_rows,
                           "q": [(q["line_no"], q["reason"], q["detail"], q["excerpt"]) for q in r.quarantine]}}))

@@ -36,8 +36,8 @@ def test_heldout_hours_for_ingests_and_returns_that_ingest(tmp_path, monkeypatch
     from datetime import timedelta
 
     from loop.demo import heldout_hours_for
-    from tests.test_capture_ingest import T0 as t0
-    from tests.test_capture_ingest import chat, layout_file
+    from tests.capture_support import T0 as t0
+    from tests.capture_support import chat, layout_file
 
     monkeypatch.delenv("ADAPT_CONFIG", raising=False)
     src = tmp_path / "cap"

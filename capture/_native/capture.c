@@ -1,13 +1,19 @@
-/* Capture lines → rows, with exactly the rules of capture.batchpath.decode_chunk_msgspec and
- * capture.fastpath.exchange for every line accepted; anything else is declined. */
+/* Capture lines → rows, with exactly the rules of capture.batchpath.decode_chunk_msgspec for
+ * every line accepted; anything else is declined. The rules' values (roles, content types,
+ * the SSE forms, the time layout, sampling ranges) are RULES, given by capture/rules.py. */
 #define _GNU_SOURCE /* memmem */
 #include <string.h>
 
 #include "capture.h"
 
-static const char *const FROM_NAMES[] = {"system", "human", "gpt"};
-const char *from_name(int from) { return FROM_NAMES[from]; }
-static const char *const FORMAT_NAMES[] = {"openai_chat", "openai_completion", "tgi", "jumpstart_chat"};
+Rules RULES;
+
+static Span rule_span(const RuleText *t) {
+    Span s = {t->s, t->len};
+    return s;
+}
+
+Span from_name(int from) { return rule_span(&RULES.speakers[from]); }
 
 #define KEY(k, lit) ((k).len == sizeof(lit) - 1 && memcmp((k).ptr, lit, sizeof(lit) - 1) == 0)
 /* A field of interest seen twice: msgspec keeps the last, the reference parser too, but
@@ -80,7 +86,7 @@ static const uint8_t *find(Span hay, const char *needle) {
     return memmem(hay.ptr, hay.len, needle, strlen(needle));
 }
 
-/* capture.fastpath.escapes_ascii: a \u escape of a printable ASCII character (which could
+/* capture.batchpath.escapes_ascii: a \u escape of a printable ASCII character (which could
  * spell a key that the substring dispatch would not see). */
 static int escapes_ascii(Span t) {
     const uint8_t *p = t.ptr, *end = t.ptr + t.len;
@@ -104,15 +110,10 @@ static int push_turn(Row *row, int from, size_t first) {
     return buf_put(&row->turns, &t, sizeof t);
 }
 
-/* ROLE_MAP[role.lower()] as a From, or -1 (non-ASCII roles never map: declined). */
+/* rules.ROLE_MAP[role.lower()] as a From, or -1 (non-ASCII roles never map: declined, since
+ * str.lower() of a non-ASCII character may be ASCII). */
 static int role_from(Span role) {
-    static const struct {
-        const char *name;
-        int from;
-    } roles[] = {{"system", FROM_SYSTEM}, {"developer", FROM_SYSTEM}, {"user", FROM_HUMAN}, {"human", FROM_HUMAN},
-                 {"tool", FROM_HUMAN},    {"function", FROM_HUMAN},   {"ipython", FROM_HUMAN}, {"assistant", FROM_GPT},
-                 {"gpt", FROM_GPT},       {"model", FROM_GPT},        {"bot", FROM_GPT}};
-    uint8_t lower[16];
+    uint8_t lower[RULE_TEXT];
     if (role.len >= sizeof lower)
         return -1;
     for (size_t i = 0; i < role.len; i++) {
@@ -120,20 +121,23 @@ static int role_from(Span role) {
             return -1;
         lower[i] = ascii_lower(role.ptr[i]);
     }
-    for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
-        if (strlen(roles[i].name) == role.len && memcmp(roles[i].name, lower, role.len) == 0)
-            return roles[i].from;
+    for (size_t i = 0; i < RULES.n_roles; i++)
+        if (RULES.roles[i].name.len == role.len && memcmp(RULES.roles[i].name.s, lower, role.len) == 0)
+            return RULES.roles[i].from;
     return -1;
 }
+
+/* A key equal to a rule's text. */
+static int key_is(Span key, const RuleText *t) { return key.len == t->len && memcmp(key.ptr, t->s, t->len) == 0; }
 
 /* ---- request payloads ------------------------------------------------------------- */
 
 enum ReqKind { REQ_CHAT, REQ_COMPLETION, REQ_TGI, REQ_DIALOGS, REQ_DIALOG };
 
-/* fastpath._Params */
+/* batchpath._Params; max_tokens[i] is the value of RULES.max_tokens_keys[i]. */
 typedef struct {
     OptF64 temperature, top_p;
-    OptI64 max_tokens, max_completion_tokens, max_new_tokens;
+    OptI64 max_tokens[N_MAX_TOKENS_KEYS];
 } Params;
 
 typedef struct {
@@ -142,8 +146,8 @@ typedef struct {
     int human;        /* a message of the user's among the turns */
 } Request;
 
-enum { B_TEMPERATURE = 1, B_TOP_P = 2, B_MAX_TOKENS = 4, B_MAX_COMPLETION = 8, B_MAX_NEW = 16, B_MODEL = 32,
-       B_MAIN = 64, B_PARAMETERS = 128 };
+/* Seen-bits of request members; B_MAX_TOKENS << i for RULES.max_tokens_keys[i]. */
+enum { B_TEMPERATURE = 1, B_TOP_P = 2, B_MODEL = 4, B_MAIN = 8, B_PARAMETERS = 16, B_MAX_TOKENS = 32 };
 
 /* One of _Params' fields if `key` names one (*hit says whether it did). */
 static int params_member(Scan *s, Span key, Params *p, unsigned *seen, int *hit) {
@@ -156,18 +160,11 @@ static int params_member(Scan *s, Span key, Params *p, unsigned *seen, int *hit)
         ONCE(*seen, B_TOP_P);
         return json_opt_double(s, &p->top_p);
     }
-    if (KEY(key, "max_tokens")) {
-        ONCE(*seen, B_MAX_TOKENS);
-        return json_opt_int64(s, &p->max_tokens);
-    }
-    if (KEY(key, "max_completion_tokens")) {
-        ONCE(*seen, B_MAX_COMPLETION);
-        return json_opt_int64(s, &p->max_completion_tokens);
-    }
-    if (KEY(key, "max_new_tokens")) {
-        ONCE(*seen, B_MAX_NEW);
-        return json_opt_int64(s, &p->max_new_tokens);
-    }
+    for (int i = 0; i < N_MAX_TOKENS_KEYS; i++)
+        if (key_is(key, &RULES.max_tokens_keys[i])) {
+            ONCE(*seen, (unsigned)B_MAX_TOKENS << i);
+            return json_opt_int64(s, &p->max_tokens[i]);
+        }
     *hit = 0;
     return J_OK;
 }
@@ -190,7 +187,7 @@ static int parse_parameters(Scan *s, Params *p, int depth) {
     return r;
 }
 
-/* fastpath._Msg: role and content, both strings. */
+/* batchpath._Msg: role and content, both strings. */
 static int parse_message(Scan *s, Arena *a, int depth, Span *role, Span *content) {
     if (json_peek(s) != '{')
         return J_DECLINE;
@@ -214,7 +211,7 @@ static int parse_message(Scan *s, Arena *a, int depth, Span *role, Span *content
     return seen == 3 ? J_OK : J_DECLINE;
 }
 
-/* list[_Msg] → turns (fastpath._turns: known roles, non-empty content). */
+/* list[_Msg] → turns (batchpath._turns: known roles, non-empty content). */
 static int parse_messages(Scan *s, Row *row, int depth, int *human) {
     if (json_peek(s) != '[')
         return J_DECLINE;
@@ -317,24 +314,25 @@ static int inputs_kind(Span req, const uint8_t *after_key) {
 
 /* ---- response payloads ------------------------------------------------------------ */
 
-/* fastpath._looks_sse; a non-ASCII content type (whose str.lower() this does not model) declines. */
+/* rules.looks_sse; a non-ASCII content type (whose str.lower() this does not model) declines. */
 static int looks_sse(Span text, Span ct, int *sse) {
+    const RuleText *want = &RULES.sse_content_type;
     if (ct.ptr != NULL && ct.len) {
         if (!is_ascii(ct))
             return J_DECLINE;
-        static const char want[] = "event-stream";
-        for (size_t i = 0; i + sizeof want - 1 <= ct.len; i++) {
+        for (size_t i = 0; i + want->len <= ct.len; i++) {
             size_t j = 0;
-            while (j < sizeof want - 1 && ascii_lower(ct.ptr[i + j]) == (uint8_t)want[j])
+            while (j < want->len && ascii_lower(ct.ptr[i + j]) == want->s[j])
                 j++;
-            if (j == sizeof want - 1) {
+            if (j == want->len) {
                 *sse = 1;
                 return J_OK;
             }
         }
     }
     Span t = py_lstrip(text);
-    *sse = t.len >= 5 && memcmp(t.ptr, "data:", 5) == 0;
+    const RuleText *data = &RULES.sse_data;
+    *sse = t.len >= data->len && memcmp(t.ptr, data->s, data->len) == 0;
     return J_OK;
 }
 
@@ -344,7 +342,7 @@ static int json_end(Scan *s) {
     return s->p == s->end ? J_OK : J_DECLINE;
 }
 
-/* fastpath._Choice (message: _RespMsg | None, text: str | None), remembered for choice 0. */
+/* batchpath._Choice (message: _RespMsg | None, text: str | None), remembered for choice 0. */
 typedef struct {
     Span content, text; /* content.ptr: a message was given */
 } Choice;
@@ -391,7 +389,7 @@ static int parse_choice(Scan *s, Arena *a, int depth, Choice *c) {
     return r;
 }
 
-/* fastpath._Resp → the first choice's text (chat: message.content; completion: text). */
+/* batchpath._Resp → the first choice's text (chat: message.content; completion: text). */
 static int openai_response(Span text, int chat, Row *row, Span *model) {
     Scan s = {text.ptr, text.ptr + text.len};
     json_ws(&s);
@@ -442,7 +440,7 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
     return push_piece(row, answer);
 }
 
-/* fastpath._StreamChoice: its text goes to the answer if it is choice 0. */
+/* batchpath._StreamChoice: its text goes to the answer if it is choice 0. */
 static int parse_stream_choice(Scan *s, Row *row, int depth) {
     if (json_peek(s) != '{')
         return J_DECLINE;
@@ -491,7 +489,7 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
     return text.ptr != NULL ? push_piece(row, text) : J_OK;
 }
 
-/* fastpath._Chunk; error events and TGI token streams are declined. */
+/* batchpath._Chunk; error events and TGI token streams are declined. */
 static int parse_chunk(Scan *s, Row *row, int depth, Span *model) {
     if (json_peek(s) != '{')
         return J_DECLINE;
@@ -526,23 +524,24 @@ static int parse_chunk(Scan *s, Row *row, int depth, Span *model) {
     return r;
 }
 
-static const char SSE_HEAD[] = "data: ", SSE_SEP[] = "\n\ndata: ", SSE_TAIL[] = "\n\ndata: [DONE]\n\n";
 #define LIT_LEN(s) (sizeof(s) - 1)
 
-/* fastpath._canonical_sse: the JSON array of a stream as servers write it, or decline
- * (the fast path's general SSE parser is not reproduced here). */
+/* batchpath.canonical_sse: the JSON array of a stream in rules' canonical form (RULES.sse_head,
+ * _sep, _tail), or decline (the msgspec path's general SSE parser is not reproduced here). */
 static int canonical_sse(Span text, Arena *a, Span *arr) {
-    if (text.len < LIT_LEN(SSE_HEAD) + LIT_LEN(SSE_TAIL) || memcmp(text.ptr, SSE_HEAD, LIT_LEN(SSE_HEAD)) != 0 ||
-        memcmp(text.ptr + text.len - LIT_LEN(SSE_TAIL), SSE_TAIL, LIT_LEN(SSE_TAIL)) != 0)
+    const RuleText *head = &RULES.sse_head, *sep = &RULES.sse_sep, *tail = &RULES.sse_tail;
+    if (text.len < head->len + tail->len || memcmp(text.ptr, head->s, head->len) != 0 ||
+        memcmp(text.ptr + text.len - tail->len, tail->s, tail->len) != 0)
         return J_DECLINE;
-    const uint8_t *p = text.ptr + LIT_LEN(SSE_HEAD), *end = text.ptr + text.len - LIT_LEN(SSE_TAIL);
+    const uint8_t *p = text.ptr + head->len, *end = text.ptr + text.len - tail->len;
     uint8_t *out = arena_alloc(a, (size_t)(end - p) + 2);
     if (out == NULL)
         return J_NOMEM;
     arr->ptr = out;
     *out++ = '[';
-    /* str.replace(SSE_SEP, ","), left to right; a line break that is not part of a
-     * separator would be left in the array, where the fast path gives up on this form. */
+    /* str.replace(sep, ","), left to right (configure checked that sep starts with a line break);
+     * a line break that is not part of a separator would be left in the array, where the msgspec
+     * path gives up on this form. */
     while (p < end) {
         const uint8_t *nl = memchr(p, '\n', (size_t)(end - p));
         size_t run = (size_t)((nl ? nl : end) - p);
@@ -551,10 +550,10 @@ static int canonical_sse(Span text, Arena *a, Span *arr) {
         p += run;
         if (nl == NULL)
             break;
-        if ((size_t)(end - p) < LIT_LEN(SSE_SEP) || memcmp(p, SSE_SEP, LIT_LEN(SSE_SEP)) != 0)
+        if ((size_t)(end - p) < sep->len || memcmp(p, sep->s, sep->len) != 0)
             return J_DECLINE;
         *out++ = ',';
-        p += LIT_LEN(SSE_SEP);
+        p += sep->len;
     }
     *out++ = ']';
     arr->len = (size_t)(out - arr->ptr);
@@ -570,7 +569,7 @@ static int canonical_sse(Span text, Arena *a, Span *arr) {
     return J_OK;
 }
 
-/* fastpath._stream over the canonical form: the joined choice-0 texts, and the model. */
+/* batchpath._stream over the canonical form: the joined choice-0 texts, and the model. */
 static int stream_response(Span text, Row *row, Span *model) {
     Span arr;
     TRY(canonical_sse(text, &row->arena, &arr));
@@ -584,7 +583,7 @@ static int stream_response(Span text, Row *row, Span *model) {
     return json_end(&s);
 }
 
-/* fastpath._Gen, remembered for the first item. */
+/* batchpath._Gen, remembered for the first item. */
 typedef struct {
     int has_error;
     Span generated_text, generation; /* ptr == NULL: absent */
@@ -638,7 +637,7 @@ static int parse_gen(Scan *s, Arena *a, int depth, Gen *g) {
     return r;
 }
 
-/* fastpath._tgi_answer: the generated text of a TGI/LMI/JumpStart response. */
+/* batchpath._tgi_answer: the generated text of a TGI/LMI/JumpStart response. */
 static int tgi_response(Span text, Arena *a, Span *answer) {
     Scan s = {text.ptr, text.ptr + text.len};
     json_ws(&s);
@@ -668,7 +667,7 @@ static int tgi_response(Span text, Arena *a, Span *answer) {
 
 /* ---- one exchange ----------------------------------------------------------------- */
 
-/* fastpath.exchange: the request/response pair → the row's turns and fields. */
+/* batchpath.exchange: the request/response pair → the row's turns and fields. */
 static int decode_exchange(Span req, Span resp, Span resp_ct, Row *row) {
     Span head = py_lstrip(req);
     if (head.len == 0 || head.ptr[0] != '{' || escapes_ascii(req))
@@ -729,18 +728,18 @@ static int decode_exchange(Span req, Span resp, Span resp_ct, Row *row) {
         return J_DECLINE; /* empty answers and dialogs without a user turn: the reference decides */
     TRY(push_turn(row, FROM_GPT, answer_first));
 
-    /* Out of capture.formats.SAMPLING_RANGES (json_opt_double already declined NaN and infinities):
+    /* Out of rules.SAMPLING_RANGES (json_opt_double already declined NaN and infinities):
      * the reference quarantines these. The negated compares keep NaN out too. */
-    if ((rq.params.temperature.has && !(rq.params.temperature.v >= 0.0)) ||
-        (rq.params.top_p.has && !(rq.params.top_p.v >= 0.0 && rq.params.top_p.v <= 1.0)))
+    const OptF64 *t = &rq.params.temperature, *p = &rq.params.top_p;
+    if ((t->has && !(t->v >= RULES.temperature_lo && t->v <= RULES.temperature_hi)) ||
+        (p->has && !(p->v >= RULES.top_p_lo && p->v <= RULES.top_p_hi)))
         return J_DECLINE;
-    row->temperature = rq.params.temperature;
-    row->top_p = rq.params.top_p;
-    const OptI64 *order[] = {&rq.params.max_tokens, &rq.params.max_completion_tokens, &rq.params.max_new_tokens};
+    row->temperature = *t;
+    row->top_p = *p;
     row->max_tokens.has = 0;
-    for (int i = 0; i < 3; i++)
-        if (order[i]->has) {
-            row->max_tokens = *order[i];
+    for (int i = 0; i < N_MAX_TOKENS_KEYS; i++)
+        if (rq.params.max_tokens[i].has) {
+            row->max_tokens = rq.params.max_tokens[i];
             break;
         }
     return J_OK;
@@ -753,8 +752,6 @@ typedef struct {
     int present;
     Span data, encoding, content_type;
 } Side;
-
-enum Kind { KIND_JSON, KIND_BASE64, KIND_CSV, KIND_UNKNOWN };
 
 static int parse_side(Scan *s, Arena *a, int depth, Side *side) {
     memset(side, 0, sizeof *side);
@@ -865,13 +862,12 @@ static int parse_line(Scan *s, Arena *a, Side *in, Side *out, Row *row) {
     return (seen & 1) ? J_OK : J_DECLINE;
 }
 
-/* batchpath._kind: (encoding or "JSON").upper(); non-ASCII names are not modelled. */
+/* rules.encoding_of: (encoding or JSON).upper(); non-ASCII names are not modelled. */
 static int side_kind(Span enc) {
-    static const char *const names[] = {"JSON", "BASE64", "CSV"};
     if (enc.ptr == NULL || enc.len == 0)
         return KIND_JSON;
-    uint8_t upper[8];
-    if (enc.len > 6)
+    uint8_t upper[RULE_TEXT];
+    if (enc.len >= sizeof upper)
         return KIND_UNKNOWN;
     for (size_t i = 0; i < enc.len; i++) {
         uint8_t c = enc.ptr[i];
@@ -879,8 +875,8 @@ static int side_kind(Span enc) {
             return KIND_UNKNOWN;
         upper[i] = c >= 'a' && c <= 'z' ? c - 32 : c;
     }
-    for (int k = 0; k < 3; k++)
-        if (strlen(names[k]) == enc.len && memcmp(names[k], upper, enc.len) == 0)
+    for (int k = 0; k < N_KIND; k++)
+        if (RULES.encodings[k].len == enc.len && memcmp(RULES.encodings[k].s, upper, enc.len) == 0)
             return k;
     return KIND_UNKNOWN;
 }
@@ -949,7 +945,7 @@ static int side_text(const Side *side, int kind, Arena *a, Span *text) {
 
 static int ascii_isspace(uint8_t c) { return c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F); }
 
-/* batchpath._csv_ct: ct.split(";")[0].strip().lower() == "text/csv"; 1, 0 or decline. */
+/* rules.is_csv_content_type: ct.split(";")[0].strip().lower() == CSV_CONTENT_TYPE; 1, 0 or decline. */
 static int csv_content_type(Span ct) {
     if (ct.ptr == NULL)
         return 0;
@@ -962,11 +958,11 @@ static int csv_content_type(Span ct) {
         p++;
     while (end > p && ascii_isspace(end[-1]))
         end--;
-    static const char want[] = "text/csv";
-    if ((size_t)(end - p) != LIT_LEN(want))
+    const RuleText *want = &RULES.csv_content_type;
+    if ((size_t)(end - p) != want->len)
         return 0;
-    for (size_t i = 0; i < LIT_LEN(want); i++)
-        if (ascii_lower(p[i]) != (uint8_t)want[i])
+    for (size_t i = 0; i < want->len; i++)
+        if (ascii_lower(p[i]) != want->s[i])
             return 0;
     return 1;
 }
@@ -1032,11 +1028,6 @@ int columns_init(Columns *c) {
     return J_OK;
 }
 
-static Span cstr(const char *s) {
-    Span out = {(const uint8_t *)s, strlen(s)};
-    return out;
-}
-
 int columns_add(Columns *c, const Row *row, int64_t index) {
     const Turn *turns = (const Turn *)row->turns.data;
     const Span *pieces = (const Span *)row->pieces.data;
@@ -1044,7 +1035,7 @@ int columns_add(Columns *c, const Row *row, int64_t index) {
     if ((uint64_t)c->turns + n_turns > (uint64_t)INT32_MAX)
         return J_NOMEM;
     for (size_t t = 0; t < n_turns; t++) {
-        Span from = cstr(FROM_NAMES[turns[t].from]);
+        Span from = from_name(turns[t].from);
         TRY(str_col_append(&c->from, &from, 1, 0));
         TRY(str_col_append(&c->value, pieces + turns[t].first, turns[t].count, 0));
     }
@@ -1056,7 +1047,7 @@ int columns_add(Columns *c, const Row *row, int64_t index) {
     TRY(str_col_span(&c->inference_id, row->inference_id));
     TRY(str_col_span(&c->inference_time, row->inference_time));
     TRY(str_col_span(&c->model, row->model));
-    TRY(str_col_span(&c->format, cstr(FORMAT_NAMES[row->format])));
+    TRY(str_col_span(&c->format, rule_span(&RULES.formats[row->format])));
     TRY(bitmap_append(&c->raw, c->rows, row->raw));
     TRY(fixed_col_append(&c->temperature, &row->temperature.v, 8, row->temperature.has));
     TRY(fixed_col_append(&c->top_p, &row->top_p.v, 8, row->top_p.has));
@@ -1075,4 +1066,44 @@ void columns_free(Columns *c) {
     fixed_col_free(&c->temperature);
     fixed_col_free(&c->top_p);
     fixed_col_free(&c->max_tokens);
+}
+
+/* ---- inferenceTime ---------------------------------------------------------------- */
+
+/* Days from 1970-01-01 to y-m-d in the proleptic Gregorian calendar (Hinnant's days_from_civil). */
+static int64_t days_from_civil(int64_t y, int m, int d) {
+    y -= m <= 2;
+    int64_t era = (y >= 0 ? y : y - 399) / 400;
+    int64_t yoe = y - era * 400;
+    int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + doe - 719468;
+}
+
+/* The layout's fields are read where rules.TIME_LAYOUT puts them (configure checked that the year
+ * has four digits and the other fields two), every other byte is the layout's own. The ranges
+ * are those of rules.TIME_REGEX: a year of 1000-9999, and each field within its calendar range. */
+int canonical_time(const uint8_t *p, size_t n, int64_t *us) {
+    static const int month_days[12] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    const Rules *r = &RULES;
+    if (n != r->time_layout.len)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        if (r->time_digit[i] ? (p[i] < '0' || p[i] > '9') : p[i] != r->time_layout.s[i])
+            return 0;
+    int v[N_TIME_FIELDS];
+    for (int f = 0; f < N_TIME_FIELDS; f++) {
+        v[f] = 0;
+        for (size_t k = 0; k < r->time_width[f]; k++)
+            v[f] = v[f] * 10 + (p[r->time_at[f] + k] - '0');
+    }
+    int year = v[T_YEAR], mo = v[T_MONTH], d = v[T_DAY], h = v[T_HOUR], mi = v[T_MINUTE], se = v[T_SECOND];
+    if (year < 1000 || mo < 1 || mo > 12 || d < 1 || d > month_days[mo - 1] || h > 23 || mi > 59 || se > 59)
+        return 0;
+    int leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    if (mo == 2 && d == 29 && !leap)
+        return 0;
+    *us = ((days_from_civil(year, mo, d) * 24 + h) * 60 + mi) * 60 + se;
+    *us *= 1000000;
+    return 1;
 }

@@ -5,8 +5,48 @@
 #include "columns.h"
 #include "json.h"
 
-enum From { FROM_SYSTEM, FROM_HUMAN, FROM_GPT };
-enum Format { FMT_OPENAI_CHAT, FMT_OPENAI_COMPLETION, FMT_TGI, FMT_JUMPSTART_CHAT };
+/* Numbered as capture/rules.py orders SPEAKERS, FORMATS and ENCODINGS; their names come from there. */
+enum From { FROM_SYSTEM, FROM_HUMAN, FROM_GPT, N_FROM };
+enum Format { FMT_OPENAI_CHAT, FMT_OPENAI_COMPLETION, FMT_TGI, FMT_JUMPSTART_CHAT, N_FORMAT };
+enum Kind { KIND_JSON, KIND_BASE64, KIND_CSV, N_KIND, KIND_UNKNOWN = N_KIND };
+
+/* ---- the format rules -------------------------------------------------------------- */
+
+/* The decoder holds no rule of its own: capture/rules.py is the one table, which
+ * module.c's configure() copies into RULES (capture.native calls it on import). Until
+ * then RULES.configured is 0 and the entry points refuse to decode. */
+#define RULE_TEXT 64
+#define RULE_ROLES 64
+#define N_MAX_TOKENS_KEYS 3
+
+typedef struct {
+    uint8_t s[RULE_TEXT];
+    size_t len;
+} RuleText;
+
+typedef struct {
+    RuleText name; /* lowercase ASCII */
+    int from;
+} RoleRule;
+
+enum TimeField { T_YEAR, T_MONTH, T_DAY, T_HOUR, T_MINUTE, T_SECOND, N_TIME_FIELDS };
+
+typedef struct {
+    int configured;
+    RuleText speakers[N_FROM], formats[N_FORMAT], encodings[N_KIND]; /* encodings: upper case */
+    RoleRule roles[RULE_ROLES];
+    size_t n_roles;
+    RuleText csv_content_type, sse_content_type; /* lowercase ASCII */
+    RuleText sse_data, sse_head, sse_sep, sse_tail;
+    /* inferenceTime: the layout; each field's offset and width in it, the other bytes literal. */
+    RuleText time_layout;
+    size_t time_at[N_TIME_FIELDS], time_width[N_TIME_FIELDS];
+    uint8_t time_digit[RULE_TEXT]; /* 1 where the layout has a field's digit */
+    double temperature_lo, temperature_hi, top_p_lo, top_p_hi;
+    RuleText max_tokens_keys[N_MAX_TOKENS_KEYS]; /* first present wins */
+} Rules;
+
+extern Rules RULES;
 
 /* What became of a line (J_NOMEM aside). */
 enum { LINE_ROW = 1, LINE_SKIP = 2, LINE_DECLINED = 3 };
@@ -38,11 +78,15 @@ typedef struct {
     int64_t rows, turns;
 } Columns;
 
+/* SageMaker's inferenceTime in RULES' layout (every field in range, the day in its month) as
+ * microseconds since the epoch; 0 for anything else, which Python then parses. */
+int canonical_time(const uint8_t *p, size_t n, int64_t *us);
+
 /* str.isspace() of one code point, as Python 3.11 decides it. */
 int py_isspace(uint32_t cp);
 
-/* "system", "human" or "gpt". */
-const char *from_name(int from);
+/* The speaker's name (RULES.speakers). */
+Span from_name(int from);
 void row_reset(Row *row);
 void row_free(Row *row);
 /* LINE_ROW (row filled), LINE_SKIP (tabular traffic), LINE_DECLINED or J_NOMEM. */

@@ -1,5 +1,5 @@
-/* The Python module _capture_native: decode_chunk, decode_block, content_hashes, parse_times, redact_gate,
- * digests_add_new, digests_rehash, blake2b16_many. */
+/* The Python module _capture_native: configure, decode_chunk, decode_block, content_hashes, parse_times,
+ * redact_gate, digests_add_new, digests_rehash, blake2b16_many. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -56,13 +56,19 @@ typedef struct {
     long long duplicates;
 } Decoder;
 
-static int canonical_time(const uint8_t *p, size_t n, int64_t *us);
 static int row_serialize(const Row *row, Buf *out);
 static void hex_digest(const uint8_t digest[16], char *out);
+
+static int not_configured(void) {
+    PyErr_SetString(PyExc_RuntimeError, "the native capture decoder has no rules: call configure(capture.rules.native_table())");
+    return -1;
+}
 
 static int decoder_init(Decoder *d, Py_ssize_t max_line) {
     memset(d, 0, sizeof *d);
     d->max_line = max_line;
+    if (!RULES.configured)
+        return not_configured();
     if ((d->declined = PyList_New(0)) == NULL)
         return -1;
     if (columns_init(&d->cols) != J_OK) {
@@ -439,8 +445,8 @@ static int row_serialize(const Row *row, Buf *out) {
     size_t n_turns = row->turns.len / sizeof(Turn);
     out->len = 0;
     for (size_t t = 0; t < n_turns; t++) {
-        const char *from = from_name(turns[t].from);
-        if (put_turn(out, (const uint8_t *)from, strlen(from), pieces + turns[t].first, turns[t].count) != J_OK)
+        Span from = from_name(turns[t].from);
+        if (put_turn(out, from.ptr, from.len, pieces + turns[t].first, turns[t].count) != J_OK)
             return J_NOMEM;
     }
     return J_OK;
@@ -519,44 +525,6 @@ done:
     return out;
 }
 
-/* Days from 1970-01-01 to y-m-d in the proleptic Gregorian calendar (Hinnant's days_from_civil). */
-static int64_t days_from_civil(int64_t y, int m, int d) {
-    y -= m <= 2;
-    int64_t era = (y >= 0 ? y : y - 399) / 400;
-    int64_t yoe = y - era * 400;
-    int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
-    int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    return era * 146097 + doe - 719468;
-}
-
-static int two_digits(const uint8_t *p, int *out) {
-    if (p[0] < '0' || p[0] > '9' || p[1] < '0' || p[1] > '9')
-        return 0;
-    *out = (p[0] - '0') * 10 + (p[1] - '0');
-    return 1;
-}
-
-/* SageMaker's "YYYY-MM-DDTHH:MM:SSZ" (year 1000-9999, every field in range, the day in its
- * month) as microseconds since the epoch; 0 for anything else, which Python then parses. */
-static int canonical_time(const uint8_t *p, size_t n, int64_t *us) {
-    static const int month_days[12] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
-    int y1, y2, mo, d, h, mi, se;
-    if (n != 20 || p[4] != '-' || p[7] != '-' || p[10] != 'T' || p[13] != ':' || p[16] != ':' || p[19] != 'Z')
-        return 0;
-    if (!two_digits(p, &y1) || !two_digits(p + 2, &y2) || !two_digits(p + 5, &mo) || !two_digits(p + 8, &d) ||
-        !two_digits(p + 11, &h) || !two_digits(p + 14, &mi) || !two_digits(p + 17, &se))
-        return 0;
-    int year = y1 * 100 + y2;
-    if (year < 1000 || mo < 1 || mo > 12 || d < 1 || d > month_days[mo - 1] || h > 23 || mi > 59 || se > 59)
-        return 0;
-    int leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    if (mo == 2 && d == 29 && !leap)
-        return 0;
-    *us = ((days_from_civil(year, mo, d) * 24 + h) * 60 + mi) * 60 + se;
-    *us *= 1000000;
-    return 1;
-}
-
 PyDoc_STRVAR(parse_times_doc,
              "parse_times(offset, length, offsets, data, validity) -> (values: bytes, validity: bytes, pending: int)\n\n"
              "A utf8 array (array offset, length, offsets buffer, data buffer, validity buffer or None) of\n"
@@ -568,6 +536,10 @@ static PyObject *parse_times(PyObject *self, PyObject *args) {
     PyObject *values = NULL, *bits = NULL, *result = NULL;
     if (utf8_arg(args, &a) < 0)
         goto done;
+    if (!RULES.configured) {
+        not_configured();
+        goto done;
+    }
     Py_ssize_t offset = a.u.offset, length = a.u.length;
     values = PyBytes_FromStringAndSize(NULL, 8 * length);
     bits = PyBytes_FromStringAndSize(NULL, (length + 7) / 8);
@@ -768,6 +740,176 @@ done:
     return out;
 }
 
+/* ---- configure: the rules of capture/rules.py ------------------------------------------ */
+
+enum { ANY_CASE, LOWER, UPPER };
+
+/* An ASCII str (of the given case, shorter than RULE_TEXT) into *out. */
+static int rule_text(PyObject *obj, const char *what, int want_case, RuleText *out) {
+    Py_ssize_t n;
+    const char *s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8AndSize(obj, &n) : NULL;
+    if (s == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "configure: %s must be a str", what);
+        return -1;
+    }
+    if (n >= RULE_TEXT) {
+        PyErr_Format(PyExc_ValueError, "configure: %s is longer than %d bytes", what, RULE_TEXT - 1);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t c = (uint8_t)s[i];
+        /* The decoder compares case-folded ASCII (non-ASCII input declines), so the rule must be
+         * ASCII in the case it compares against. */
+        if (c >= 0x80 || (want_case == LOWER && c >= 'A' && c <= 'Z') || (want_case == UPPER && c >= 'a' && c <= 'z')) {
+            PyErr_Format(PyExc_ValueError, "configure: %s must be %sASCII", what,
+                         want_case == LOWER ? "lowercase " : want_case == UPPER ? "uppercase " : "");
+            return -1;
+        }
+    }
+    memcpy(out->s, s, (size_t)n);
+    out->len = (size_t)n;
+    return 0;
+}
+
+static PyObject *rule_item(PyObject *rules, const char *key) {
+    PyObject *v = PyDict_GetItemString(rules, key); /* borrowed */
+    if (v == NULL)
+        PyErr_Format(PyExc_KeyError, "configure: the rules have no '%s'", key);
+    return v;
+}
+
+static int rule_str(PyObject *rules, const char *key, int want_case, RuleText *out) {
+    PyObject *v = rule_item(rules, key);
+    return v == NULL ? -1 : rule_text(v, key, want_case, out);
+}
+
+/* A sequence of exactly n strs. */
+static int rule_names(PyObject *rules, const char *key, int want_case, RuleText *out, int n) {
+    PyObject *v = rule_item(rules, key), *seq;
+    if (v == NULL || (seq = PySequence_Fast(v, "configure: a sequence of names")) == NULL)
+        return -1;
+    int rc = 0;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "configure: %s must name %d", key, n);
+        rc = -1;
+    }
+    for (int i = 0; rc == 0 && i < n; i++)
+        rc = rule_text(PySequence_Fast_GET_ITEM(seq, i), key, want_case, &out[i]);
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* (lo, hi), floats. */
+static int rule_range(PyObject *rules, const char *key, double *lo, double *hi) {
+    PyObject *v = rule_item(rules, key);
+    if (v == NULL)
+        return -1;
+    if (!PyArg_ParseTuple(v, "dd", lo, hi)) {
+        PyErr_Format(PyExc_TypeError, "configure: %s must be (lo, hi)", key);
+        return -1;
+    }
+    return 0;
+}
+
+/* The time layout and where its fields are: {"layout": str, "fields": {name: (at, width)}}. */
+static int rule_time(PyObject *rules, Rules *r) {
+    static const char *const names[N_TIME_FIELDS] = {"year", "month", "day", "hour", "minute", "second"};
+    PyObject *fields = rule_item(rules, "time_fields");
+    if (rule_str(rules, "time_layout", ANY_CASE, &r->time_layout) < 0 || fields == NULL)
+        return -1;
+    if (!PyDict_Check(fields)) {
+        PyErr_SetString(PyExc_TypeError, "configure: time_fields must be a dict");
+        return -1;
+    }
+    memset(r->time_digit, 0, sizeof r->time_digit);
+    for (int f = 0; f < N_TIME_FIELDS; f++) {
+        PyObject *v = PyDict_GetItemString(fields, names[f]);
+        Py_ssize_t at, width;
+        if (v == NULL || !PyArg_ParseTuple(v, "nn", &at, &width)) {
+            PyErr_Format(PyExc_ValueError, "configure: time_fields needs %s as (offset, width)", names[f]);
+            return -1;
+        }
+        /* canonical_time reads a four-digit year and two-digit other fields. */
+        if (width != (f == T_YEAR ? 4 : 2) || at < 0 || (size_t)(at + width) > r->time_layout.len) {
+            PyErr_Format(PyExc_ValueError, "configure: time field %s does not fit the layout", names[f]);
+            return -1;
+        }
+        for (Py_ssize_t k = at; k < at + width; k++) {
+            if (r->time_digit[k]) {
+                PyErr_SetString(PyExc_ValueError, "configure: time fields overlap");
+                return -1;
+            }
+            r->time_digit[k] = 1;
+        }
+        r->time_at[f] = (size_t)at;
+        r->time_width[f] = (size_t)width;
+    }
+    return 0;
+}
+
+static int rule_roles(PyObject *rules, Rules *r) {
+    PyObject *roles = rule_item(rules, "roles"), *key, *value;
+    Py_ssize_t pos = 0;
+    if (roles == NULL)
+        return -1;
+    if (!PyDict_Check(roles) || PyDict_GET_SIZE(roles) > RULE_ROLES) {
+        PyErr_Format(PyExc_ValueError, "configure: roles must be a dict of at most %d", RULE_ROLES);
+        return -1;
+    }
+    r->n_roles = 0;
+    while (PyDict_Next(roles, &pos, &key, &value)) {
+        RoleRule *role = &r->roles[r->n_roles++];
+        RuleText speaker;
+        if (rule_text(key, "a role", LOWER, &role->name) < 0 || rule_text(value, "a role's speaker", ANY_CASE, &speaker) < 0)
+            return -1;
+        role->from = -1;
+        for (int f = 0; f < N_FROM; f++)
+            if (speaker.len == r->speakers[f].len && memcmp(speaker.s, r->speakers[f].s, speaker.len) == 0)
+                role->from = f;
+        if (role->from < 0) {
+            PyErr_SetString(PyExc_ValueError, "configure: a role maps to a speaker not in speakers");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(configure_doc,
+             "configure(rules: dict) -> None\n\n"
+             "Sets the format rules the decoder applies: capture.rules.native_table(). Until it is called,\n"
+             "decode_chunk, decode_block and parse_times raise RuntimeError. A table it cannot take raises\n"
+             "and leaves the rules as they were.");
+
+static PyObject *configure(PyObject *self, PyObject *rules) {
+    if (!PyDict_Check(rules)) {
+        PyErr_SetString(PyExc_TypeError, "configure: the rules are a dict");
+        return NULL;
+    }
+    Rules r;
+    memset(&r, 0, sizeof r);
+    if (rule_names(rules, "speakers", ANY_CASE, r.speakers, N_FROM) < 0 ||
+        rule_names(rules, "formats", ANY_CASE, r.formats, N_FORMAT) < 0 ||
+        rule_names(rules, "encodings", UPPER, r.encodings, N_KIND) < 0 || rule_roles(rules, &r) < 0 ||
+        rule_str(rules, "csv_content_type", LOWER, &r.csv_content_type) < 0 ||
+        rule_str(rules, "sse_content_type", LOWER, &r.sse_content_type) < 0 ||
+        rule_str(rules, "sse_data", ANY_CASE, &r.sse_data) < 0 || rule_str(rules, "sse_head", ANY_CASE, &r.sse_head) < 0 ||
+        rule_str(rules, "sse_sep", ANY_CASE, &r.sse_sep) < 0 || rule_str(rules, "sse_tail", ANY_CASE, &r.sse_tail) < 0 ||
+        rule_time(rules, &r) < 0 || rule_range(rules, "temperature", &r.temperature_lo, &r.temperature_hi) < 0 ||
+        rule_range(rules, "top_p", &r.top_p_lo, &r.top_p_hi) < 0 ||
+        rule_names(rules, "max_tokens_keys", ANY_CASE, r.max_tokens_keys, N_MAX_TOKENS_KEYS) < 0)
+        return NULL;
+    /* canonical_sse finds separators at line breaks; an empty content type would match any. */
+    if (r.sse_sep.len == 0 || r.sse_sep.s[0] != '\n' || r.sse_content_type.len == 0 || r.sse_data.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "configure: sse_sep must start with a line break; sse_content_type and "
+                                          "sse_data must not be empty");
+        return NULL;
+    }
+    r.configured = 1;
+    RULES = r;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(isspace_doc, "isspace(code_point) -> bool: str.isspace() as the decoder models it (for tests).");
 
 static PyObject *py_isspace_fn(PyObject *self, PyObject *arg) {
@@ -778,6 +920,7 @@ static PyObject *py_isspace_fn(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
+    {"configure", configure, METH_O, configure_doc},
     {"decode_chunk", decode_chunk, METH_VARARGS, decode_chunk_doc},
     {"decode_block", decode_block, METH_VARARGS, decode_block_doc},
     {"content_hashes", content_hashes, METH_VARARGS, content_hashes_doc},
