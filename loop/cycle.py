@@ -20,7 +20,6 @@ import datetime as _dt
 import hashlib
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, Callable
 from capture.fsmode import write_private
 from loop import gate as gate_mod
 from loop import registry as reg_mod
+from loop import tracking
 from settings.config import Config
 
 log = logging.getLogger("loop.cycle")
@@ -294,140 +294,14 @@ def step_gate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[st
     return out
 
 
-def _flat(prefix: str, obj: Any, out: dict[str, float]) -> None:
-    """Numeric leaves of nested dicts/lists as MLflow metric names (``a.b_pos0``)."""
-    if isinstance(obj, bool) or obj is None:
-        return
-    if isinstance(obj, (int, float)):
-        if not math.isnan(float(obj)) and not math.isinf(float(obj)):
-            out[prefix] = float(obj)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
-    elif isinstance(obj, list) and len(obj) <= 64:
-        for i, v in enumerate(obj):
-            _flat(f"{prefix}_pos{i}" if isinstance(v, (int, float)) else f"{prefix}_{i}", v, out)
-
-
-def run_metrics(state: dict[str, Any]) -> dict[str, float]:
-    """Everything a reviewer compares: offline/replay acceptance per position, tok/s, TPOT, TTFT, deltas + CIs."""
-    m: dict[str, float] = {}
-    tr = state["steps"]["train"]
-    _flat("train", {k: tr[k] for k in ("steps", "tokens", "tokens_per_s", "final_depth_loss", "final_depth_acc")}, m)
-    ev = {k: v for k, v in state["steps"]["evaluate"].items() if k != "json_path"}
-    _flat("offline", ev, m)
-    b = state["steps"]["bench"]
-    if not b.get("skipped"):
-        res = json.loads(Path(b["json_path"]).read_text())
-        for role in res.get("arms") or ("candidate", "live"):
-            ph = res["per_head"][role]
-            spec = ph["spec"] or {}
-            _flat(f"replay.{role}", {k: spec.get(k) for k in ("mean_acceptance_length", "acceptance_rate",
-                                                               "acceptance_per_pos")}, m)
-            for c, row in ph["by_concurrency"].items():
-                _flat(f"replay.{role}.c{c}", {k: row.get(k) for k in ("output_tok_per_s", "tpot_ms", "ttft_ms",
-                                                                       "itl_ms")}, m)
-        # candidate − live, the A/A control (live − live) beside it, and the speed-up over no speculation.
-        for prefix, block in (("delta", res["differences"]), ("aa", res.get("aa_control") or {}),
-                              ("speedup_vs_nospec", res.get("speedup_vs_nospec") or {})):
-            for name, diff in block.items():
-                if "estimate" in diff:
-                    diff = {"": diff}
-                for k, d in diff.items():
-                    key = f"{prefix}.{name}" + (f".{k}" if k else "")
-                    _flat(key, {"estimate": d.get("estimate"), "ci_low": (d.get("ci") or [None])[0],
-                                "ci_high": (d.get("ci") or [None, None])[1]}, m)
-        m["bench.attempts"] = float(len(b.get("attempts") or [1]))
-    overlap = state["steps"]["snapshot"].get("heldout_overlap") or {}
-    if overlap:
-        m["heldout.repeats_training"] = float(overlap.get("repeats_training", 0))
-    m["gate.passed"] = 1.0 if state["steps"]["gate"]["passed"] else 0.0
-    # MLflow metric keys allow [A-Za-z0-9_ -./]; keys here are built from those already.
-    return m
-
-
-def run_params(cfg: Config, state: dict[str, Any]) -> dict[str, str]:
-    snap, base, tr = state["steps"]["snapshot"], state["steps"]["base"], state["steps"]["train"]
-    p: dict[str, str] = {
-        "cycle_id": state["cycle_id"],
-        "target": cfg.target.model,
-        "parent_version": str(base["parent_version"] or "none"),
-        "parent_sha256": str(base["parent_sha256"] or "none"),
-        "live_version": str(base["live_version"] or "none"),
-        "live_sha256": str(base["live_sha256"] or "none"),
-        "train_snapshot_id": snap["train"]["id"],
-        "heldout_snapshot_id": snap["heldout"]["id"],
-        "train_rows": str(snap["train"]["rows"]),
-        "heldout_rows": str(snap["heldout"]["rows"]),
-        "head_sha256": tr["head_sha256"],
-    }
-    for section in ("head", "training", "bench", "gate"):
-        for k, v in getattr(cfg, section).model_dump(mode="json").items():
-            p[f"{section}.{k}"] = json.dumps(v) if isinstance(v, list) else str(v)
-    return p
-
-
-def _dataset(path: str, name: str, source_uri: str, digest: str):
-    """A dataset input for a Parquet snapshot: its content hashes, digest = the snapshot id."""
-    import pandas as pd
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.http_dataset_source import HTTPDatasetSource
-    from mlflow.data.pandas_dataset import PandasDataset
-
-    df = pd.read_parquet(path, columns=["content_hash", "format", "endpoint"])
-    # MLflow has no dataset source for run artifacts; an HTTP link to the artifact is one a reviewer can open.
-    src = HTTPDatasetSource(source_uri) if source_uri.startswith("http") else resolve_dataset_source(source_uri)
-    return PandasDataset(df=df, source=src, name=name, digest=digest[:36])
-
-
 def step_log_run(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    """The candidate's MLflow run: params, metrics, artifacts, dataset inputs (found again by cycle id)."""
-    import mlflow
-    from mlflow.entities import Metric, Param
-
-    reg = reg_mod.Registry(cfg)
-    cid = state["cycle_id"]
-    run_id = reg.ensure_run(cid, run_name=f"cycle-{cid}")
-    if opts.fault:
-        opts.fault("log_run.run_created")
-    client = reg.client
-    run = client.get_run(run_id)
-    have = run.data.params
-    params = {k: v[:6000] for k, v in run_params(cfg, state).items() if k not in have}
-    now = int(_dt.datetime.now().timestamp() * 1000)
-    metrics = {k: v for k, v in run_metrics(state).items() if k not in run.data.metrics}
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                     params=[Param(k, v) for k, v in params.items()])
-    snap, tr, b, g = (state["steps"][s] for s in ("snapshot", "train", "bench", "gate"))
-    client.log_artifacts(run_id, tr["head_path"], reg_mod.HEAD_ARTIFACT)
-    for split in ("train", "heldout"):
-        client.log_artifact(run_id, snap[split]["path"], "datasets")
-    if not b.get("skipped"):
-        client.log_artifacts(run_id, str(Path(b["json_path"]).parent), "bench")
-    client.log_artifact(run_id, tr["train_json"], "cycle")
-    client.log_artifact(run_id, state["steps"]["evaluate"]["json_path"], "cycle")
-    client.log_dict(run_id, g, "cycle/gate.json")
-    if not run.inputs or not run.inputs.dataset_inputs:
-        mlflow.set_tracking_uri(reg.tracking_uri)
-        with mlflow.start_run(run_id=run_id):
-            for split, ctx in (("train", "training"), ("heldout", "evaluation")):
-                s = snap[split]
-                name = Path(s["path"]).name
-                if reg.tracking_uri.startswith("http"):
-                    src = f"{reg.tracking_uri.rstrip('/')}/get-artifact?path=datasets/{name}&run_uuid={run_id}"
-                else:
-                    src = s["path"]
-                ds = _dataset(s["path"], f"{cfg.mlflow.registered_model}-{split}-{s['id'][:12]}", src, s["id"])
-                mlflow.log_input(ds, context=ctx)
-    client.set_tag(run_id, reg_mod.T_GATE, g["verdict"])
-    client.set_tag(run_id, reg_mod.T_REASON, g["reason"][:4900])
-    client.set_terminated(run_id, "FINISHED")
-    return {"run_id": run_id, "artifact_uri": run.info.artifact_uri, "metrics": len(run_metrics(state))}
+    """The reviewer's files on the cycle's MLflow run (its figures were logged step by step)."""
+    return tracking.CycleRun(cfg, state).artifacts()
 
 
 def step_register(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     reg = reg_mod.Registry(cfg)
-    run_id = _out(state, "log_run")["run_id"]
+    run = _out(state, "log_run")
     base, tr, g = (state["steps"][s] for s in ("base", "train", "gate"))
     tags = {reg_mod.T_SHA: tr["head_sha256"], reg_mod.T_K: tr["num_speculative_tokens"],
             reg_mod.T_PARENT: base["parent_version"] or "none", reg_mod.T_GATE: g["verdict"],
@@ -435,7 +309,7 @@ def step_register(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
     speedup = speedup_vs_nospec(state)
     if speedup:
         tags[reg_mod.T_SPEEDUP] = json.dumps(speedup, sort_keys=True)
-    mv = reg.register(run_id, tags)
+    mv = reg.register(run["run_id"], tags, model_id=run.get("model_id"), description=tracking.gate_table(g))
     if opts.fault:
         opts.fault("register.version_created")
     return {"version": mv.version, "model": reg.name, "uri": reg.head_uri(mv.version)}
@@ -490,10 +364,21 @@ def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = 
     t0 = _dt.datetime.now(_dt.timezone.utc)
     if opts.progress:
         opts.progress(f"cycle {cycle_id}: {step} ({STEPS.index(step) + 1}/{len(STEPS)})")
-    out = STEP_FUNCS[step](cfg, state, opts)
+    run = tracking.CycleRun(cfg, state)
+    run.open()
+    save_state(cfg, state)  # the run id, so every later step (any worker) logs into the same run
+    try:
+        out = STEP_FUNCS[step](cfg, state, opts)
+    except BaseException as exc:
+        run.failed(step, exc)
+        raise
     out = json.loads(json.dumps(out, default=str))
     state["steps"][step] = out
     state.setdefault("timings", {})[step] = round((_dt.datetime.now(_dt.timezone.utc) - t0).total_seconds(), 3)
+    save_state(cfg, state)
+    run.step_done(step)
+    if step == STEPS[-1]:
+        run.finished()
     save_state(cfg, state)
     log.info(json.dumps({"event": "cycle.step.done", "cycle_id": cycle_id, "step": step}))
     if opts.progress:

@@ -104,15 +104,23 @@ class Registry:
         vs = self.client.search_model_versions(f"name = '{self.name}' and run_id = '{run_id}'")
         return min(vs, key=lambda v: int(v.version)) if vs else None
 
-    def register(self, run_id: str, tags: dict[str, Any]) -> Any:
-        """The model version of ``run_id`` (created from its ``head`` artifact once), with ``tags`` set."""
+    def register(self, run_id: str, tags: dict[str, Any], model_id: str | None = None,
+                 description: str | None = None) -> Any:
+        """The model version of ``run_id`` (created once), with ``tags`` set.
+
+        Its source is the run's logged model (``model_id``) when there is one, else the run's
+        ``head`` artifact (imported heads).
+        """
         self.ensure_model()
         mv = self.version_for_run(run_id)
         if mv is None:
-            mv = self.client.create_model_version(self.name, f"runs:/{run_id}/{HEAD_ARTIFACT}", run_id=run_id,
-                                                  tags={k: str(v) for k, v in tags.items()})
+            source = f"models:/{model_id}" if model_id else f"runs:/{run_id}/{HEAD_ARTIFACT}"
+            mv = self.client.create_model_version(self.name, source, run_id=run_id, model_id=model_id,
+                                                  description=description, tags={k: str(v) for k, v in tags.items()})
         else:
             self.set_tags(mv.version, tags)
+            if description is not None:
+                self.client.update_model_version(self.name, mv.version, description=description)
         return self.client.get_model_version(self.name, mv.version)
 
     def set_tags(self, version: str | int, tags: dict[str, Any]) -> None:

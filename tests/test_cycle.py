@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loop import cycle
+from loop import cycle, tracking
 from settings.config import load_config
 
 
@@ -71,7 +71,7 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
         "bench": {"json_path": str(tmp_path / "bench.json"), "attempts": [{"attempt": 1}, {"attempt": 2}]},
         "gate": {"passed": True},
     }}
-    m = cycle.run_metrics(state)
+    m = tracking.run_metrics(state)
     assert m["replay.candidate.mean_acceptance_length"] == 1.9 and m["replay.live.c1.ttft_ms"] == 30.0
     assert m["replay.candidate.acceptance_per_pos_pos1"] == 0.3 and "replay.candidate.acceptance_per_pos_pos2" not in m
     assert m["delta.mean_acceptance_length.ci_low"] == 0.1 and m["delta.c1.output_tok_per_s.ci_high"] == 5.0
@@ -81,7 +81,7 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
     assert m["speedup_vs_nospec.c1.candidate.estimate"] == 1.3 and m["speedup_vs_nospec.c1.live.ci_low"] == 0.8
     assert m["bench.attempts"] == 2.0 and m["heldout.repeats_training"] == 1.0
     assert cycle.speedup_vs_nospec(state) == {"1": 1.3}
-    p = cycle.run_params(cfg, state)
+    p = tracking.run_params(cfg, state)
     assert p["parent_version"] == "4" and p["train_snapshot_id"] == "a" * 64 and p["gate.confidence"] == "0.9"
     assert p["training.depth_weights"] == "[1.0, 0.8, 0.6]"
 

@@ -153,10 +153,14 @@ def test_full_cycle_registers_everything_and_rejected_candidate_is_never_served(
         assert key in p
     assert p["train_snapshot_id"] == out["artifacts"]["train_snapshot"]["id"]
     arts = {f.path for f in reg.client.list_artifacts(mv.run_id)}
-    assert {"head", "bench", "datasets", "cycle"} <= arts
+    assert {"bench", "datasets", "cycle"} <= arts
     assert {f.path for f in reg.client.list_artifacts(mv.run_id, "bench")} >= {"bench/bench.json", "bench/bench.png"}
-    assert {"head/config.json", "head/model.safetensors", "head/manifest.json"} <= {
-        f.path for f in reg.client.list_artifacts(mv.run_id, "head")}
+    # The head is the run's logged model, and the version points at it.
+    model_id = mv.source.removeprefix("models:/")
+    assert reg.client.get_logged_model(model_id).source_run_id == mv.run_id
+    assert {"config.json", "model.safetensors", "manifest.json"} <= {
+        f.path for f in reg.client.list_logged_model_artifacts(model_id)}
+    assert "| mean_acceptance_length | rejected |" in mv.description
     inputs = run.inputs.dataset_inputs
     assert len(inputs) == 2
     digests = {i.dataset.digest for i in inputs}
