@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import Param, dag, get_current_context, task
+from airflow.sdk import Asset, Param, dag, get_current_context, task
 
 from loop import airflow_tasks as at
 
@@ -22,10 +22,18 @@ PARAMS = {
 }
 
 
+SNAPSHOT = Asset(name=at.SNAPSHOT_ASSET[0], uri=at.SNAPSHOT_ASSET[1])
+
+
 def _step(name: str):
-    @task(task_id=name)
+    @task(task_id=name, execution_timeout=timedelta(minutes=at.STEP_TIMEOUT_MINUTES[name]),
+          outlets=[SNAPSHOT] if name == "snapshot" else [])
     def run(cycle_id: str) -> str:
-        return at.step(name, cycle_id, get_current_context()["params"])
+        ctx = get_current_context()
+        out = at.step(name, cycle_id, ctx["params"])
+        if name == "snapshot":
+            ctx["outlet_events"][SNAPSHOT].extra = at.snapshot_event(cycle_id, ctx["params"])
+        return out
 
     return run
 
@@ -42,12 +50,12 @@ def _step(name: str):
     doc_md=__doc__,
 )
 def drafter_nightly_adaptation():
-    @task
+    @task(execution_timeout=timedelta(minutes=5))
     def begin() -> str:
         ctx = get_current_context()
-        return at.begin(ctx["params"], ctx["run_id"])
+        return at.begin(ctx["params"], ctx["run_id"], (ctx.get("data_interval_start"), ctx.get("data_interval_end")))
 
-    @task
+    @task(execution_timeout=timedelta(minutes=5))
     def report(cycle_id: str) -> dict:
         return at.report(cycle_id, get_current_context()["params"])
 

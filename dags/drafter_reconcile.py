@@ -22,7 +22,7 @@ from loop import airflow_tasks as at
     doc_md=__doc__,
 )
 def drafter_reconcile():
-    @task
+    @task(execution_timeout=timedelta(minutes=9))
     def reconcile() -> dict:
         return at.reconcile(get_current_context()["params"])
 

@@ -11,7 +11,12 @@ from typing import Any
 from loop.cycle import STEPS, CycleOptions, load_state, run_step, save_state, summary
 from settings.config import Config, load_config
 
-OPTION_KEYS = ("live_head", "bench_url", "nospec_url", "router_url")
+OPTION_KEYS = ("live_head", "bench_url", "nospec_url", "router_url", "data_interval")
+# Longest a step may run before Airflow fails it (minutes); retries then resume the cycle.
+STEP_TIMEOUT_MINUTES = {"ingest": 120, "snapshot": 30, "base": 30, "train": 480, "evaluate": 120, "bench": 240,
+                        "gate": 10, "log_run": 60, "register": 15, "promote": 30}
+# What the snapshot step produces, for data-aware scheduling downstream.
+SNAPSHOT_ASSET = ("drafter_adapt_training_snapshot", "x-drafter-adapt://training-snapshot")
 
 
 def config(params: dict[str, Any] | None) -> Config:
@@ -25,12 +30,16 @@ def cycle_id_for(params: dict[str, Any] | None, dag_run_id: str) -> str:
     return cid or "af-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", dag_run_id).strip("_.")[:120]
 
 
-def begin(params: dict[str, Any] | None, dag_run_id: str) -> str:
-    """Create (or find) the cycle and record the run's options in its state; returns the cycle id."""
+def begin(params: dict[str, Any] | None, dag_run_id: str, data_interval: tuple[Any, Any] | None = None) -> str:
+    """Create (or find) the cycle and record the run's options (and its data interval) in its state;
+    returns the cycle id."""
     cfg = config(params)
     cid = cycle_id_for(params, dag_run_id)
     state = load_state(cfg, cid)
     state.setdefault("options", {}).update({k: (params or {}).get(k) for k in OPTION_KEYS if (params or {}).get(k)})
+    if data_interval and all(data_interval) and not (params or {}).get("cycle_id"):
+        state["options"]["data_interval"] = [t.isoformat() if hasattr(t, "isoformat") else str(t)
+                                             for t in data_interval]
     state["dag_run_id"] = dag_run_id
     save_state(cfg, state)
     return cid
@@ -42,6 +51,14 @@ def step(name: str, cycle_id: str, params: dict[str, Any] | None) -> str:
     opts = load_state(cfg, cycle_id).get("options", {})
     run_step(cfg, cycle_id, name, CycleOptions(**{k: opts.get(k) for k in OPTION_KEYS}))
     return cycle_id
+
+
+def snapshot_event(cycle_id: str, params: dict[str, Any] | None) -> dict[str, Any]:
+    """The extra of the snapshot asset's event: which cycle, which snapshots, how many rows."""
+    snap = load_state(config(params), cycle_id)["steps"].get("snapshot") or {}
+    return {"cycle_id": cycle_id, **{f"{split}_snapshot_id": snap[split]["id"] for split in ("train", "heldout")
+                                      if split in snap},
+            **{f"{split}_rows": snap[split]["rows"] for split in ("train", "heldout") if split in snap}}
 
 
 def report(cycle_id: str, params: dict[str, Any] | None) -> dict[str, Any]:
@@ -60,4 +77,5 @@ def reconcile(params: dict[str, Any] | None) -> dict[str, Any]:
     return {**ctl.health(), "events": list(ctl.events)}
 
 
-__all__ = ["STEPS", "begin", "step", "report", "reconcile", "cycle_id_for", "config"]
+__all__ = ["STEPS", "STEP_TIMEOUT_MINUTES", "SNAPSHOT_ASSET", "begin", "step", "snapshot_event", "report", "reconcile",
+           "cycle_id_for", "config"]

@@ -50,13 +50,15 @@ class CycleOptions:
     live_head: str | None = None  # live head when no version is in Production yet
     bench_url: str | None = None  # an existing bench replica (default: start one)
     nospec_url: str | None = None  # an existing replica without speculation (the bench's reference arm)
+    # The scheduler's data interval (ISO times): ingest reads these layout hours (plus capture.late_hours).
+    data_interval: tuple[str, str] | None = None
     router_url: str | None = None  # swap the pool after promotion (default: leave it to the controller)
     fault: Fault | None = None
     progress: Callable[[str], None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"live_head": self.live_head, "bench_url": self.bench_url, "nospec_url": self.nospec_url,
-                "router_url": self.router_url}
+                "router_url": self.router_url, "data_interval": list(self.data_interval) if self.data_interval else None}
 
 
 # --- state ---------------------------------------------------------------------------
@@ -135,9 +137,16 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
 # --- steps ---------------------------------------------------------------------------
 
 def step_ingest(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """New capture into the warehouse: everything new, or the scheduler's data interval (plus late hours)."""
     from capture.ingest import ingest
 
-    return ingest(cfg).summary()
+    if not opts.data_interval:
+        return ingest(cfg).summary()
+    start, end = (_dt.datetime.fromisoformat(t) for t in opts.data_interval)
+    since = start - _dt.timedelta(hours=cfg.capture.late_hours)
+    out = ingest(cfg, since=since, until=end).summary()
+    out["interval"] = [since.isoformat(), end.isoformat()]
+    return out
 
 
 def step_snapshot(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class CaptureConfig(_Section):
     variant: str = "AllTraffic"
     redact: bool = True
     heldout_hours: float = Field(1, ge=0)  # fractions allowed: the demo holds out its last minutes
+    # A scheduled ingest reads its data interval plus this many earlier hours (files that landed late;
+    # files already ingested are skipped by the manifest, so the overlap costs nothing).
+    late_hours: float = Field(2, ge=0)
     max_line_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     workers: int = Field(0, ge=0)
 

@@ -23,6 +23,9 @@ for dag_id, d in b.dags.items():
         "catchup": d.catchup, "max_active_runs": d.max_active_runs,
         "schedule": str(d.schedule), "retries": {t.task_id: t.retries for t in d.tasks},
         "params": sorted(d.params.keys()),
+        "timeouts": {t.task_id: t.execution_timeout.total_seconds() if t.execution_timeout else None
+                     for t in d.tasks},
+        "outlets": {t.task_id: [getattr(o, "uri", str(o)) for o in (t.outlets or [])] for t in d.tasks},
     }
 print("JSON" + json.dumps(out))
 """
@@ -53,6 +56,10 @@ def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
     assert {"config", "cycle_id", "live_head", "bench_url", "router_url"} <= set(n["params"])
     r = out["dags"]["drafter_reconcile"]
     assert list(r["upstream"]) == ["reconcile"] and r["max_active_runs"] == 1 and r["catchup"] is False
+    # Every task is bounded in time, and the snapshot is an asset for data-aware scheduling.
+    assert all(t is not None and t > 0 for d in out["dags"].values() for t in d["timeouts"].values())
+    assert n["timeouts"]["train"] > n["timeouts"]["gate"]
+    assert n["outlets"]["snapshot"] == ["x-drafter-adapt://training-snapshot"] and not n["outlets"]["train"]
 
 
 def test_dag_files_only_wire_library_calls():
@@ -69,3 +76,30 @@ def test_airflow_task_ids_are_safe_and_stable():
     assert cid == cycle_id_for(None, "scheduled__2025-01-02T00:00:00+00:00")  # a retried run resumes its cycle
     assert "/" not in cid and ":" not in cid and cid.startswith("af-")
     assert cycle_id_for({"cycle_id": "c1"}, "x") == "c1"
+
+
+def test_a_scheduled_run_ingests_its_data_interval_plus_the_late_hours(tmp_path, monkeypatch):
+    from datetime import datetime, timezone
+
+    from loop import airflow_tasks as at
+    from loop import cycle
+
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text(f'state_dir = "{tmp_path}"\n[capture]\nlate_hours = 3\n')
+    seen = {}
+
+    def fake_ingest(cfg, since=None, until=None, **kw):
+        seen.update(since=since, until=until)
+
+        class R:
+            def summary(self):
+                return {"read": 0}
+        return R()
+
+    monkeypatch.setattr("capture.ingest.ingest", fake_ingest)
+    start, end = datetime(2025, 3, 1, tzinfo=timezone.utc), datetime(2025, 3, 2, tzinfo=timezone.utc)
+    cid = at.begin({"config": str(cfg_file)}, "scheduled__2025-03-02", (start, end))
+    monkeypatch.setattr(cycle, "STEPS", ("ingest",))
+    at.step("ingest", cid, {"config": str(cfg_file)})
+    assert seen == {"since": datetime(2025, 2, 28, 21, tzinfo=timezone.utc), "until": end}
+    assert at.snapshot_event(cid, {"config": str(cfg_file)}) == {"cycle_id": cid}
