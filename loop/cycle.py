@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from capture.fsmode import write_private
 from loop import gate as gate_mod
 from loop import registry as reg_mod
 from loop import tracking
+from loop.store import CycleStore, relative_paths
 from settings.config import Config
 
 log = logging.getLogger("loop.cycle")
@@ -63,45 +63,41 @@ class CycleOptions:
 
 # --- state ---------------------------------------------------------------------------
 
-def cycles_dir(cfg: Config) -> Path:
-    return Path(cfg.state_dir) / "cycles"
-
-
 def new_cycle_id() -> str:
     return "c" + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
 def cycle_dir(cfg: Config, cycle_id: str) -> Path:
-    if not cycle_id or "/" in cycle_id or cycle_id.startswith("."):
-        raise ValueError(f"bad cycle id {cycle_id!r}")
-    return cycles_dir(cfg) / cycle_id
+    """This worker's work directory for ``cycle_id``."""
+    return CycleStore(cfg).local_dir(cycle_id)
 
 
 def load_state(cfg: Config, cycle_id: str) -> dict[str, Any]:
-    p = cycle_dir(cfg, cycle_id) / "state.json"
-    if p.is_file():
-        return json.loads(p.read_text())
-    return {"cycle_id": cycle_id, "created_at": _now(), "steps": {}, "options": {}}
+    """The cycle's recorded state (from the shared store when there is one), or a new one."""
+    store = CycleStore(cfg)
+    store.local_dir(cycle_id)  # validates the id
+    return store.read_state(cycle_id) or {"cycle_id": cycle_id, "created_at": _now(), "steps": {}, "options": {}}
 
 
 def save_state(cfg: Config, state: dict[str, Any]) -> None:
-    d = cycle_dir(cfg, state["cycle_id"])
-    d.mkdir(parents=True, exist_ok=True)
     state["updated_at"] = _now()
-    tmp = d / f".state.json.{os.getpid()}"
-    write_private(tmp, json.dumps(state, indent=1, default=str))  # owner-only, whatever the umask
-    os.replace(tmp, d / "state.json")  # atomic: a crash leaves the previous state
+    CycleStore(cfg).write_state(state)
+
+
+def local(cfg: Config, state: dict[str, Any], path: str | None) -> Path | None:
+    """A path a step recorded, on this worker: relative ones are fetched from the store if missing here."""
+    if path is None:
+        return None
+    return CycleStore(cfg).pull(state["cycle_id"], path)
 
 
 def latest_unfinished(cfg: Config) -> str | None:
     """The newest cycle that has not recorded its last step (what ``adapt cycle`` resumes)."""
-    d = cycles_dir(cfg)
-    if not d.is_dir():
-        return None
-    for p in sorted(d.iterdir(), reverse=True):
-        st = p / "state.json"
-        if st.is_file() and STEPS[-1] not in json.loads(st.read_text()).get("steps", {}):
-            return p.name
+    store = CycleStore(cfg)
+    for cid in reversed(store.cycle_ids()):
+        st = store.read_state(cid) or {}
+        if STEPS[-1] not in st.get("steps", {}):
+            return cid
     return None
 
 
@@ -176,10 +172,10 @@ def step_snapshot(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
         tmp = d / f".{split}.parquet.tmp"
         pq.write_table(t, tmp)
         os.replace(tmp, path)
-        out[split] = {"path": str(path), "id": sid, "rows": t.num_rows}
+        out[split] = {"path": path.name, "id": sid, "rows": t.num_rows}
     # The replay benchmark reads ShareGPT JSONL.
-    held = _read_rows(out["heldout"]["path"])
-    kept, rep = drop_repeats(_read_rows(out["train"]["path"]), held)
+    held = _read_rows(d / out["heldout"]["path"])
+    kept, rep = drop_repeats(_read_rows(d / out["train"]["path"]), held)
     rep["excluded"] = cfg.bench.exclude_train_overlap
     if not cfg.bench.exclude_train_overlap:
         kept = held
@@ -190,7 +186,7 @@ def step_snapshot(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
         for r in kept:
             f.write(json.dumps({k: _jsonable(v) for k, v in r.items()}, ensure_ascii=False) + "\n")
     os.replace(jl.with_suffix(".tmp"), jl)
-    out["heldout"]["jsonl"] = str(jl)
+    out["heldout"]["jsonl"] = jl.name
     out["heldout"]["measured_rows"] = len(kept)
     out["heldout_overlap"] = rep
     return out
@@ -206,8 +202,9 @@ def step_base(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[st
     if prod is not None:
         path = reg.download_head(prod.version, d / "parent")
         sha = validate_head(path, _target(cfg)).sha256
-        return {"parent_version": prod.version, "parent_path": str(path), "parent_sha256": sha,
-                "live_version": prod.version, "live_path": str(path), "live_sha256": sha}
+        rel = CycleStore(cfg).rel(state["cycle_id"], path)
+        return {"parent_version": prod.version, "parent_path": rel, "parent_sha256": sha,
+                "live_version": prod.version, "live_path": rel, "live_sha256": sha}
     live = opts.live_head
     if live is None:
         cur = Path(cfg.head.heads_dir) / "current"
@@ -223,16 +220,17 @@ def step_train(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[s
 
     d = cycle_dir(cfg, state["cycle_id"])
     snap, base = _out(state, "snapshot"), _out(state, "base")
-    rows = _read_rows(snap["train"]["path"])
-    # The checkpoint in head.run makes an interrupted training resume where it stopped.
-    res = train(cfg, rows, base["parent_path"], d / "head", run_dir=d / "head.run", target_dir=_target(cfg),
-                progress=False)
+    rows = _read_rows(local(cfg, state, snap["train"]["path"]))
+    parent = local(cfg, state, base["parent_path"])
+    # The checkpoint in head.run makes an interrupted training resume where it stopped (on this worker).
+    res = train(cfg, rows, str(parent) if parent else None, d / "head", run_dir=d / "head.run",
+                target_dir=_target(cfg), progress=False)
     (d / "train.json").write_text(json.dumps(res.to_json(), indent=1, default=str))
     info = validate_head(res.out_dir, _target(cfg))
-    return {"head_path": res.out_dir, "head_sha256": info.sha256, "num_speculative_tokens": info.num_speculative_tokens,
+    return {"head_path": "head", "head_sha256": info.sha256, "num_speculative_tokens": info.num_speculative_tokens,
             "steps": res.steps, "tokens": res.tokens, "tokens_per_s": res.tokens_per_s,
             "final_depth_loss": res.final_depth_loss, "final_depth_acc": res.final_depth_acc,
-            "data_snapshot": res.data_snapshot, "train_json": str(d / "train.json")}
+            "data_snapshot": res.data_snapshot, "train_json": "train.json"}
 
 
 def step_evaluate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
@@ -240,10 +238,11 @@ def step_evaluate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
     from evaluation.offline import estimate_acceptance, load_jsonl
 
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
-    rows = load_jsonl(snap["heldout"]["jsonl"])  # the held-out rows the bench replays
+    rows = load_jsonl(local(cfg, state, snap["heldout"]["jsonl"]))  # the held-out rows the bench replays
     target = _target(cfg)
+
     def offline_acceptance(head: str) -> dict[str, Any]:
-        return estimate_acceptance(Path(head), target, rows, max_new_tokens=cfg.bench.max_tokens,
+        return estimate_acceptance(local(cfg, state, head), target, rows, max_new_tokens=cfg.bench.max_tokens,
                                    device=cfg.training.device)
 
     out = {"candidate": offline_acceptance(tr["head_path"])}
@@ -251,7 +250,7 @@ def step_evaluate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
         out["live"] = offline_acceptance(base["live_path"])
     d = cycle_dir(cfg, state["cycle_id"])
     (d / "offline_eval.json").write_text(json.dumps(out, indent=1, default=str))
-    out["json_path"] = str(d / "offline_eval.json")
+    out["json_path"] = "offline_eval.json"
     return out
 
 
@@ -270,32 +269,35 @@ def step_bench(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[s
     attempts = []
     for n in range(1, cfg.gate.max_attempts + 1):
         out_dir = d / f"bench-{n}"
-        if (out_dir / "bench.json").is_file():
-            res = json.loads((out_dir / "bench.json").read_text())
-        else:
+        try:  # an attempt already written (here or by another worker) is not measured again
+            res = json.loads(local(cfg, state, f"bench-{n}/bench.json").read_text())
+        except FileNotFoundError:
             if opts.progress:
                 opts.progress(f"bench attempt {n} of at most {cfg.gate.max_attempts}")
-            res = run_bench_cli(cfg, candidate=tr["head_path"], live=base["live_path"],
-                                heldout=snap["heldout"]["jsonl"], url=opts.bench_url, out=out_dir,
+            res = run_bench_cli(cfg, candidate=str(local(cfg, state, tr["head_path"])),
+                                live=str(local(cfg, state, base["live_path"])),
+                                heldout=str(local(cfg, state, snap["heldout"]["jsonl"])), url=opts.bench_url,
+                                out=out_dir,
                                 nospec=bool(opts.nospec_url) or None, nospec_url=opts.nospec_url,
                                 seed=cfg.bench.seed + n - 1, heldout_overlap=snap.get("heldout_overlap"),
                                 progress=opts.progress)
         v = gate_mod.decide(res, cfg.gate)
-        attempts.append({"attempt": n, "json_path": str(out_dir / "bench.json"), "verdict": v.status,
+        attempts.append({"attempt": n, "json_path": f"bench-{n}/bench.json", "verdict": v.status,
                          "summary": res["summary"]})
         if v.status != gate_mod.INCONCLUSIVE:
             break
     last = attempts[-1]
-    return {"json_path": last["json_path"], "plot_path": str(Path(last["json_path"]).with_name("bench.png")),
-            "requests": json.loads(Path(last["json_path"]).read_text())["requests"], "summary": last["summary"],
-            "attempts": attempts}
+    n = last["attempt"]
+    return {"json_path": last["json_path"], "plot_path": f"bench-{n}/bench.png", "dir_path": f"bench-{n}",
+            "requests": json.loads(local(cfg, state, last["json_path"]).read_text())["requests"],
+            "summary": last["summary"], "attempts": attempts}
 
 
 def step_gate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     b = _out(state, "bench")
     if b.get("skipped"):
         return gate_mod.bootstrap_verdict().to_json()
-    v = gate_mod.decide(json.loads(Path(b["json_path"]).read_text()), cfg.gate)
+    v = gate_mod.decide(json.loads(local(cfg, state, b["json_path"]).read_text()), cfg.gate)
     out = v.to_json()
     out["attempts"] = len(b.get("attempts") or [1])
     if v.status == gate_mod.INCONCLUSIVE:
@@ -315,7 +317,7 @@ def step_register(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
     tags = {reg_mod.T_SHA: tr["head_sha256"], reg_mod.T_K: tr["num_speculative_tokens"],
             reg_mod.T_PARENT: base["parent_version"] or "none", reg_mod.T_GATE: g["verdict"],
             reg_mod.T_REASON: g["reason"][:4900], reg_mod.T_CYCLE: state["cycle_id"]}
-    speedup = speedup_vs_nospec(state)
+    speedup = speedup_vs_nospec(cfg, state)
     if speedup:
         tags[reg_mod.T_SPEEDUP] = json.dumps(speedup, sort_keys=True)
     mv = reg.register(run["run_id"], tags, model_id=run.get("model_id"), description=tracking.gate_table(g))
@@ -324,12 +326,12 @@ def step_register(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
     return {"version": mv.version, "model": reg.name, "uri": reg.head_uri(mv.version)}
 
 
-def speedup_vs_nospec(state: dict[str, Any]) -> dict[str, float]:
+def speedup_vs_nospec(cfg: Config, state: dict[str, Any]) -> dict[str, float]:
     """The candidate's measured tok/s over no speculation per concurrency (empty: not measured)."""
     b = state["steps"].get("bench") or {}
     if b.get("skipped") or not b.get("json_path"):
         return {}
-    res = json.loads(Path(b["json_path"]).read_text())
+    res = json.loads(local(cfg, state, b["json_path"]).read_text())
     return {c[1:]: round(v["candidate"]["estimate"], 4) for c, v in (res.get("speedup_vs_nospec") or {}).items()
             if v["candidate"]["estimate"] is not None}
 
@@ -382,6 +384,9 @@ def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = 
         run.failed(step, exc)
         raise
     out = json.loads(json.dumps(out, default=str))
+    store = CycleStore(cfg)
+    for rel in sorted(set(relative_paths(out))):  # what later steps (on any worker) will read
+        store.push(cycle_id, rel)
     state["steps"][step] = out
     state.setdefault("timings", {})[step] = round((_dt.datetime.now(_dt.timezone.utc) - t0).total_seconds(), 3)
     save_state(cfg, state)
@@ -398,9 +403,14 @@ def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = 
 
 
 def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
-    """The cycle's JSON: every artifact and decision recorded so far."""
+    """The cycle's JSON: every artifact and decision recorded so far (paths on this worker)."""
     state = load_state(cfg, cycle_id)
     s = state["steps"]
+    d = cycle_dir(cfg, cycle_id)
+
+    def here(path: str | None) -> str | None:
+        return None if path is None else str(d / path) if not Path(path).is_absolute() else path
+
     g, r, p = s.get("gate") or {}, s.get("register") or {}, s.get("promote") or {}
     return {
         "cycle_id": cycle_id,
@@ -415,11 +425,11 @@ def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
         "artifacts": {
             "train_snapshot": (s.get("snapshot") or {}).get("train"),
             "heldout_snapshot": (s.get("snapshot") or {}).get("heldout"),
-            "head": (s.get("train") or {}).get("head_path"),
+            "head": here((s.get("train") or {}).get("head_path")),
             "head_sha256": (s.get("train") or {}).get("head_sha256"),
-            "offline_eval": (s.get("evaluate") or {}).get("json_path"),
-            "bench_json": (s.get("bench") or {}).get("json_path"),
-            "bench_plot": (s.get("bench") or {}).get("plot_path"),
+            "offline_eval": here((s.get("evaluate") or {}).get("json_path")),
+            "bench_json": here((s.get("bench") or {}).get("json_path")),
+            "bench_plot": here((s.get("bench") or {}).get("plot_path")),
             "model_uri": r.get("uri"),
         },
         "steps": s,

@@ -177,7 +177,7 @@ def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
     bench = summary["steps"].get("bench") or {}
     if bench.get("skipped") or not bench.get("json_path"):
         return {}
-    full = json.loads(Path(bench["json_path"]).read_text())
+    full = json.loads(Path(summary["artifacts"]["bench_json"]).read_text())
     speed = full.get("speedup_vs_nospec") or {}
     out: dict[str, Any] = {}
     for role, name in (("live", "before"), ("candidate", "after")):
@@ -201,7 +201,7 @@ def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
                         **{k[1:]: aa_noise((aa.get(k) or {}).get("output_tok_per_s")) for k in aa if k.startswith("c")}}
     out["attempts"] = len(bench.get("attempts") or [1])
     out["heldout_overlap"] = {k: v for k, v in (full.get("heldout_overlap") or {}).items() if k != "matches"}
-    out["plot"] = bench.get("plot_path")
+    out["plot"] = summary["artifacts"]["bench_plot"]
     return out
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from loop import registry as reg_mod
+from loop.store import CycleStore
 from settings.config import Config
 
 MODEL_TYPE = "p-eagle-head"
@@ -72,8 +73,11 @@ def bench_metrics(res: dict[str, Any]) -> dict[str, float]:
     return m
 
 
-def run_metrics(state: dict[str, Any]) -> dict[str, float]:
-    """Everything a reviewer compares, from the recorded steps (the final bench attempt's figures)."""
+def run_metrics(state: dict[str, Any], resolve=Path) -> dict[str, float]:
+    """Everything a reviewer compares, from the recorded steps (the final bench attempt's figures).
+
+    ``resolve`` turns a recorded path into a local one (the cycle store's ``pull``).
+    """
     s = state["steps"]
     m: dict[str, float] = {}
     tr = s.get("train") or {}
@@ -82,7 +86,7 @@ def run_metrics(state: dict[str, Any]) -> dict[str, float]:
     _flat("offline", {k: v for k, v in (s.get("evaluate") or {}).items() if k != "json_path"}, m)
     b = s.get("bench") or {}
     if b.get("json_path"):
-        m.update(bench_metrics(json.loads(Path(b["json_path"]).read_text())))
+        m.update(bench_metrics(json.loads(resolve(b["json_path"]).read_text())))
         m["bench.attempts"] = float(len(b.get("attempts") or [1]))
     overlap = (s.get("snapshot") or {}).get("heldout_overlap") or {}
     if overlap:
@@ -148,6 +152,11 @@ class CycleRun:
         self.cfg, self.state = cfg, state
         self.reg = reg_mod.Registry(cfg)
         self.client = self.reg.client
+        self.store = CycleStore(cfg)
+
+    def _p(self, path: str) -> Path:
+        """A recorded path, local on this worker."""
+        return self.store.pull(self.state["cycle_id"], path)
 
     @property
     def run_id(self) -> str:
@@ -199,7 +208,7 @@ class CycleRun:
             self._metrics(m, model_id=self.state["tracking"].get("model_id"))
         elif step == "bench" and out.get("attempts"):
             for a in out.get("attempts") or []:
-                self._metrics(bench_metrics(json.loads(Path(a["json_path"]).read_text())), step=a["attempt"],
+                self._metrics(bench_metrics(json.loads(self._p(a["json_path"]).read_text())), step=a["attempt"],
                               model_id=self.state["tracking"].get("model_id"))
             self._metrics({"bench.attempts": float(len(out.get("attempts") or [1]))})
         elif step == "gate" and "verdict" in out:
@@ -223,7 +232,7 @@ class CycleRun:
 
         from headspec.files import read_manifest
 
-        tj = Path(out["train_json"])
+        tj = self._p(out["train_json"])
         curve = (json.loads(tj.read_text()).get("loss_curve") or []) if tj.is_file() else []
 
         now = int(_dt.datetime.now().timestamp() * 1000)
@@ -237,7 +246,8 @@ class CycleRun:
         tr = self.state["tracking"]
         if tr.get("model_id"):
             return
-        manifest = read_manifest(out["head_path"])
+        head = self._p(out["head_path"])
+        manifest = read_manifest(head)
         target = manifest.get("target") or {}
         params = {"sha256": out["head_sha256"], "num_speculative_tokens": str(out["num_speculative_tokens"]),
                   "format": str(manifest.get("format")), "parent": str(manifest.get("parent")),
@@ -248,7 +258,7 @@ class CycleRun:
             self.reg.experiment_id(), name=f"{self.cfg.mlflow.registered_model}-head", source_run_id=self.run_id,
             params=params, model_type=MODEL_TYPE,
             tags={reg_mod.T_SHA: out["head_sha256"], reg_mod.T_CYCLE: self.state["cycle_id"]})
-        self.client.log_model_artifacts(model.model_id, out["head_path"])
+        self.client.log_model_artifacts(model.model_id, str(head))
         self.client.finalize_logged_model(model.model_id, "READY")
         tr["model_id"] = model.model_id
 
@@ -259,27 +269,28 @@ class CycleRun:
         s = self.state["steps"]
         snap, b = s["snapshot"], s["bench"]
         for split in ("train", "heldout"):
-            self.client.log_artifact(self.run_id, snap[split]["path"], "datasets")
+            self.client.log_artifact(self.run_id, str(self._p(snap[split]["path"])), "datasets")
         if not b.get("skipped"):
-            self.client.log_artifacts(self.run_id, str(Path(b["json_path"]).parent), "bench")
-        self.client.log_artifact(self.run_id, s["train"]["train_json"], "cycle")
-        self.client.log_artifact(self.run_id, s["evaluate"]["json_path"], "cycle")
+            self.client.log_artifacts(self.run_id, str(self._p(b["json_path"]).parent), "bench")
+        self.client.log_artifact(self.run_id, str(self._p(s["train"]["train_json"])), "cycle")
+        self.client.log_artifact(self.run_id, str(self._p(s["evaluate"]["json_path"])), "cycle")
         run = self.client.get_run(self.run_id)
         if not run.inputs or not run.inputs.dataset_inputs:
             mlflow.set_tracking_uri(self.reg.tracking_uri)
             with mlflow.start_run(run_id=self.run_id):
                 for split, ctx in (("train", "training"), ("heldout", "evaluation")):
                     sp = snap[split]
-                    name = Path(sp["path"]).name
+                    path = self._p(sp["path"])
                     if self.reg.tracking_uri.startswith("http"):
-                        src = f"{self.reg.tracking_uri.rstrip('/')}/get-artifact?path=datasets/{name}&run_uuid={self.run_id}"
+                        src = (f"{self.reg.tracking_uri.rstrip('/')}/get-artifact?path=datasets/{path.name}"
+                               f"&run_uuid={self.run_id}")
                     else:
-                        src = sp["path"]
-                    ds = _dataset(sp["path"], f"{self.cfg.mlflow.registered_model}-{split}-{sp['id'][:12]}", src,
+                        src = str(path)
+                    ds = _dataset(str(path), f"{self.cfg.mlflow.registered_model}-{split}-{sp['id'][:12]}", src,
                                   sp["id"])
                     mlflow.log_input(ds, context=ctx)
         return {"run_id": self.run_id, "artifact_uri": run.info.artifact_uri, "model_id": self.state["tracking"].get(
-            "model_id"), "metrics": len(run_metrics(self.state))}
+            "model_id"), "metrics": len(run_metrics(self.state, self._p))}
 
     def failed(self, step: str, exc: BaseException) -> None:
         self.client.set_tag(self.run_id, "adapt.failed_step", step)

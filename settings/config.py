@@ -153,6 +153,12 @@ class GateConfig(_Section):
     max_attempts: int = Field(2, ge=1)
 
 
+class CycleConfig(_Section):
+    # Where each cycle's state and hand-over files live besides this worker's disk: "" (this worker only)
+    # or s3://bucket/prefix, shared by every worker that may run a step (Airflow with several workers).
+    store: str = ""
+
+
 class ControllerConfig(_Section):
     poll_seconds: float = Field(5.0, gt=0)
     rollback_fraction: float = Field(0.7, ge=0, le=1)
@@ -197,6 +203,7 @@ class Config(_Section):
     serving: ServingConfig = ServingConfig()
     bench: BenchConfig = BenchConfig()
     gate: GateConfig = GateConfig()
+    cycle: CycleConfig = CycleConfig()
     controller: ControllerConfig = ControllerConfig()
     demo: DemoConfig = DemoConfig()
     source_file: str | None = None

@@ -80,7 +80,7 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
     assert m["aa.c1.output_tok_per_s.ci_high"] == 0.9 and m["aa.mean_acceptance_length.estimate"] == 0.0
     assert m["speedup_vs_nospec.c1.candidate.estimate"] == 1.3 and m["speedup_vs_nospec.c1.live.ci_low"] == 0.8
     assert m["bench.attempts"] == 2.0 and m["heldout.repeats_training"] == 1.0
-    assert cycle.speedup_vs_nospec(state) == {"1": 1.3}
+    assert cycle.speedup_vs_nospec(cfg, state) == {"1": 1.3}
     p = tracking.run_params(cfg, state)
     assert p["parent_version"] == "4" and p["train_snapshot_id"] == "a" * 64 and p["gate.confidence"] == "0.9"
     assert p["training.depth_weights"] == "[1.0, 0.8, 0.6]"

@@ -141,8 +141,9 @@ def _cycle_summary(tmp_path, name, speed, al, verdict, promoted, version):
     d.mkdir()
     (d / "bench.json").write_text(json.dumps(res))
     return {"cycle_id": name, "version": version, "verdict": verdict, "reason": f"{verdict} because", "promoted": promoted,
-            "artifacts": {}, "timings": {},
-            "steps": {"bench": {"json_path": str(d / "bench.json"), "plot_path": str(d / "bench.png"),
+            "timings": {},
+            "artifacts": {"bench_json": str(d / "bench.json"), "bench_plot": str(d / "bench.png")},
+            "steps": {"bench": {"json_path": "bench.json", "plot_path": "bench.png",
                                 "attempts": [{"verdict": "inconclusive"}, {"verdict": verdict}]}}}
 
 

@@ -112,6 +112,7 @@ def test_a_degraded_candidate_is_rejected_and_never_served(gated):
     from adapt.degrade import degraded_copy
     from headspec.validate import validate_head
     from loop.cycle import CycleOptions, load_state, run_cycle, run_step, save_state
+    from loop.cycle import local as cycle_local
     from loop.registry import Registry
 
     prod = gated.get("production")
@@ -126,7 +127,8 @@ def test_a_degraded_candidate_is_rejected_and_never_served(gated):
         run_step(cfg, "degraded", step, opts)
     state = load_state(cfg, "degraded")
     assert state["steps"]["base"]["live_sha256"] == prod["artifacts"]["head_sha256"]
-    bad = degraded_copy(state["steps"]["base"]["live_path"], gated["dir"] / "heads" / "degraded", "permute_lm_head")
+    live = cycle_local(cfg, state, state["steps"]["base"]["live_path"])
+    bad = degraded_copy(live, gated["dir"] / "heads" / "degraded", "permute_lm_head")
     info = validate_head(bad)
     state["steps"]["train"] = {"head_path": str(bad), "head_sha256": info.sha256,
                                "num_speculative_tokens": info.num_speculative_tokens, "steps": 0, "tokens": 0,
