@@ -17,6 +17,8 @@ import torch.distributed as dist
 class Dist:
     rank: int = 0
     world: int = 1
+    # Whether this process group was started here (and so is ours to destroy).
+    owns_group: bool = False
 
     @property
     def main(self) -> bool:
@@ -28,12 +30,19 @@ def init_distributed(device: torch.device) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # CPU ranks share the cores; oversubscribed OpenMP threads spin and crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    return Dist(dist.get_rank(), dist.get_world_size())
+    return Dist(dist.get_rank(), dist.get_world_size(), owns)
+
+
+def teardown_distributed(dd: Dist) -> None:
+    """Leave the process group if :func:`init_distributed` started it (a caller's own group stays)."""
+    if dd.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def wrap_data_parallel(model: torch.nn.Module, device: torch.device, dd: Dist) -> torch.nn.Module:

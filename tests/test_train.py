@@ -236,7 +236,7 @@ def test_training_releases_its_feature_cache_when_done(tiny_model, tmp_path, mon
     """A finished run leaves no cached features behind and trims the heap (vLLM servers may start next)."""
     import adapt.features as F
     import adapt.memory as M
-    import adapt.train as T
+    import adapt.recipe as R
 
     made, trims = [], []
 
@@ -249,13 +249,36 @@ def test_training_releases_its_feature_cache_when_done(tiny_model, tmp_path, mon
         trims.append(len(made[0].cache))
         return True
 
-    monkeypatch.setattr(T, "TargetFeatures", Recording)
+    monkeypatch.setattr(R, "TargetFeatures", Recording)
     monkeypatch.setattr(M, "trim_heap", trim)  # the loop's heap context
     monkeypatch.setattr(F, "trim_heap", trim)  # the cache's release
     res = train(make_cfg(tmp_path, tiny_model, max_steps=3), conversations(8), None, tmp_path / "head", progress=False)
     assert len(made) == 1 and made[0].cache == {} and made[0].used_bytes == 0
     # The loop's heap context trims with the cache still held; the release trims once it is gone.
     assert trims[0] > 0 and trims[-1] == 0 and res.featurize_seconds > 0
+
+
+def test_a_failed_run_still_releases_its_feature_cache(tiny_model, tmp_path, monkeypatch):
+    """The recipe's cleanup runs after a failure too (no rank barrier then: the others may never arrive)."""
+    import adapt.recipe as R
+
+    made = []
+
+    class Recording(R.TargetFeatures):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    def broken(head_dir, runner):
+        assert made[0].cache  # still held while the exported head is evaluated
+        raise RuntimeError("estimate failed")
+
+    monkeypatch.setattr(R, "TargetFeatures", Recording)
+    with pytest.raises(RuntimeError, match="estimate failed"):
+        train(make_cfg(tmp_path, tiny_model, max_steps=1), conversations(4), None, tmp_path / "head",
+              progress=False, after_export=broken)
+    assert made[0].cache == {} and made[0].used_bytes == 0
+    assert (tmp_path / "head" / "model.safetensors").is_file()
 
 
 def test_large_blocks_are_reused_inside_training_not_faulted_in_again():
