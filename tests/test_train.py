@@ -24,7 +24,7 @@ WORDS = "the of and to in is you that it def return import class self print for 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # The test machine's cores are shared: spinning OpenMP threads slow every step 5-10x.
+    # The test machine's cores are shared: spinning OpenMP threads slow every step several-fold.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
