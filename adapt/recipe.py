@@ -94,6 +94,7 @@ class TrainRecipe:
 
     def setup(self, conversations: Sequence[dict[str, Any]], base_head: str | None = None,
               replay_conversations: Sequence[dict[str, Any]] | None = None) -> None:
+        """The device and ranks, the examples, the initial head, the target's features, AdamW (resumed) and batches."""
         tc = self.tc
         self.device = pick_device(tc.device)
         self.dist = init_distributed(self.device)
