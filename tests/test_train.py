@@ -448,7 +448,8 @@ def test_cli_train_on_jsonl_reports_losses_and_offline_acceptance(tiny_model, tm
     acc = out["acceptance"]
     assert acc["k"] == 3 and acc["num_prompts"] == 2 and 1.0 <= acc["mean_acceptance_length"] <= 4.0
     validate_head(tmp_path / "cli-head", tiny_model)
-    # A bad base is a clean error, not a traceback.
+    # A bad base is a clean error, not a traceback (``error: ...``, or ``{"error": ...}`` where --json errors are JSON).
     bad = CliRunner().invoke(app, ["train", "--config", str(conf), "--data", str(data), "--base",
                                    str(tmp_path / "nope"), "--json"])
-    assert bad.exit_code != 0 and "error:" in bad.output
+    assert bad.exit_code != 0 and "error" in bad.output and "neither a directory" in bad.output
+    assert "Traceback" not in bad.output
