@@ -4,7 +4,8 @@
   template and marks the tokens the target itself produced (assistant content
   and its end-of-turn token); only those are drafting targets.
 * :func:`pack_rows` / :func:`make_batches` pack examples into rows of at most
-  ``max_seq_len`` tokens and rows into batches of at most ``batch_tokens``.
+  ``max_seq_len`` tokens and rows into batches of at most ``batch_tokens``;
+  :class:`StepBatches` gives each step, on each rank, its batch.
 * :func:`build_draft_vocab` picks the draft vocabulary from token frequencies.
 * :func:`mix_replay` mixes new conversations with a seeded replay sample of older ones.
 """
@@ -237,3 +238,30 @@ def make_batches(lengths: Sequence[int], batch_tokens: int, max_seq_len: int,
     if cur:
         batches.append(cur)
     return batches
+
+
+class StepBatches:
+    """The batch of step ``step`` on rank ``rank`` of ``world``: a pure function of ``(seed, step)``.
+
+    That is what lets a resumed run replay exactly what an uninterrupted one
+    does. Epoch ``e`` is :func:`make_batches` with ``(seed, e)``, dealt round-robin
+    to the ranks; every rank runs the same number of steps per epoch (the
+    remainder batches wait for the next epoch's shuffle).
+    """
+
+    def __init__(self, lengths: Sequence[int], batch_tokens: int, max_seq_len: int, seed: int,
+                 rank: int = 0, world: int = 1) -> None:
+        self.lengths, self.batch_tokens, self.max_seq_len, self.seed = list(lengths), batch_tokens, max_seq_len, seed
+        self.rank, self.world = rank, world
+        self._epoch, self._batches = 0, self._make(0)
+        self.per_epoch = max(1, len(self._batches) // world)
+
+    def _make(self, epoch: int) -> list[list[list[int]]]:
+        return make_batches(self.lengths, self.batch_tokens, self.max_seq_len, self.seed, epoch)
+
+    def __call__(self, step: int) -> list[list[int]]:
+        """The rows (lists of example indices) of this rank's batch at ``step``."""
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._batches = epoch, self._make(epoch)
+        return self._batches[(i * self.world + self.rank) % len(self._batches)]

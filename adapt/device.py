@@ -20,7 +20,7 @@ def use_bf16_autocast(dtype: str, device: torch.device) -> bool:
     """bf16 autocast when asked for, or on ``auto`` where matmuls run natively in bf16.
 
     That is CUDA, and CPUs with AMX tiles or AVX512-BF16 (e.g. AMD Zen 4), where
-    oneDNN's bf16 kernels make a drafter step ~2x faster than fp32. Master
+    oneDNN's bf16 kernels run a drafter step faster than fp32 does. Master
     weights and the loss stay fp32.
     """
     if dtype != "auto":

@@ -24,7 +24,7 @@ WORDS = "the of and to in is you that it def return import class self print for 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # The test machine's cores are shared: spinning OpenMP threads slow every step 5-10x.
+    # The test machine's cores are shared: spinning OpenMP threads slow every step several-fold.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -149,13 +149,13 @@ def test_warm_start_refreshes_the_draft_vocabulary_for_drifted_traffic(bootstrap
 def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model, monkeypatch):
     """Features are cached while both their bytes and the process's growth fit the budget; the rest are
     recomputed on demand, identically."""
-    import adapt.train as T
+    import adapt.features as F
     from adapt.data import tokenize_rows
     from headspec.config import default_aux_layer_ids
 
     rss = {"now": 1 << 30}
-    monkeypatch.setattr(T, "process_rss_bytes", lambda: rss["now"])
-    tf = T.TargetFeatures(tiny_model, default_aux_layer_ids(4), torch.arange(64), torch.device("cpu"),
+    monkeypatch.setattr(F, "process_rss_bytes", lambda: rss["now"])
+    tf = F.TargetFeatures(tiny_model, default_aux_layer_ids(4), torch.arange(64), torch.device("cpu"),
                           cache_bytes=10 << 20)
     examples = tokenize_rows(tf.runner.tokenizer, conversations(5), 160)
     got = []
@@ -169,8 +169,8 @@ def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model,
     assert torch.equal(again.target_rows, got[3].target_rows)
     assert tf.get(1, examples[1]) is got[1]
 
-    monkeypatch.setattr(T, "process_rss_bytes", lambda: None)  # no /proc: the tensors' bytes alone count
-    tf2 = T.TargetFeatures(tiny_model, default_aux_layer_ids(4), torch.arange(64), torch.device("cpu"),
+    monkeypatch.setattr(F, "process_rss_bytes", lambda: None)  # no /proc: the tensors' bytes alone count
+    tf2 = F.TargetFeatures(tiny_model, default_aux_layer_ids(4), torch.arange(64), torch.device("cpu"),
                            cache_bytes=10 << 20)
     for i, ex in enumerate(examples):
         tf2.get(i, ex)
@@ -180,15 +180,15 @@ def test_feature_cache_budget_bounds_the_processs_real_memory_growth(tiny_model,
 def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tiny_model, monkeypatch):
     """Final hidden states projected through the output rows reproduce the full features' logits, batch for batch;
     a target whose logits are not that plain product (here: scaled) keeps full logits."""
+    import adapt.features as F
     import adapt.hidden_states as H
-    import adapt.train as T
     from adapt.data import tokenize_rows
     from headspec.config import default_aux_layer_ids
     from adapt.loss import collate, peagle_loss
 
     draft = torch.randperm(512, generator=torch.Generator().manual_seed(0))[:200]
     args = (tiny_model, default_aux_layer_ids(4), draft, torch.device("cpu"))
-    compact, full = T.TargetFeatures(*args), T.TargetFeatures(*args, compact=False)
+    compact, full = F.TargetFeatures(*args), F.TargetFeatures(*args, compact=False)
     assert compact.compact and not full.compact
     examples = tokenize_rows(compact.runner.tokenizer, conversations(4), 160)
     fc = [compact.get(i, ex) for i, ex in enumerate(examples)]
@@ -218,11 +218,11 @@ def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tin
         return aux, None if logits is None else logits * 0.5
 
     monkeypatch.setattr(H.TargetRunner, "forward", scaled)
-    assert not T.TargetFeatures(*args).compact
+    assert not F.TargetFeatures(*args).compact
 
 
 def test_feature_budget_is_shared_by_the_ranks_on_one_machine(monkeypatch):
-    from adapt.train import default_cache_bytes
+    from adapt.features import default_cache_bytes
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     one = default_cache_bytes()
@@ -234,26 +234,56 @@ def test_feature_budget_is_shared_by_the_ranks_on_one_machine(monkeypatch):
 
 def test_training_releases_its_feature_cache_when_done(tiny_model, tmp_path, monkeypatch):
     """A finished run leaves no cached features behind and trims the heap (vLLM servers may start next)."""
-    import adapt.train as T
+    import adapt.features as F
+    import adapt.memory as M
+    import adapt.recipe as R
 
     made, trims = [], []
 
-    class Recording(T.TargetFeatures):
+    class Recording(F.TargetFeatures):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             made.append(self)
 
-    monkeypatch.setattr(T, "TargetFeatures", Recording)
-    monkeypatch.setattr(T, "trim_heap", lambda: trims.append(len(made[0].cache)) or True)
+    def trim() -> bool:
+        trims.append(len(made[0].cache))
+        return True
+
+    monkeypatch.setattr(R, "TargetFeatures", Recording)
+    monkeypatch.setattr(M, "trim_heap", trim)  # the loop's heap context
+    monkeypatch.setattr(F, "trim_heap", trim)  # the cache's release
     res = train(make_cfg(tmp_path, tiny_model, max_steps=3), conversations(8), None, tmp_path / "head", progress=False)
     assert len(made) == 1 and made[0].cache == {} and made[0].used_bytes == 0
     # The loop's heap context trims with the cache still held; the release trims once it is gone.
     assert trims[0] > 0 and trims[-1] == 0 and res.featurize_seconds > 0
 
 
+def test_a_failed_run_still_releases_its_feature_cache(tiny_model, tmp_path, monkeypatch):
+    """The recipe's cleanup runs after a failure too (no rank barrier then: the others may never arrive)."""
+    import adapt.recipe as R
+
+    made = []
+
+    class Recording(R.TargetFeatures):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    def broken(head_dir, runner):
+        assert made[0].cache  # still held while the exported head is evaluated
+        raise RuntimeError("estimate failed")
+
+    monkeypatch.setattr(R, "TargetFeatures", Recording)
+    with pytest.raises(RuntimeError, match="estimate failed"):
+        train(make_cfg(tmp_path, tiny_model, max_steps=1), conversations(4), None, tmp_path / "head",
+              progress=False, after_export=broken)
+    assert made[0].cache == {} and made[0].used_bytes == 0
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+
+
 def test_large_blocks_are_reused_inside_training_not_faulted_in_again():
     """Freeing and reallocating a step-sized tensor faults its pages in again by default; not inside the context."""
-    from adapt.train import heap_kept_between_steps
+    from adapt.memory import heap_kept_between_steps
 
     def minor_faults() -> int:
         return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
@@ -274,7 +304,7 @@ def test_large_blocks_are_reused_inside_training_not_faulted_in_again():
 
 
 def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
-    from adapt.train import lr_at
+    from adapt.schedule import lr_at
 
     assert lr_at(0, 1.0, 10, 110) == pytest.approx(0.1)
     assert lr_at(10, 1.0, 10, 110) == pytest.approx(1.0)
@@ -285,6 +315,24 @@ def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
     assert lr_at(10, 1.0, 10, 110, time_used=1.0) == pytest.approx(0.1)
     assert lr_at(60, 1.0, 10, 110, time_used=0.1) == pytest.approx(0.55)
     assert lr_at(50, 1.0, 10, 0) == pytest.approx(1.0)  # no bound: constant after warmup
+
+
+def test_schedule_needs_a_bound_and_its_clock_starts_with_the_loop(tiny_model, tmp_path, monkeypatch):
+    import adapt.schedule as S
+
+    unbounded = make_cfg(tmp_path, tiny_model, max_steps=0, max_minutes=0)
+    with pytest.raises(ValueError, match="needs a bound"):
+        S.Schedule(unbounded.training)
+    with pytest.raises(ValueError, match="needs a bound"):  # before anything is loaded
+        train(unbounded, [], None, tmp_path / "none", progress=False)
+    now = {"t": 100.0}
+    monkeypatch.setattr(S.time, "monotonic", lambda: now["t"])
+    capped = S.Schedule(make_cfg(tmp_path, tiny_model, max_steps=0, max_minutes=2, warmup_steps=0).training)
+    assert capped.capped and capped.max_steps > 1 << 60 and capped.time_used() == 0.0
+    now["t"] = 500.0  # setup time does not count
+    capped.start()
+    now["t"] += 60
+    assert capped.time_used() == pytest.approx(0.5) and capped.lr(1000, 0.5) == pytest.approx(2e-3 * 0.55)
 
 
 @pytest.mark.parametrize("amx, avx512_bf16, want", [(True, False, True), (False, True, True), (False, False, False)])
@@ -400,7 +448,8 @@ def test_cli_train_on_jsonl_reports_losses_and_offline_acceptance(tiny_model, tm
     acc = out["acceptance"]
     assert acc["k"] == 3 and acc["num_prompts"] == 2 and 1.0 <= acc["mean_acceptance_length"] <= 4.0
     validate_head(tmp_path / "cli-head", tiny_model)
-    # A bad base is a clean error, not a traceback.
+    # A bad base is a clean error, not a traceback (``error: ...``, or ``{"error": ...}`` where --json errors are JSON).
     bad = CliRunner().invoke(app, ["train", "--config", str(conf), "--data", str(data), "--base",
                                    str(tmp_path / "nope"), "--json"])
-    assert bad.exit_code != 0 and "error:" in bad.output
+    assert bad.exit_code != 0 and "error" in bad.output and "neither a directory" in bad.output
+    assert "Traceback" not in bad.output

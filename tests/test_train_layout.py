@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from adapt.data import build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts, Example
+from adapt.data import StepBatches, build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts, Example
 from adapt.drafter import PEagleDrafter, build_draft_inputs
 from headspec.config import DrafterConfig
 from adapt.layout import build_layout, chain_depths
@@ -246,3 +248,23 @@ def test_packing_respects_budgets_and_is_seeded():
     assert b == make_batches(lengths, 600, 512, seed=3) and b != make_batches(lengths, 600, 512, seed=3, epoch=1)
     for batch in b:
         assert len(batch) == 1 or sum(lengths[i] for r in batch for i in r) <= 600
+
+
+def test_step_batches_are_a_pure_function_of_the_step_and_split_between_ranks():
+    """A resumed run (a fresh StepBatches at step n) sees what an uninterrupted one does; ranks never share a batch."""
+    lengths = [random.Random(i).randint(5, 60) for i in range(40)]
+    one = StepBatches(lengths, 100, 64, seed=3)
+    seq = [one(s) for s in range(3 * one.per_epoch + 2)]
+    assert one.per_epoch == len(make_batches(lengths, 100, 64, 3, 0))
+    assert seq[:one.per_epoch] == make_batches(lengths, 100, 64, 3, 0)
+    # Later epochs reshuffle and may pack into another count of batches: the steps per epoch stay epoch 0's.
+    e1 = make_batches(lengths, 100, 64, 3, 1)
+    assert seq[one.per_epoch:2 * one.per_epoch] == [e1[i % len(e1)] for i in range(one.per_epoch)]
+    for s in (0, one.per_epoch + 1, 3 * one.per_epoch + 1):
+        assert StepBatches(lengths, 100, 64, seed=3)(s) == seq[s]
+    ranks = [StepBatches(lengths, 100, 64, seed=3, rank=r, world=2) for r in range(2)]
+    assert ranks[0].per_epoch == ranks[1].per_epoch == one.per_epoch // 2
+    for s in range(2 * ranks[0].per_epoch):
+        assert ranks[0](s) != ranks[1](s)
+    epoch0 = [ranks[r](s) for s in range(ranks[0].per_epoch) for r in range(2)]
+    assert epoch0 == make_batches(lengths, 100, 64, 3, 0)[:len(epoch0)]

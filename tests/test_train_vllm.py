@@ -54,7 +54,7 @@ def adapted(tiny_model, tmp_path_factory):
         "training": {"max_steps": 150, "max_minutes": 2.0, "batch_tokens": 1024, "max_seq_len": 256,
                      "warmup_steps": 5, "learning_rate": 3e-3},
     })
-    # Shared cores: spinning OpenMP threads slow generation and training 5-10x.
+    # Shared cores: spinning OpenMP threads slow generation and training several-fold.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
