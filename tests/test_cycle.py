@@ -86,21 +86,18 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
     assert p["training.depth_weights"] == "[1.0, 0.8, 0.6]"
 
 
-def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch, tmp_path: Path):
-    """The re-measurement loop of the bench step: the gate (unchanged) decides on each simulated run."""
-    import evaluation.bench
+def simulated_bench(runs, calls: list):
+    """A stand-in for run_bench_cli: each call analyzes the next simulated run (load, speeds) for real."""
     from evaluation.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
     from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
 
-    runs = iter([dict(load=0.4, speed={CANDIDATE: 1.0, LIVE: 1.0, CONTROL: 1.0}),   # loaded: cannot tell
-                 dict(load=0.0, speed={CANDIDATE: 1.5, LIVE: 1.0, CONTROL: 1.0})])  # quiet: clearly better
-    calls = []
+    runs = iter(runs)
 
     def fake_bench(c, *, out, seed, **kw):
-        r = next(runs)
+        load, speed = next(runs)
         calls.append(seed)
-        blocks = simulate(slots_for(seed=seed), r["speed"], load=r["load"], jitter=r["load"] / 4, seed=seed,
-                          al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
+        blocks = simulate(slots_for(seed=seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0}, load=load,
+                          jitter=load / 4, seed=seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
         res = {"heads": {"candidate": {"sha256": "c" * 64}, "live": {"sha256": "l" * 64}}, "requests": N,
                **analyze(blocks, ARMS, CONCS, 0.9, 500, seed)}
         res["summary"] = headline(res)
@@ -108,9 +105,22 @@ def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch, 
         (Path(out) / "bench.json").write_text(json.dumps(res))
         return res
 
-    monkeypatch.setattr(evaluation.bench, "run_bench_cli", fake_bench)
-    state = {"cycle_id": "rm", "steps": {
-        "snapshot": {"heldout": {"jsonl": "h.jsonl"}}, "base": {"live_path": "live"}, "train": {"head_path": "cand"}}}
+    return fake_bench
+
+
+def bench_state(cid: str) -> dict:
+    return {"cycle_id": cid, "steps": {"snapshot": {"heldout": {"jsonl": "h.jsonl"}}, "base": {"live_path": "live"},
+                                       "train": {"head_path": "cand"}}}
+
+
+def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch):
+    """The re-measurement loop of the bench step: the gate (unchanged) decides on each simulated run."""
+    import evaluation.bench
+
+    calls: list = []
+    # loaded: cannot tell; then quiet: clearly better
+    monkeypatch.setattr(evaluation.bench, "run_bench_cli", simulated_bench([(0.4, 1.0), (0.0, 1.5)], calls))
+    state = bench_state("rm")
     out = cycle.step_bench(cfg, state, cycle.CycleOptions())
     assert [a["verdict"] for a in out["attempts"]] == ["inconclusive", "passed"] and calls == [0, 1]
     state["steps"]["bench"] = out
@@ -123,22 +133,9 @@ def test_an_inconclusive_bench_is_measured_again_and_recorded(cfg, monkeypatch, 
 
 def test_inconclusive_after_every_attempt_is_recorded_as_such(cfg, monkeypatch):
     import evaluation.bench
-    from evaluation.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
-    from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
 
-    def fake_bench(c, *, out, seed, **kw):
-        blocks = simulate(slots_for(seed=seed), {CANDIDATE: 1.0, LIVE: 1.0, CONTROL: 1.0},
-                          load=0.4, jitter=0.1, seed=seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
-        res = {"heads": {"candidate": {"sha256": "c" * 64}, "live": {"sha256": "l" * 64}}, "requests": N,
-               **analyze(blocks, ARMS, CONCS, 0.9, 500, seed)}
-        res["summary"] = headline(res)
-        Path(out).mkdir(parents=True)
-        (Path(out) / "bench.json").write_text(json.dumps(res))
-        return res
-
-    monkeypatch.setattr(evaluation.bench, "run_bench_cli", fake_bench)
-    state = {"cycle_id": "rm2", "steps": {
-        "snapshot": {"heldout": {"jsonl": "h.jsonl"}}, "base": {"live_path": "live"}, "train": {"head_path": "cand"}}}
+    monkeypatch.setattr(evaluation.bench, "run_bench_cli", simulated_bench([(0.4, 1.0), (0.4, 1.0)], []))
+    state = bench_state("rm2")
     state["steps"]["bench"] = cycle.step_bench(cfg, state, cycle.CycleOptions())
     g = cycle.step_gate(cfg, state, cycle.CycleOptions())
     assert len(state["steps"]["bench"]["attempts"]) == cfg.gate.max_attempts == 2
