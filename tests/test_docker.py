@@ -1,13 +1,15 @@
 """docker/compose.yaml, its init scripts and the images: schema, structure, references, profiles.
 
 `docker compose config` validates the file when the compose plugin is installed; CI has only the
-docker client, so the properties compose would check on `up` (references, profiles, start order)
-are checked here with PyYAML. The init scripts run here against real SeaweedFS and the
+docker client, so the file is validated against the Compose Specification's JSON Schema (vendored
+in tests/data/) and the properties compose would check on `up` (references, profiles, start
+order) are checked here with PyYAML. The init scripts run here against real SeaweedFS and the
 tiny target.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -24,6 +26,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
+SCHEMA = REPO / "tests" / "data" / "compose-spec.json"
 
 
 def compose() -> dict:
@@ -70,6 +73,26 @@ def test_compose_config_validates_when_the_plugin_exists(tmp_path):
         assert p.returncode == 0, p.stderr
     c = compose()
     assert {k for k in c if not k.startswith("x-")} <= {"name", "services", "volumes", "networks"}
+
+
+def test_compose_file_validates_against_the_compose_spec_schema():
+    """The Compose Specification's own schema (what `docker compose config` checks first): unknown keys,
+    wrong types, bad depends_on conditions or healthcheck fields fail here, with no Docker engine."""
+    import jsonschema
+
+    readme = (SCHEMA.parent / "README.md").read_text()
+    digest = hashlib.sha256(SCHEMA.read_bytes()).hexdigest()
+    assert f"sha256: `{digest}`" in readme  # the vendored file is the one its provenance note names
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose())]
+    assert errors == []
+    # The validator does reject what compose rejects (a misspelt key, a condition that does not exist).
+    bad = compose()
+    bad["services"]["s3"]["healthcheck"] = {"test": ["CMD", "true"], "intervall": "5s"}
+    bad["services"]["mlflow"]["depends_on"]["postgres"]["condition"] = "service_ready"
+    found = {"/".join(map(str, e.absolute_path)) for e in validator.iter_errors(bad)}
+    assert {"services/s3/healthcheck", "services/mlflow/depends_on"} <= found
 
 
 def test_stack_has_every_service_with_built_or_pinned_images():
