@@ -52,7 +52,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
     bad.write_text("[serving]\nreplicas = -1\n")
     res = run_cli("config", "--config", str(bad), "--json")
     assert res.returncode == 2
-    assert "replicas" in res.stderr and "Traceback" not in res.stderr
+    assert "replicas" in json.loads(res.stdout)["error"] and "Traceback" not in res.stderr  # --json: a JSON error
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("[serving]\nreplicaz = 1\n")
     res = run_cli("config", "--config", str(unknown))
