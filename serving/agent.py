@@ -22,7 +22,6 @@ compare); off loopback the agent refuses to start without a real token (``check_
 from __future__ import annotations
 
 import asyncio
-import logging
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +37,6 @@ from serving.pool import Pool
 from serving.router import create_app, server_config, start_server, stop_server
 from serving.serve import LoopService
 
-log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})  # probes: no token, and nothing but a replica count in the answer
 
 
@@ -91,6 +89,8 @@ class HeadStore:
             await self.info()  # learn the head the replica runs now (a rollback target)
             entry = self.held.get(req.sha256) if req.sha256 else None
             sha, version = req.sha256, req.version
+            if entry is not None and entry["uri"] is None and req.uri and is_remote_ref(req.uri):
+                entry["uri"] = req.uri  # held already (the first head): the pool names where it is from
             if entry is None:
                 if not req.uri:
                     raise AgentError(404, f"no head with sha256 {req.sha256} on this agent: give its URI")

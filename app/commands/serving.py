@@ -53,6 +53,19 @@ def _production_warnings(cfg: Config) -> list[str]:
     return slower_than_nospec(prod.version, prod.tags) if prod is not None else []
 
 
+def _run_until_stopped(service, started) -> None:
+    """Start ``service`` (a ``serving.serve.LoopService``), call ``started()``, run until SIGTERM/SIGINT."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        service.start()
+        started()
+        stop.wait()
+    finally:
+        service.stop()
+
+
 def register(app: typer.Typer) -> None:
     pool_app = command_group(help="Inspect the serving pool.")
     app.add_typer(pool_app, name="pool")
@@ -89,17 +102,9 @@ def register(app: typer.Typer) -> None:
         target = ensure_target(cfg.target.model, cfg.target.model_cache)
         stack = ServingStack(cfg, head_dir=_current_head(cfg, head), target_dir=target, replicas=replicas,
                              attach_urls=attach, attach_agents=attach_agent, router_port=router_port)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        try:
-            stack.start()
-            emit({"router": stack.url, "replicas": [r.url for r in stack.pool.replicas],
-                  "head": stack.pool.current_head}, json_,
-                 human=f"router {stack.url} serving {len(stack.pool.replicas)} replica(s); Ctrl-C stops")
-            stop.wait()
-        finally:
-            stack.stop()
+        _run_until_stopped(stack, lambda: emit(
+            {"router": stack.url, "replicas": [r.url for r in stack.pool.replicas], "head": stack.pool.current_head},
+            json_, human=f"router {stack.url} serving {len(stack.pool.replicas)} replica(s); Ctrl-C stops"))
 
     @app.command("swap")
     def swap(
@@ -251,16 +256,8 @@ def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
                        header_timeout=s.header_timeout_s, body_timeout=s.body_timeout_s)
         except (ExposureError, ValueError) as exc:
             fail(str(exc), 2)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        try:
-            ag.start()
-            emit({"agent": ag.url, "replica": ag.replica_url}, json_,
-                 human=f"agent {ag.url} in front of {ag.replica_url}; Ctrl-C stops")
-            stop.wait()
-        finally:
-            ag.stop()
+        _run_until_stopped(ag, lambda: emit({"agent": ag.url, "replica": ag.replica_url}, json_,
+                                            human=f"agent {ag.url} in front of {ag.replica_url}; Ctrl-C stops"))
 
     @replica_app.command("fetch-head")
     def fetch_head(
@@ -290,14 +287,13 @@ def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
             try:
                 got, version = resolve_head(head, tmp, tracking_uri or cfg.mlflow.tracking_uri,
                                             _s3_kwargs(cfg, s3_endpoint))
-                validate_head(got, target_dir)
+                info = validate_head(got, target_dir)
             except HeadError as exc:
                 fail(f"invalid head {head}: {exc}")
             except Exception as exc:  # noqa: BLE001 - S3/MLflow refused or unreachable
                 fail(f"cannot fetch {head}: {type(exc).__name__}: {exc}")
             shutil.rmtree(dest, ignore_errors=True)
             shutil.move(str(got), str(dest))
-        info = validate_head(dest, target_dir)
         emit({"path": str(dest), "uri": head, "sha256": info.sha256, "version": version}, json_,
              human=f"{head} -> {dest} (sha256 {info.sha256[:12]})")
 
