@@ -22,6 +22,7 @@ compare); off loopback the agent refuses to start without a real token (``check_
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +38,7 @@ from serving.pool import Pool
 from serving.router import create_app, server_config, start_server, stop_server
 from serving.serve import LoopService
 
+log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})  # probes: no token, and nothing but a replica count in the answer
 
 
@@ -115,9 +117,23 @@ class HeadStore:
                 got = await self.admin.load_head(entry["path"], version, sha)
             except RpcError as exc:
                 raise AgentError(409, str(exc)) from exc
+            entry["version"] = version
             got["uri"] = entry["uri"]
             self._loaded(sha)
             return got
+
+    async def reapply(self) -> bool:
+        """Load the head last swapped in again if the replica runs another (it restarted with its first
+        head); True if it did. The pool's swaps hold the lock, so this never races one."""
+        if not self.recent or self.lock.locked():
+            return False
+        async with self.lock:
+            want = self.recent[-1]
+            if (await self.admin.head_info()).get("sha256") == want:
+                return False
+            entry = self.held[want]
+            await self.admin.load_head(entry["path"], entry.get("version"), want)
+            return True
 
     def _loaded(self, sha: str) -> None:
         if sha in self.recent:
@@ -190,7 +206,8 @@ class Agent(LoopService):
     def __init__(self, replica_url: str, *, host: str, port: int, token: str, target_dir: str | Path,
                  heads_dir: str | Path, tracking_uri: str | None = None,
                  s3_client_kwargs: dict[str, Any] | None = None, tls_cert: str = "", tls_key: str = "",
-                 max_body_bytes: int = 8 << 20, header_timeout: float = 10.0, body_timeout: float = 30.0) -> None:
+                 max_body_bytes: int = 8 << 20, header_timeout: float = 10.0, body_timeout: float = 30.0,
+                 reapply_interval: float = 5.0) -> None:
         super().__init__()
         check_exposure(host, token, "the agent")
         if not url_is_loopback(replica_url):
@@ -207,7 +224,8 @@ class Agent(LoopService):
                                s3_client_kwargs=s3_client_kwargs)
         # Health every second (it is what /health answers); metrics are read on demand, not sampled.
         self.pool = Pool(metrics_interval=3600.0)
-        self.server = self._task = None
+        self.server = self._task = self._watch = None
+        self.reapply_interval = reapply_interval
 
     @property
     def url(self) -> str:
@@ -220,7 +238,24 @@ class Agent(LoopService):
         config = server_config(app, self.host, self.port, log_level="warning", lifespan="on",
                                timeout_keep_alive=30, **self.deadlines, **self.tls)
         self.server, self._task = await start_server(config)
+        self._watch = asyncio.create_task(self._reapply_loop(), name="agent-reapply")
+
+    async def _reapply_loop(self) -> None:
+        """A replica restarted by its host (a crash, a container restart) comes back with its first head:
+        put the pool's head back rather than serve an old one until the next swap."""
+        while True:
+            await asyncio.sleep(self.reapply_interval)
+            if not self.pool.replicas[0].healthy:
+                continue
+            try:
+                if await self.store.reapply():
+                    log.warning("replica %s had restarted: head %s loaded again", self.replica_url,
+                                self.store.recent[-1][:12])
+            except Exception as exc:  # noqa: BLE001 - tried again next time
+                log.warning("replica %s: reloading the head failed: %s", self.replica_url, exc)
 
     async def _stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await stop_server(self.server, self._task)
         await self.pool.close()

@@ -246,7 +246,8 @@ class Pool:
         return {
             "current_head": self.current_head,
             "replicas": [{
-                "url": r.url, "managed": r.proc is not None, "agent": r.agent, "healthy": r.healthy, "draining": r.draining,
+                "url": r.url, "managed": r.proc is not None, "agent": r.agent, "healthy": r.healthy,
+                "draining": r.draining,
                 "outstanding": r.outstanding, "served": r.served, "failures": r.failures,
                 "restarts": r.restarts, "pid": r.proc.proc.pid if r.proc and r.proc.proc else None,
                 "head_sha256": r.head.get("sha256"), "head_version": r.head.get("version"),

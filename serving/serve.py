@@ -82,9 +82,24 @@ class LoopService:
         try:
             self.run_coro(self._stop(), timeout=120)
         finally:
+            try:
+                self.run_coro(self._cancel_the_rest(), timeout=30)
+            except Exception:  # noqa: BLE001 - the loop stops regardless
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
             self._thread = None
+
+    async def _cancel_the_rest(self) -> None:
+        """Cancel what ``_stop`` left (a server's lifespan, half-open TLS handshakes) while the loop runs,
+        as ``asyncio.run`` does, so nothing is finalized later against a stopped loop."""
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        await self.loop.shutdown_asyncgens()
 
 
 class ServingStack(LoopService):

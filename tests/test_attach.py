@@ -94,7 +94,8 @@ def test_replica_command_is_the_pools_own_replica_on_loopback_with_its_agent(cfg
     assert STRONG not in text and STRONG not in r.stdout
     assert '"http://<this host>:9300"' in text
     cpu = json.loads(_cli("replica", "command", "--json", "--cpu", "--config", str(cfg_file)).stdout)
-    assert "--gpu-memory-utilization" not in cpu["replica"]["argv"] and "VLLM_CPU_KVCACHE_SPACE" in cpu["replica"]["env"]
+    assert "--gpu-memory-utilization" not in cpu["replica"]["argv"]
+    assert "VLLM_CPU_KVCACHE_SPACE" in cpu["replica"]["env"]
 
 
 @pytest.mark.parametrize("tls", [False, True])
@@ -110,9 +111,11 @@ def test_k8s_manifest_two_containers_on_the_pod_loopback_token_from_a_secret(cfg
     assert f"attach_agents = {json.dumps(urls)}" in r.stdout
     assert svc["kind"] == "Service" and svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["ports"] == [{"name": "agent", "port": 9300, "targetPort": "agent"}]
-    assert sts["kind"] == "StatefulSet" and sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == "drafter-replica"
+    assert sts["kind"] == "StatefulSet" and sts["spec"]["replicas"] == 2
+    assert sts["spec"]["serviceName"] == "drafter-replica"
     pod = sts["spec"]["template"]["spec"]
-    assert sts["spec"]["selector"]["matchLabels"] == sts["spec"]["template"]["metadata"]["labels"] == svc["spec"]["selector"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"] == labels == svc["spec"]["selector"]
     (fetch,) = pod["initContainers"]
     vllm, agent = pod["containers"]
     same = json.loads(_cli("replica", "command", "--json", "--k8s", *args[3:]).stdout)
@@ -259,6 +262,48 @@ def test_agent_requires_its_token_everywhere_but_health_and_passes_metrics_throu
             c.close()
         finally:
             agent.stop()
+
+
+def test_agent_loads_a_held_head_by_sha_and_puts_it_back_after_the_replica_restarts(tmp_path):
+    """The replica restarted by its host comes back with its first head: the agent reloads the pool's."""
+    from serving.agent import HeadStore, LoadRequest
+
+    app = FastAPI()
+    app.state.head = {"path": "/heads/initial", "sha256": "A", "version": None}
+    app.state.loads = []
+
+    @app.post("/collective_rpc")
+    async def rpc(req: Request):
+        body = await req.json()
+        if body["method"] == "drafter_load_head":
+            path, version, sha = body["args"]
+            app.state.loads.append(path)
+            app.state.head = {"path": path, "sha256": sha, "version": version}
+        return JSONResponse({"results": [dict(app.state.head)]})
+
+    @app.post("/reset_prefix_cache")
+    async def reset():
+        return {"success": True}
+
+    with LoopbackServer(app, free_port()) as replica:
+        store = HeadStore(replica.url, tmp_path, tmp_path / "heads")
+
+        async def run():
+            assert (await store.info())["uri"] is None  # the first head, as the replica reports it
+            store.held["B"] = {"path": str(tmp_path / "heads" / "s3-b"), "uri": "s3://b/h"}  # fetched earlier
+            got = await store.load(LoadRequest(sha256="B", version="7"))
+            assert got["sha256"] == "B" and got["uri"] == "s3://b/h"
+            assert not await store.reapply()  # in step: nothing to do
+            app.state.head = {"path": "/heads/initial", "sha256": "A", "version": None}  # restarted
+            assert await store.reapply()
+            assert app.state.head == {"path": str(tmp_path / "heads" / "s3-b"), "sha256": "B", "version": "7"}
+            # Rolled back to the first head by its sha256: held since the replica reported it.
+            assert (await store.load(LoadRequest(sha256="A")))["path"] == "/heads/initial"
+            with pytest.raises(Exception, match="give its URI"):
+                await store.load(LoadRequest(sha256="C"))
+
+        asyncio.run(run())
+    assert app.state.loads == [str(tmp_path / "heads" / "s3-b")] * 2 + ["/heads/initial"]
 
 
 # -- a real replica behind its agent, attached by a central pool ----------------------------------

@@ -175,7 +175,7 @@ def test_unauthenticated_swap_is_refused(stack, heads):
     p = subprocess.run([sys.executable, "-m", "app", "swap", str(heads["e1"]), "--json", "--config", str(noauth)],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
                        cwd=REPO)
-    assert p.returncode == 2 and "admin token" in p.stderr
+    assert p.returncode == 2 and "admin token" in json.loads(p.stdout)["error"]  # --json: the error as JSON
     # Replicas listen on loopback only.
     from serving.replica import ReplicaSpec, build_command
 

