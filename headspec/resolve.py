@@ -14,12 +14,26 @@ from typing import Any
 from headspec.files import WEIGHTS
 
 
+# References another host can fetch by itself: the registry's and S3's (not a path, not file://).
+REMOTE_SCHEMES = ("s3://", "models:/", "runs:/")
+
+
+def is_remote_ref(spec: str) -> bool:
+    """Whether ``spec`` names a head by a URI that any host with credentials can fetch."""
+    return spec.startswith(REMOTE_SCHEMES)
+
+
+def is_local_ref(spec: str) -> bool:
+    """Whether ``spec`` is a directory path (not a URI of any kind)."""
+    return "://" not in spec and not spec.startswith(("models:/", "runs:/"))
+
+
 def resolve_head(spec: str, download_dir: str | Path, tracking_uri: str | None = None,
                  s3_client_kwargs: dict[str, Any] | None = None) -> tuple[Path, str | None]:
     """A head reference → (local dir, registered version or None)."""
     if spec.startswith("s3://"):
         return _from_s3(spec, Path(download_dir), s3_client_kwargs or {}), None
-    if "://" not in spec and not spec.startswith(("models:/", "runs:/")):
+    if is_local_ref(spec):
         return Path(spec).expanduser().absolute(), None
     import mlflow
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import ssl
 from typing import Any
 
 import httpx
 from fastapi import Header, HTTPException
+
+from headspec.resolve import is_remote_ref
 
 
 class RpcError(RuntimeError):
@@ -74,18 +77,36 @@ def check_exposure(host: str, token: str, what: str = "the router") -> None:
             "or bind to 127.0.0.1.")
 
 
+def url_is_loopback(url: str) -> bool:
+    """Whether ``url``'s host is a loopback address."""
+    return is_loopback(httpx.URL(url).host)
+
+
+def bearer_status(authorization: str | None, token: str) -> tuple[int, str] | None:
+    """``None`` when ``authorization`` is ``Bearer <token>`` (compared in constant time), else (status, why)."""
+    if not token:
+        return 403, "admin actions are disabled: no admin token is configured"
+    if not authorization or not authorization.lower().startswith("bearer "):
+        return 401, "admin bearer token required"
+    if not hmac.compare_digest(authorization[7:].strip().encode(), token.encode()):
+        return 403, "invalid admin token"
+    return None
+
+
 def make_auth_dependency(token: str):
     """FastAPI dependency that admits only ``Authorization: Bearer <token>``."""
 
     async def require_admin(authorization: str | None = Header(default=None)) -> None:
-        if not token:
-            raise HTTPException(403, "admin actions are disabled: no admin token is configured")
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise HTTPException(401, "admin bearer token required", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(authorization[7:].strip().encode(), token.encode()):
-            raise HTTPException(403, "invalid admin token")
+        refused = bearer_status(authorization, token)
+        if refused:
+            raise HTTPException(*refused, headers={"WWW-Authenticate": "Bearer"} if refused[0] == 401 else None)
 
     return require_admin
+
+
+def tls_verify(ca_file: str = "") -> ssl.SSLContext | bool:
+    """What httpx verifies https peers with: ``ca_file``'s CAs, or the system's trust store."""
+    return ssl.create_default_context(cafile=ca_file) if ca_file else True
 
 
 class ReplicaAdmin:
@@ -146,3 +167,46 @@ class ReplicaAdmin:
 
     async def param_digest(self) -> dict[str, str]:
         return (await self.rpc("drafter_param_digest"))[0]
+
+
+class AgentAdmin:
+    """The pool's client for an agent (``serving.agent``): bearer token, heads by URI, never by path.
+
+    Same methods as :class:`ReplicaAdmin`, so the pool and the swap protocol treat both alike;
+    ``load_head`` takes a URI the agent fetches itself (or ``None`` with the sha256 of a head the
+    agent already holds, which is how a swap rolls an agent back).
+    """
+
+    def __init__(self, url: str, token: str, verify: ssl.SSLContext | bool = True, timeout: float = 900.0) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.verify = verify
+        self.timeout = timeout
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            async with httpx.AsyncClient(verify=self.verify) as client:
+                r = await client.request(method, self.url + path, json=body, headers=self.headers,
+                                         timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise RpcError(f"agent {self.url}: {path} failed: {exc}") from exc
+        if r.status_code != 200:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise RpcError(f"agent {self.url}: {path} -> HTTP {r.status_code}: {str(detail)[:500]}")
+        return r.json()
+
+    async def head_info(self) -> dict[str, Any]:
+        return await self._call("GET", "/agent/head")
+
+    async def load_head(self, uri: str | None, version: str | None, sha256: str | None) -> dict[str, Any]:
+        """Have the agent fetch ``uri``, validate it and swap it in place (prefix cache reset)."""
+        if uri is not None and not is_remote_ref(uri):
+            raise RpcError(f"agent {self.url}: heads are sent to agents as URIs they fetch "
+                           f"(models:/name/N, s3://bucket/prefix), not as the path {uri!r}")
+        return await self._call("POST", "/agent/load", {"uri": uri, "version": version, "sha256": sha256})
+
+    async def param_digest(self) -> dict[str, str]:
+        return await self._call("GET", "/agent/param_digest")

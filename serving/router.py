@@ -187,8 +187,12 @@ def _capture_line(payload: dict, response_body: bytes, response_ctype: str) -> s
 def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: str = "",
                swap_handler: Callable[[dict], Awaitable[dict]] | None = None,
                request_timeout: float = 600.0, status_window_s: float = 300.0,
-               no_replica_wait: float = 30.0, max_body_bytes: int = 8 << 20) -> FastAPI:
+               no_replica_wait: float = 30.0, max_body_bytes: int = 8 << 20,
+               upstream_metrics: bool = False) -> FastAPI:
     """Build the router app. ``swap_handler(body)`` runs the swap protocol (``serving.swap``).
+
+    ``upstream_metrics``: ``/metrics`` starts with the replicas' own expositions (an agent's one
+    replica: the pool that attaches the agent reads its spec-decode counters there).
 
     Serve it with :func:`server_config` for the header and body deadlines.
     """
@@ -207,7 +211,8 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0), limits=limits)
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0), limits=limits,
+                                            verify=pool.verify)
         if writer is not None:
             writer.start()
         try:
@@ -263,7 +268,7 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
             outstanding.labels(r.url).set(r.outstanding)
             try:
                 upstream = await client.send(client.build_request("POST", r.url + path, content=raw,
-                                                                  headers=headers), stream=True)
+                                                                  headers={**headers, **r.headers}), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 r.outstanding -= 1
                 r.healthy = False
@@ -333,7 +338,7 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         while (r := pool.pick(tried)) is not None:
             tried.add(r.url)
             try:
-                up = await client.get(r.url + "/v1/models", timeout=10.0)
+                up = await client.get(r.url + "/v1/models", timeout=10.0, headers=r.headers)
                 return Response(up.content, status_code=up.status_code, media_type="application/json")
             except httpx.HTTPError:
                 continue
@@ -346,7 +351,19 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(reg), media_type="text/plain; version=0.0.4")
+        own = generate_latest(reg)
+        if not upstream_metrics:
+            return Response(own, media_type="text/plain; version=0.0.4")
+        client: httpx.AsyncClient = state["client"]
+        parts = []
+        for r in pool.replicas:
+            try:
+                up = await client.get(r.url + "/metrics", timeout=30.0, headers=r.headers)
+                up.raise_for_status()
+            except httpx.HTTPError as exc:  # no counters rather than counters that read as zero
+                return JSONResponse({"error": {"message": f"replica metrics unavailable: {exc}"}}, 502)
+            parts.append(up.content.rstrip(b"\n") + b"\n")
+        return Response(b"".join(parts) + own, media_type="text/plain; version=0.0.4")
 
     # -- admin (token required) ---------------------------------------------------
 
@@ -381,3 +398,36 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         return JSONResponse(report, 200 if report.get("ok") else 409)
 
     return app
+
+
+async def start_server(config: uvicorn.Config, timeout: float = 30.0) -> tuple[uvicorn.Server, asyncio.Task]:
+    """Serve ``config`` on the running loop (no signal handlers); return once it accepts connections."""
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError(f"server on {config.host}:{config.port} exited before it started")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server on {config.host}:{config.port} did not start")
+        await asyncio.sleep(0.05)
+    return server, task
+
+
+async def stop_server(server: uvicorn.Server | None, task: asyncio.Task | None, timeout: float = 15.0) -> None:
+    """Ask ``server`` to exit and wait (at most ``timeout`` s) for it."""
+    if server is None or task is None:
+        return
+    server.should_exit = True
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:  # a client holds a connection open: close it rather than leave the lifespan pending
+        server.force_exit = True
+        done, _ = await asyncio.wait({task}, timeout=5.0)
+    if not done:
+        task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - cancelled, or what made it exit
+        pass

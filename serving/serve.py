@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from serving.admin import check_exposure
+from serving.admin import ExposureError, check_exposure, tls_verify, token_weakness, url_is_loopback
 from serving.capture_writer import CaptureWriter
 from serving.pool import Pool, head_identity, replica_specs
 from serving.replica import ReplicaProcess
-from serving.router import create_app, server_config
+from serving.router import create_app, server_config, start_server, stop_server
 from serving.swap import SwapController
 from settings.config import Config, TargetConfig
 
@@ -30,21 +29,97 @@ def served_name(target: TargetConfig) -> str:
     return m if m in ("smollm2", "tiny") else Path(m).name
 
 
-class ServingStack:
+def check_attachments(attach_urls: list[str], attach_agents: list[str], agent_token: str) -> None:
+    """Refuse a bare replica off loopback, and agents without a real token.
+
+    A bare replica is driven over vLLM's dev-mode ``/collective_rpc``, which nothing guards: it
+    must be on this host. A replica elsewhere is attached through its agent, which the pool
+    reaches with ``agent_token``.
+    """
+    remote = [u for u in attach_urls if not url_is_loopback(u)]
+    if remote:
+        raise ExposureError(
+            f"attach_urls {remote} are not on loopback: a bare replica is driven over vLLM's unauthenticated "
+            "dev-mode RPC, which must never leave its host. Run `adapt agent` beside each such replica and list "
+            "the agents in [serving].attach_agents (`adapt replica command` prints both command lines).")
+    if attach_agents:
+        weakness = token_weakness(agent_token)
+        if weakness and not all(url_is_loopback(u) for u in attach_agents):
+            raise ExposureError(f"the agent token {weakness}: set ADAPT_AGENT_TOKEN (or [serving].agent_token) to "
+                                "the random token the agents were started with")
+        if not agent_token:
+            raise ExposureError("attach_agents needs the agents' token: set ADAPT_AGENT_TOKEN or "
+                                "[serving].agent_token")
+
+
+class LoopService:
+    """A server run on a private event-loop thread: ``start`` runs ``_start`` there, ``stop`` ``_stop``."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+
+    def run_coro(self, coro, timeout: float | None = None):
+        """Run a coroutine on the service's loop from another thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self, ready_timeout: float = 900.0):
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{type(self).__name__}-loop",
+                                        daemon=True)
+        self._thread.start()
+        self.run_coro(self._start(ready_timeout))
+        return self
+
+    async def _start(self, ready_timeout: float) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        try:
+            self.run_coro(self._stop(), timeout=120)
+        finally:
+            try:
+                self.run_coro(self._cancel_the_rest(), timeout=30)
+            except Exception:  # noqa: BLE001 - the loop stops regardless
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
+            self._thread = None
+
+    async def _cancel_the_rest(self) -> None:
+        """Cancel what ``_stop`` left (a server's lifespan, half-open TLS handshakes) while the loop runs,
+        as ``asyncio.run`` does, so nothing is finalized later against a stopped loop."""
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        await self.loop.shutdown_asyncgens()
+
+
+class ServingStack(LoopService):
     """Pool + router running on a private event loop thread."""
 
     def __init__(self, cfg: Config, *, head_dir: str | Path, target_dir: str | Path, replicas: int | None = None,
                  attach_urls: list[str] | None = None, router_port: int | None = None,
                  base_port: int | None = None, capture_dest: str | None = None,
                  log_dir: str | Path | None = None, writer_kwargs: dict[str, Any] | None = None,
-                 replica_extra_args: list[str] | None = None) -> None:
+                 replica_extra_args: list[str] | None = None, attach_agents: list[str] | None = None) -> None:
         # Before anything starts: off loopback, the admin plane needs a real token.
         check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
+        super().__init__()
         self.cfg = cfg
         self.head_dir = Path(head_dir).absolute()
         self.target_dir = Path(target_dir).absolute()
         self.n = cfg.serving.replicas if replicas is None else replicas
         self.attach_urls = list(cfg.serving.attach_urls if attach_urls is None else attach_urls)
+        self.attach_agents = list(cfg.serving.attach_agents if attach_agents is None else attach_agents)
+        check_attachments(self.attach_urls, self.attach_agents, cfg.serving.resolved_agent_token())
         self.router_port = cfg.serving.router_port if router_port is None else router_port
         self.base_port = base_port
         self.capture_dest = capture_dest if capture_dest is not None else cfg.capture.source
@@ -52,26 +127,15 @@ class ServingStack:
         self.writer_kwargs = writer_kwargs or {}
         self.replica_extra_args = list(replica_extra_args or [])
         self.model_name = served_name(cfg.target)
-        self.loop = asyncio.new_event_loop()
-        self.pool = Pool()
+        self.pool = Pool(verify=tls_verify(cfg.serving.agent_ca_file))
         self.writer: CaptureWriter | None = None
         self.controller: SwapController | None = None
         self.server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._serve_task: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.cfg.serving.host}:{self.router_port}"
-
-    def run_coro(self, coro, timeout: float | None = None):
-        """Run a coroutine on the stack's loop from another thread."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def start(self, ready_timeout: float = 900.0) -> "ServingStack":
-        self._thread = threading.Thread(target=self.loop.run_forever, name="serving-loop", daemon=True)
-        self._thread.start()
-        self.run_coro(self._start(ready_timeout))
-        return self
 
     async def _start(self, ready_timeout: float) -> None:
         from headspec.validate import validate_head
@@ -88,6 +152,8 @@ class ServingStack:
             self.pool.add_started(p)
         for u in self.attach_urls:
             self.pool.attach(u)
+        for u in self.attach_agents:
+            self.pool.attach(u, agent_token=cfg.serving.resolved_agent_token())
         try:
             await asyncio.gather(*(asyncio.to_thread(p.wait_healthy, ready_timeout) for p in procs))
         except Exception:
@@ -105,7 +171,7 @@ class ServingStack:
         self.controller = SwapController(
             self.pool, target_dir=self.target_dir, num_speculative_tokens=cfg.head.num_speculative_tokens,
             served_model_name=self.model_name, download_dir=Path(cfg.head.heads_dir) / "downloaded",
-            tracking_uri=cfg.mlflow.tracking_uri)
+            tracking_uri=cfg.mlflow.tracking_uri, s3_client_kwargs=cfg.s3.client_kwargs())
 
         async def swap_handler(body: dict) -> dict:
             rep = await self.controller.swap(str(body["head"]), version=body.get("version"),
@@ -118,34 +184,10 @@ class ServingStack:
         config = server_config(app, cfg.serving.host, self.router_port, header_timeout=cfg.serving.header_timeout_s,
                                body_timeout=cfg.serving.body_timeout_s, log_level="warning", lifespan="on",
                                timeout_keep_alive=30)
-        self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._serve_task = asyncio.create_task(self.server.serve())
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if self._serve_task.done():
-                self._serve_task.result()
-            if time.monotonic() > deadline:
-                raise TimeoutError("router did not start")
-            await asyncio.sleep(0.05)
+        self.server, self._serve_task = await start_server(config)
 
     async def _stop(self) -> None:
-        if self.server is not None:
-            self.server.should_exit = True
-            try:
-                await asyncio.wait_for(self._serve_task, 15)
-            except Exception:  # noqa: BLE001
-                pass
+        await stop_server(self.server, self._serve_task)
         if self.writer is not None:
             await self.writer.close()
         await self.pool.close()
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        try:
-            self.run_coro(self._stop(), timeout=120)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            self._thread = None

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from headspec.config import shape_signature
-from headspec.resolve import resolve_head
+from headspec.resolve import is_remote_ref, resolve_head
 from serving.metrics import MEASURE_TIMEOUT, afetch_snapshot
 from serving.pool import Pool, Replica
 
@@ -75,7 +75,7 @@ class SwapController:
     def __init__(self, pool: Pool, *, target_dir: str | Path, num_speculative_tokens: int,
                  served_model_name: str, smoke_prompts: list[str] | None = None, smoke_max_tokens: int = 24,
                  collapse_fraction: float = 0.5, download_dir: str | Path | None = None,
-                 tracking_uri: str | None = None) -> None:
+                 tracking_uri: str | None = None, s3_client_kwargs: dict[str, Any] | None = None) -> None:
         self.pool = pool
         self.target_dir = Path(target_dir)
         self.k = num_speculative_tokens
@@ -85,23 +85,25 @@ class SwapController:
         self.collapse_fraction = collapse_fraction
         self.download_dir = Path(download_dir or "/tmp")
         self.tracking_uri = tracking_uri
+        self.s3_client_kwargs = s3_client_kwargs
         self.lock = asyncio.Lock()
         self.history: list[dict[str, Any]] = []
 
     # -- smoke ---------------------------------------------------------------
 
-    async def smoke(self, url: str) -> dict[str, Any]:
+    async def smoke(self, url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
         """Greedy outputs of the smoke prompts on one replica plus acceptance over them."""
-        async with httpx.AsyncClient(timeout=120.0) as c:
-            before = await afetch_snapshot(c, url, MEASURE_TIMEOUT)
+        verify = self.pool.verify if self.pool is not None else True
+        async with httpx.AsyncClient(timeout=120.0, verify=verify) as c:
+            before = await afetch_snapshot(c, url, MEASURE_TIMEOUT, headers)
             texts = []
             for p in self.smoke_prompts:
-                r = await c.post(url + "/v1/completions", json={
+                r = await c.post(url + "/v1/completions", headers=headers, json={
                     "model": self.model, "prompt": p, "max_tokens": self.smoke_max_tokens,
                     "temperature": 0.0, "ignore_eos": True})
                 r.raise_for_status()
                 texts.append(r.json()["choices"][0]["text"])
-            after = await afetch_snapshot(c, url, MEASURE_TIMEOUT)
+            after = await afetch_snapshot(c, url, MEASURE_TIMEOUT, headers)
         d = after.minus(before)
         return {"texts": texts, "mean_acceptance_length": d.mean_acceptance_length if d.drafts else None,
                 "drafts": d.drafts}
@@ -135,7 +137,7 @@ class SwapController:
         previous = dict(self.pool.current_head)
         try:
             head_dir, mlflow_version = await asyncio.to_thread(resolve_head, head, self.download_dir,
-                                                                self.tracking_uri)
+                                                                self.tracking_uri, self.s3_client_kwargs)
             info = await asyncio.to_thread(validate_head, head_dir, self.target_dir)
         except (HeadError, OSError, ValueError) as exc:
             return SwapReport(False, "refused", {"path": str(head)}, previous, error=f"invalid head: {exc}")
@@ -146,6 +148,13 @@ class SwapController:
         replicas = [r for r in self.pool.replicas if r.healthy]
         if not replicas:
             return SwapReport(False, "refused", new, previous, error="no healthy replica to swap")
+        agents = [r.url for r in replicas if r.agent]
+        if agents and not is_remote_ref(head):
+            return SwapReport(False, "refused", new, previous, error=(
+                f"{agents} are agents, which fetch a head themselves by URI: give the head as the registry's "
+                f"models:/<name>/<version> (or runs:/...) or as s3://bucket/prefix of a copy, not {head!r}"))
+        if agents:
+            new["uri"] = head
         compatible, diffs = (in_place_compatible(previous["path"], info.path, self.k)
                              if previous.get("path") else (True, {}))
         if info.num_speculative_tokens != self.k:
@@ -155,7 +164,9 @@ class SwapController:
             unmanaged = [r.url for r in replicas if r.proc is None]
             if unmanaged:
                 return SwapReport(False, "refused", new, previous,
-                                  error=f"head needs a restart ({diffs}) but {unmanaged} are attached replicas")
+                                  error=f"head needs a restart ({diffs}) but {unmanaged} are attached replicas "
+                                        "(or agents), which this pool cannot restart: restart them with the new "
+                                        "head (`adapt replica command --head URI` prints how)")
             if info.num_speculative_tokens != self.k:
                 return SwapReport(False, "refused", new, previous,
                                   error=f"head K={info.num_speculative_tokens} != serving K={self.k}; "
@@ -165,7 +176,7 @@ class SwapController:
             report.head["shape_changes"] = {k: list(v) for k, v in diffs.items()}
 
         try:
-            ref = await self.smoke(replicas[0].url)
+            ref = await self.smoke(replicas[0].url, replicas[0].headers)
         except Exception as exc:  # noqa: BLE001
             report.error = f"reference smoke on {replicas[0].url} failed: {type(exc).__name__}: {exc}"
             return report
@@ -179,7 +190,8 @@ class SwapController:
             try:
                 if mode == "inplace":
                     done.append((r, prev_head))
-                    got = await r.admin.load_head(str(info.path), version, info.sha256)
+                    # An agent gets the URI and fetches the head on its host; a local replica the path.
+                    got = await r.admin.load_head(head if r.agent else str(info.path), version, info.sha256)
                     step["worker_ms"] = got.get("last_swap_ms")
                     r.head = got
                 else:
@@ -190,7 +202,7 @@ class SwapController:
                     res = fault(i, r)
                     if asyncio.iscoroutine(res):
                         await res
-                sm = await self.smoke(r.url)
+                sm = await self.smoke(r.url, r.headers)
                 step["smoke_acceptance_length"] = sm["mean_acceptance_length"]
                 problem = self._check_smoke(ref, sm)
                 if problem:
@@ -219,7 +231,9 @@ class SwapController:
             try:
                 if mode == "inplace":
                     try:
-                        r.head = await r.admin.load_head(prev["path"], prev.get("version"), prev.get("sha256"))
+                        # An agent still holds its previous head: named by sha256 (and URI if it had one).
+                        ref = prev.get("uri") if r.agent else prev["path"]
+                        r.head = await r.admin.load_head(ref, prev.get("version"), prev.get("sha256"))
                     except Exception:  # noqa: BLE001 - in-place failed: restart it with the old head
                         if r.proc is None:
                             raise

@@ -107,6 +107,7 @@ class ServingConfig(_Section):
     # vLLM-cpu only: cores kept for the engine's scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU);
     # unset = 0 on machines of ≤4 cores, vLLM's default (1) on larger ones.
     cpu_reserved_cores: int | None = Field(None, ge=0)
+    # Replicas this pool did not start, reached directly: loopback only (dev-mode RPC); see attach_agents.
     attach_urls: list[str] = []
     # Engine arguments passed through to every `vllm serve` this product starts (tensor parallelism,
     # quantization, dtype, ...), e.g. ["--tensor-parallel-size", "2", "--dtype", "bfloat16"].
@@ -124,9 +125,31 @@ class ServingConfig(_Section):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
 
+    # -- attached replicas behind an agent (docs/architecture.md, "Attached replicas") -----------
+    # Agents (`adapt agent`, one per replica host or pod) the pool attaches: it routes to them, reads
+    # their /metrics and swaps their head in place by URI (the agent fetches it); not restartable.
+    # attach_urls above are bare replicas, loopback only (their dev-mode RPC must stay on this host).
+    attach_agents: list[str] = []
+    # Bearer token between the pool and its agents (else ADAPT_AGENT_TOKEN): the agent requires it on
+    # every route but /health. A secret: never printed, never put inline in a generated manifest.
+    agent_token: str = ""
+    # CA bundle the pool verifies https agents with (empty: the system's trust store).
+    agent_ca_file: str = ""
+    # `adapt agent`: where it listens (off loopback only with a real agent_token), the replica it
+    # fronts (loopback), and its TLS certificate and key (empty: plain HTTP).
+    agent_host: str = "127.0.0.1"
+    agent_port: int = 9100
+    agent_replica_url: str = "http://127.0.0.1:8100"
+    agent_tls_cert: str = ""
+    agent_tls_key: str = ""
+
     def resolved_admin_token(self) -> str:
         """Admin bearer token: config value, else ``ADAPT_ADMIN_TOKEN``."""
         return self.admin_token or os.environ.get("ADAPT_ADMIN_TOKEN", "")
+
+    def resolved_agent_token(self) -> str:
+        """The pool-agent bearer token: config value, else ``ADAPT_AGENT_TOKEN``."""
+        return self.agent_token or os.environ.get("ADAPT_AGENT_TOKEN", "")
 
 
 class BenchConfig(_Section):
@@ -228,7 +251,7 @@ class Config(_Section):
 
 
 # (section, field) of every value that must never be printed or logged in clear.
-SECRET_FIELDS = (("serving", "admin_token"),)
+SECRET_FIELDS = (("serving", "admin_token"), ("serving", "agent_token"))
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

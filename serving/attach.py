@@ -1,0 +1,230 @@
+"""What to run for a replica the pool does not start: its command lines, or a Kubernetes manifest.
+
+``adapt replica command`` prints these from the pool's own config, so an attached replica serves
+exactly what a started one would (target, K, dynamic K, ``serving.vllm_args``, served name):
+
+1. ``adapt replica fetch-head URI DIR``: fetch the first head and validate it (an init container).
+2. The replica: ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the P-EAGLE
+   speculative config, ``--worker-extension-cls serving.hotswap.HeadSwapExtension``,
+   ``VLLM_SERVER_DEV_MODE=1`` and this repository on ``PYTHONPATH``.
+3. ``adapt agent``: beside it on the same host or pod (``serving.agent``), the only door to it.
+
+Secrets (the agent token, S3 keys) are never part of the output: the shell recipe names the
+variables to export from a secret store, and the manifest reads them from a Kubernetes Secret.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from serving.pool import replica_specs
+from serving.replica import build_command
+from settings.config import Config
+
+# Variables the agent (and the head fetch) read from the environment; their values are secrets.
+SECRET_ENV = {"ADAPT_AGENT_TOKEN": "agent-token", "AWS_ACCESS_KEY_ID": "aws-access-key-id",
+              "AWS_SECRET_ACCESS_KEY": "aws-secret-access-key"}
+
+
+@dataclass
+class Recipe:
+    """The three programs of an attached replica (argv and plain environment of each)."""
+
+    fetch: list[str]
+    replica: list[str]
+    agent: list[str]
+    replica_env: dict[str, str]
+    env: dict[str, str]  # of the fetch and the agent
+    agent_port: int
+    replica_port: int
+    tls: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fetch": {"argv": self.fetch, "env": self.env},
+                "replica": {"argv": self.replica, "env": self.replica_env},
+                "agent": {"argv": self.agent, "env": self.env, "secret_env": sorted(SECRET_ENV)},
+                "agent_port": self.agent_port, "notes": self.notes}
+
+
+def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_dir: str, served_name: str,
+           replica_port: int | None = None, agent_port: int | None = None, agent_host: str = "0.0.0.0",
+           cpu: bool = False, python: str = "python3", tls_cert: str = "", tls_key: str = "") -> Recipe:
+    """The command lines of one attached replica and its agent, from the pool's config."""
+    s = cfg.serving
+    replica_port = s.base_port if replica_port is None else replica_port
+    agent_port = s.agent_port if agent_port is None else agent_port
+    heads = PurePosixPath(heads_dir)
+    first = str(heads / "initial")
+    spec = replica_specs(s, cfg.head.num_speculative_tokens, target_dir, first, 1, served_name,
+                         base_port=replica_port)[0]
+    replica = build_command(spec, python=python, cpu=cpu)
+    replica_env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": repo_dir}
+    if cpu:
+        replica_env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+    sources = ["--tracking-uri", cfg.mlflow.tracking_uri]
+    if cfg.s3.endpoint_url:
+        sources += ["--s3-endpoint", cfg.s3.endpoint_url]
+    fetch = [python, "-m", "app", "replica", "fetch-head", head_uri, first, "--target", target_dir, *sources]
+    agent = [python, "-m", "app", "agent", "--replica", spec.url, "--host", agent_host, "--port", str(agent_port),
+             "--target", target_dir, "--heads-dir", str(heads / "fetched"), *sources]
+    if tls_cert:
+        agent += ["--tls-cert", tls_cert, "--tls-key", tls_key]
+    notes = []
+    if not re.match(r"^(https?|databricks)", cfg.mlflow.tracking_uri) or "127.0.0.1" in cfg.mlflow.tracking_uri \
+            or "localhost" in cfg.mlflow.tracking_uri:
+        notes.append(f"the MLflow tracking URI {cfg.mlflow.tracking_uri} is local to the pool's host: set "
+                     "[mlflow].tracking_uri to a server the replica's host reaches (models:/ heads come from it)")
+    if "127.0.0.1" in cfg.s3.endpoint_url or "localhost" in cfg.s3.endpoint_url:
+        notes.append(f"the S3 endpoint {cfg.s3.endpoint_url} is local to the pool's host: set [s3].endpoint_url "
+                     "to one the replica's host reaches")
+    return Recipe(fetch, replica, agent, replica_env, {"PYTHONPATH": repo_dir}, agent_port, replica_port,
+                  bool(tls_cert), notes)
+
+
+def shell_text(r: Recipe) -> str:
+    """The recipe as shell lines (``env K=V argv...``), with what to set from a secret store."""
+    def line(env: dict[str, str], argv: list[str]) -> str:
+        return shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
+
+    scheme = "https" if r.tls else "http"
+    out = [
+        "# An attached replica and its agent (docs/architecture.md, \"Attached replicas\").",
+        "# Export from your secret store first (never written here): ADAPT_AGENT_TOKEN, the pool's",
+        "# [serving].agent_token; AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when heads come from S3.",
+        "# 1. Fetch and validate the first head:",
+        line(r.env, r.fetch),
+        "# 2. The replica, on loopback only (its dev-mode RPC must never leave this host):",
+        line(r.replica_env, r.replica),
+        "# 3. The agent beside it, the replica's only door (admin by bearer token; heads fetched by URI):",
+        line(r.env, r.agent),
+        f"# 4. In the pool's config: [serving] attach_agents = [\"{scheme}://<this host>:{r.agent_port}\"]",
+        *(f"# NOTE: {n}" for n in r.notes),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def _probe(port: int, path: str = "/health") -> list[str]:
+    """An exec probe of a loopback-only server (an httpGet probe would dial the pod IP, where nothing listens)."""
+    return ["python3", "-c", f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', "
+                             "timeout=5)"]
+
+
+def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str, model_pvc: str,
+                 namespace: str = "default", target_dir: str, heads_dir: str, gpus: int = 1,
+                 tls_secret: str = "") -> list[dict[str, Any]]:
+    """A headless Service and a StatefulSet: one pod per replica, the replica and its agent as two
+    containers sharing the pod's loopback; every pod's agent has a stable DNS name to attach."""
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "drafter-adapt"}
+    secret_env = [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key,
+                                                               "optional": var != "ADAPT_AGENT_TOKEN"}}}
+                  for var, key in SECRET_ENV.items()]
+    plain = [{"name": k, "value": v} for k, v in r.env.items()]
+    model = {"name": "model", "mountPath": target_dir, "readOnly": True}
+    heads_rw = {"name": "heads", "mountPath": heads_dir}
+    scheme = "HTTPS" if r.tls else "HTTP"
+    fetch = {"name": "fetch-head", "image": image, "command": r.fetch,
+             "env": plain + [e for e in secret_env if e["name"] != "ADAPT_AGENT_TOKEN"],
+             "volumeMounts": [model, heads_rw]}
+    replica = {
+        "name": "vllm", "image": image, "command": r.replica,
+        "env": [{"name": k, "value": v} for k, v in r.replica_env.items()],
+        "volumeMounts": [model, {"name": "heads", "mountPath": heads_dir, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        # Loopback only: probes run inside the container.
+        "startupProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10},
+        "livenessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 30, "failureThreshold": 4},
+    }
+    if gpus:
+        replica["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    agent_mounts = [model, heads_rw]
+    if tls_secret:
+        agent_mounts.append({"name": "agent-tls", "mountPath": "/tls", "readOnly": True})
+    agent = {
+        "name": "agent", "image": image, "command": r.agent, "env": plain + secret_env,
+        "ports": [{"name": "agent", "containerPort": r.agent_port}],
+        "volumeMounts": agent_mounts,
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "agent", "scheme": scheme}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "agent"}, "periodSeconds": 20},
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "model", "persistentVolumeClaim": {"claimName": model_pvc, "readOnly": True}},
+        {"name": "heads", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    if tls_secret:
+        volumes.append({"name": "agent-tls", "secret": {"secretName": tls_secret}})
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": namespace,
+                                                                     "labels": labels},
+               "spec": {"clusterIP": "None", "selector": labels,
+                        "ports": [{"name": "agent", "port": r.agent_port, "targetPort": "agent"}]}}
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet",
+           "metadata": {"name": name, "namespace": namespace, "labels": labels},
+           "spec": {"serviceName": name, "replicas": replicas, "podManagementPolicy": "Parallel",
+                    "selector": {"matchLabels": labels},
+                    "template": {"metadata": {"labels": labels},
+                                 "spec": {"automountServiceAccountToken": False, "initContainers": [fetch],
+                                          "containers": [replica, agent], "volumes": volumes}}}}
+    return [service, sts]
+
+
+def agent_urls(r: Recipe, *, name: str, replicas: int, namespace: str = "default") -> list[str]:
+    """The agents' URLs for ``[serving].attach_agents``: one stable DNS name per pod."""
+    scheme = "https" if r.tls else "http"
+    return [f"{scheme}://{name}-{i}.{name}.{namespace}.svc:{r.agent_port}" for i in range(replicas)]
+
+
+def to_yaml(docs: list[Any], header: tuple[str, ...] | list[str] = ()) -> str:
+    """YAML documents (block style; strings as JSON, which YAML reads as double-quoted scalars)."""
+    def scalar(v: Any) -> str:
+        if v is None:
+            return "null"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return json.dumps(str(v))
+
+    def inline(v: Any) -> str:
+        return "{}" if v == {} else "[]" if v == [] else scalar(v)
+
+    def key(k: str) -> str:
+        return k if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_./-]*", k) and k not in ("null", "true", "false") \
+            else json.dumps(k)
+
+    def emit(v: Any, indent: int) -> list[str]:
+        pad = "  " * indent
+        if isinstance(v, dict):
+            out = []
+            for k, x in v.items():
+                if isinstance(x, (dict, list)) and x:
+                    out.append(f"{pad}{key(k)}:")
+                    out += emit(x, indent + 1)
+                else:
+                    out.append(f"{pad}{key(k)}: {inline(x)}")
+            return out
+        if isinstance(v, list):
+            out = []
+            for x in v:
+                if not (isinstance(x, (dict, list)) and x):
+                    out.append(f"{pad}- {inline(x)}")
+                    continue
+                sub = emit(x, indent + 1)
+                out.append(pad + "- " + sub[0].lstrip())
+                out += sub[1:]
+            return out
+        return [pad + scalar(v)]
+
+    lines = [f"# {h}" for h in header]
+    for i, d in enumerate(docs):
+        if i or header:
+            lines.append("---")
+        lines += emit(d, 0)
+    return "\n".join(lines) + "\n"
