@@ -692,41 +692,57 @@ PyDoc_STRVAR(digests_add_new_doc,
              "byte per string back, 1 where it was new. The caller keeps the table at most half full.\n"
              "Any null or other text raises ValueError before anything is added.");
 
-static PyObject *digests_add_new(PyObject *self, PyObject *args) {
-    PyObject *o_table, *rest;
-    Py_ssize_t slots;
+/* The arguments of digests_add_new and digests_contains: (table, slots, then a utf8 array as
+ * utf8_arg takes it), checked. On success the caller releases `a` and `table`; on failure
+ * nothing is held. */
+static int digest_args(PyObject *args, const char *name, Utf8Arg *a, Py_buffer *table, Py_ssize_t *slots) {
+    memset(a, 0, sizeof *a);
     if (PyTuple_GET_SIZE(args) != 7) {
-        PyErr_SetString(PyExc_TypeError, "digests_add_new takes 7 arguments");
-        return NULL;
+        PyErr_Format(PyExc_TypeError, "%s takes 7 arguments", name);
+        return -1;
     }
-    o_table = PyTuple_GET_ITEM(args, 0);
-    slots = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
-    if (slots == -1 && PyErr_Occurred())
-        return NULL;
-    if ((rest = PyTuple_GetSlice(args, 2, 7)) == NULL)
-        return NULL;
+    *slots = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
+    if (*slots == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *rest = PyTuple_GetSlice(args, 2, 7);
+    if (rest == NULL)
+        return -1;
+    int rc = utf8_arg(rest, a);
+    Py_DECREF(rest);
+    if (rc == 0 && table_arg(PyTuple_GET_ITEM(args, 0), *slots, table) == 0)
+        return 0;
+    utf8_arg_release(a);
+    return -1;
+}
+
+/* String i of the array as a digest; 0 with ValueError set if it is null or not 32 lowercase hex characters. */
+static int digest_at(const Utf8Arg *a, Py_ssize_t i, uint8_t out[16]) {
+    Py_ssize_t j = a->u.offset + i;
+    const int32_t *o = a->u.offsets + j;
+    if ((a->valid != NULL && !((a->valid[j >> 3] >> (j & 7)) & 1)) ||
+        !digest_from_hex(a->u.data + o[0], (size_t)(o[1] - o[0]), out)) {
+        PyErr_Format(PyExc_ValueError, "content hash %zd is not 32 lowercase hex characters", i);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *digests_add_new(PyObject *self, PyObject *args) {
     Utf8Arg a;
     Py_buffer table;
+    Py_ssize_t slots;
+    if (digest_args(args, "digests_add_new", &a, &table, &slots) < 0)
+        return NULL;
     PyObject *out = NULL;
-    uint8_t *digests = NULL;
-    int have_table = 0;
-    if (utf8_arg(rest, &a) < 0 || table_arg(o_table, slots, &table) < 0)
-        goto done;
-    have_table = 1;
     Py_ssize_t n = a.u.length;
-    if ((digests = PyMem_Malloc(16 * (size_t)(n ? n : 1))) == NULL) {
+    uint8_t *digests = PyMem_Malloc(16 * (size_t)(n ? n : 1));
+    if (digests == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t j = a.u.offset + i;
-        const int32_t *o = a.u.offsets + j;
-        if ((a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1)) ||
-            !digest_from_hex(a.u.data + o[0], (size_t)(o[1] - o[0]), digests + 16 * i)) {
-            PyErr_Format(PyExc_ValueError, "content hash %zd is not 32 lowercase hex characters", i);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!digest_at(&a, i, digests + 16 * i))
             goto done;
-        }
-    }
     if ((out = PyBytes_FromStringAndSize(NULL, n)) == NULL)
         goto done;
     uint8_t *mask = (uint8_t *)PyBytes_AS_STRING(out);
@@ -741,10 +757,8 @@ static PyObject *digests_add_new(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_Free(digests);
-    if (have_table)
-        PyBuffer_Release(&table);
+    PyBuffer_Release(&table);
     utf8_arg_release(&a);
-    Py_DECREF(rest);
     return out;
 }
 
@@ -754,44 +768,26 @@ PyDoc_STRVAR(digests_contains_doc,
              "the table; nothing is added. Any null or other text raises ValueError.");
 
 static PyObject *digests_contains_py(PyObject *self, PyObject *args) {
-    if (PyTuple_GET_SIZE(args) != 7) {
-        PyErr_SetString(PyExc_TypeError, "digests_contains takes 7 arguments");
-        return NULL;
-    }
-    PyObject *o_table = PyTuple_GET_ITEM(args, 0), *rest;
-    Py_ssize_t slots = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
-    if (slots == -1 && PyErr_Occurred())
-        return NULL;
-    if ((rest = PyTuple_GetSlice(args, 2, 7)) == NULL)
-        return NULL;
     Utf8Arg a;
     Py_buffer table;
-    PyObject *out = NULL;
-    int have_table = 0;
-    if (utf8_arg(rest, &a) < 0 || table_arg(o_table, slots, &table) < 0)
-        goto done;
-    have_table = 1;
+    Py_ssize_t slots;
+    if (digest_args(args, "digests_contains", &a, &table, &slots) < 0)
+        return NULL;
     Py_ssize_t n = a.u.length;
-    if ((out = PyBytes_FromStringAndSize(NULL, n)) == NULL)
-        goto done;
-    uint8_t *mask = (uint8_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t j = a.u.offset + i;
-        const int32_t *o = a.u.offsets + j;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out != NULL) {
+        uint8_t *mask = (uint8_t *)PyBytes_AS_STRING(out);
         uint8_t digest[16];
-        if ((a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1)) ||
-            !digest_from_hex(a.u.data + o[0], (size_t)(o[1] - o[0]), digest)) {
-            Py_CLEAR(out);
-            PyErr_Format(PyExc_ValueError, "content hash %zd is not 32 lowercase hex characters", i);
-            goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!digest_at(&a, i, digest)) {
+                Py_CLEAR(out);
+                break;
+            }
+            mask[i] = (uint8_t)digests_contains(table.buf, (size_t)slots, digest);
         }
-        mask[i] = (uint8_t)digests_contains(table.buf, (size_t)slots, digest);
     }
-done:
-    if (have_table)
-        PyBuffer_Release(&table);
+    PyBuffer_Release(&table);
     utf8_arg_release(&a);
-    Py_DECREF(rest);
     return out;
 }
 
