@@ -1,4 +1,5 @@
-"""The set of content hashes a run dedupes against: every stored conversation's, then this run's."""
+"""Sets of content hashes: a run dedupes against every stored conversation's and its own, and stitches
+(capture.stitch) against the prefix hashes of both."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,15 @@ def first_seen(hashes: list[str], seen: set[str]) -> list[bool]:
             seen.add(h)
         keep.append(new)
     return keep
+
+
+def _plain(hashes: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """``hashes`` as one ``pa.string()`` array."""
+    if isinstance(hashes, pa.ChunkedArray):
+        hashes = hashes.combine_chunks() if hashes.num_chunks else pa.nulls(0, pa.string())
+    if hashes.type != pa.string():
+        hashes = hashes.cast(pa.string())
+    return hashes
 
 
 class HashSet:
@@ -38,10 +48,7 @@ class HashSet:
 
     def add_new(self, hashes: pa.Array | pa.ChunkedArray) -> np.ndarray:
         """Adds ``hashes``; True for each one neither in the set before nor earlier in ``hashes``."""
-        if isinstance(hashes, pa.ChunkedArray):
-            hashes = hashes.combine_chunks() if hashes.num_chunks else pa.nulls(0, pa.string())
-        if hashes.type != pa.string():
-            hashes = hashes.cast(pa.string())
+        hashes = _plain(hashes)
         if self._py is not None:
             return np.array(first_seen(hashes.to_pylist(), self._py), dtype=bool)
         self._reserve(self._count + len(hashes))
@@ -49,6 +56,17 @@ class HashSet:
         mask = np.frombuffer(got, dtype=np.bool_)
         self._count += int(np.count_nonzero(mask))
         return mask
+
+    def contains(self, hashes: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        """True for each of ``hashes`` that is in the set; adds nothing."""
+        hashes = _plain(hashes)
+        if not self or not len(hashes):
+            return np.zeros(len(hashes), dtype=bool)
+        if self._py is not None:
+            seen = self._py
+            return np.array([h in seen for h in hashes.to_pylist()], dtype=bool)
+        got = self._nat.digests_contains(self._table, self._slots, *native.utf8_args(hashes))
+        return np.frombuffer(got, dtype=np.bool_)
 
     def native_table(self, more: int) -> tuple[bytearray, int, int] | None:
         """``(table, slots, room)`` for the native decoder to add up to ``room`` (>= ``more``) hashes

@@ -1,9 +1,10 @@
 """One ingest run: capture files → deduplicated, redacted ShareGPT rows in the warehouse.
 
 Files are processed independently (in a pool of worker processes when there is
-enough input); the parent deduplicates by content hash across files and runs,
-writes Parquet per day, and commits checkpoints to the catalog. Every line read is
-accounted for: ``read = normalized + duplicates + quarantined + skipped``.
+enough input); the parent deduplicates by content hash and stitches multi-turn
+conversations (:mod:`capture.stitch`) across files and runs, writes Parquet per day,
+and commits checkpoints to the catalog. Every line read is accounted for:
+``read = normalized + duplicates + stitched + quarantined + skipped``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from capture.records import Reject, decode_line
 from capture.redact import redact_array, redact_values
 from capture.sources import (BLOCK_BYTES, LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when,
                              s3_client)
-from capture.warehouse import SCHEMA, TURN, Warehouse
+from capture.stitch import Known, Prefixes, adopt, stitch_file
+from capture.warehouse import RUN_COUNTS, SCHEMA, TURN, Warehouse
 
 if TYPE_CHECKING:
     from settings.config import CaptureConfig, Config, S3Config
@@ -59,14 +61,21 @@ PART_MIN_ROWS = 50_000
 
 @dataclass
 class IngestResult:
-    """Counts of one run. ``read = normalized + duplicates + quarantined + skipped``."""
+    """Counts of one run. ``read = normalized + duplicates + stitched + quarantined + skipped``.
+
+    ``stitched``: conversations not stored because a longer version of them is known (this
+    run's, or stored). ``superseded``: rows stored by earlier runs that a longer version
+    read by this run replaces; no part of ``read`` (see :mod:`capture.stitch`).
+    """
 
     run_id: str
     read: int = 0
     normalized: int = 0
     duplicates: int = 0
+    stitched: int = 0
     quarantined: int = 0
     skipped: int = 0
+    superseded: int = 0
     redactions: dict[str, int] = field(default_factory=dict)
     objects: int = 0
     missing_objects: int = 0
@@ -79,8 +88,10 @@ class IngestResult:
             "read": self.read,
             "normalized": self.normalized,
             "duplicates": self.duplicates,
+            "stitched": self.stitched,
             "quarantined": self.quarantined,
             "skipped": self.skipped,
+            "superseded": self.superseded,
             "redactions": dict(sorted(self.redactions.items())),
             "run_id": self.run_id,
         }
@@ -97,6 +108,8 @@ class FileResult:
     table: pa.Table | None = None
     table_file: str | None = None  # the table, handed over in shared memory (see hand_over)
     file_duplicates: int = 0  # rows dropped as replays of an earlier row of the same file
+    file_stitched: int = 0  # rows dropped as stitched prefixes of another row of the same file
+    prefixes: Prefixes | None = None  # the prefix hashes of the table's rows (capture.stitch), if any
     row_redactions: list[tuple[int, dict[str, int]]] = field(default_factory=list)
     quarantine: list[dict] = field(default_factory=list)
     skips: Counter = field(default_factory=Counter)
@@ -293,6 +306,8 @@ def process_file(obj: SourceObject, opts: FileOptions, batch: bool = True) -> Fi
         rows = rows.sort_by("line_no")  # per-line rows interleave with the batch rows
     res.table, res.row_redactions, dropped = _finish(rows, obj, redact, hashes, unique=not unchecked)
     res.file_duplicates += dropped
+    res.table, res.row_redactions, res.file_stitched, pre = stitch_file(res.table, res.row_redactions)
+    res.prefixes = pre if len(pre) else None
     _finish_quarantine(res.quarantine, redact)
     return res
 
@@ -574,16 +589,23 @@ class _Sink:
 
 
 class _Run:
-    """Parent-side state of a run: dedupe, Parquet buffers, checkpoints (written by a :class:`_Sink`)."""
+    """Parent-side state of a run: dedupe and stitching, Parquet buffers, checkpoints (written by a :class:`_Sink`)."""
 
-    def __init__(self, wh: Warehouse, run_id: str, seen: HashSet, result: IngestResult, sink: _Sink) -> None:
-        self.wh, self.run_id, self.seen, self.result, self.sink = wh, run_id, seen, result, sink
+    def __init__(self, wh: Warehouse, run_id: str, known: Known, result: IngestResult, sink: _Sink) -> None:
+        self.wh, self.run_id, self.known, self.result, self.sink = wh, run_id, known, result, sink
         self.buffers: dict[date, list[pa.Table]] = {}
         self.seq = 0
         self.pending_manifest: list[dict] = []
         self.pending_quarantine: list[dict] = []
         self.pending_skips: list[dict] = []
         self.pending_hashes: list[pa.Array] = []
+        self.pending_prefixes: list[tuple[pa.Array, pa.Array]] = []  # (prefix hash, content hash of its row)
+        self.pending_superseded: list[tuple[pa.Array, pa.Array]] = []  # (content hash, by content hash)
+        # Rows this run took in and a later row superseded, until the checkpoint finds whether
+        # they were dropped from a buffer (``pruned``) or written before (then they go to ``superseded``).
+        self.doomed: list[tuple[pa.Array, pa.Array]] = []
+        self._doomed_set: pa.Array | None = None
+        self.pruned: list[pa.Array] = []
         self.pending_bytes = 0
 
     def add(self, fr: FileResult) -> None:
@@ -607,13 +629,16 @@ class _Run:
             r.skip_reasons[reason] = r.skip_reasons.get(reason, 0) + c
             self.pending_skips.append({"source_uri": fr.obj.uri, "reason": reason, "count": c})
         self.pending_quarantine.extend(fr.quarantine)
-        kept = 0
+        kept, dups, stitched = 0, fr.file_duplicates, fr.file_stitched
         if fr.table_file is not None:
             fr.table = take_over(fr.table_file)
         t = fr.table
         if t is not None and t.num_rows:
-            mask = self.seen.add_new(t.column("content_hash"))
+            d = self.known.decide(t.column("content_hash"), fr.prefixes)
+            mask = d.keep
             kept = int(np.count_nonzero(mask))
+            dups += d.duplicates
+            stitched += d.stitched
             if kept < len(mask):
                 t = _select(t, mask)
             for i, counts in fr.row_redactions:
@@ -624,14 +649,25 @@ class _Run:
                 t = t.set_column(SCHEMA.get_field_index("run_id"), "run_id", _repeat(self.run_id, kept))
                 self.pending_hashes.extend(t.column("content_hash").chunks)
                 self._buffer(t)
-        dups = fr.file_duplicates + (fr.table.num_rows if fr.table is not None else 0) - kept
+            if len(d.prefix_hashes):
+                self.pending_prefixes.append((d.prefix_hashes, d.prefix_of))
+            if len(d.stored_gone):  # rows of earlier runs: recorded as superseded
+                self.pending_superseded.append((d.stored_gone, d.stored_by))
+                r.superseded += len(d.stored_gone)
+            if len(d.run_gone):  # rows of this run: now stitched, not normalized (and not written if still buffered)
+                self.doomed.append((d.run_gone, d.run_by))
+                self._doomed_set = None
+                r.normalized -= len(d.run_gone)
+                r.stitched += len(d.run_gone)
         r.normalized += kept
         r.duplicates += dups
-        if fr.read != kept + dups + n_q + n_s:
-            raise RuntimeError(f"line accounting broke for {fr.obj.uri}: {fr.read} != {kept}+{dups}+{n_q}+{n_s}")
+        r.stitched += stitched
+        if fr.read != kept + dups + stitched + n_q + n_s:
+            raise RuntimeError(f"line accounting broke for {fr.obj.uri}: "
+                               f"{fr.read} != {kept}+{dups}+{stitched}+{n_q}+{n_s}")
         self.pending_manifest.append(
             {"source_uri": fr.obj.uri, "etag": fr.obj.etag, "size": fr.obj.size, "read": fr.read, "normalized": kept,
-             "duplicates": dups, "quarantined": n_q, "skipped": n_s}
+             "duplicates": dups, "stitched": stitched, "quarantined": n_q, "skipped": n_s}
         )
         self.pending_bytes += fr.obj.size
 
@@ -655,7 +691,7 @@ class _Run:
         return sum(t.num_rows for t in self.buffers.get(d, ()))
 
     def _flush_day(self, d: date) -> None:
-        tables = self.buffers.pop(d, [])
+        tables = self._prune(self.buffers.pop(d, []))
         if not tables:
             return
         self.seq += 1
@@ -668,16 +704,50 @@ class _Run:
 
         self.sink.write(write)
 
+    def _prune(self, tables: list[pa.Table]) -> list[pa.Table]:
+        """``tables`` without the rows this run superseded (before they are written); notes which those were."""
+        if not self.doomed or not tables:
+            return tables
+        if self._doomed_set is None:
+            self._doomed_set = pa.concat_arrays([h for h, _ in self.doomed])
+        out = []
+        for t in tables:
+            gone = pc.is_in(t.column("content_hash"), value_set=self._doomed_set)
+            if pc.any(gone).as_py():
+                self.pruned.append(t.filter(gone).column("content_hash").combine_chunks())
+                t = t.filter(pc.invert(gone))
+            if t.num_rows:
+                out.append(t)
+        return out
+
+    def _settle_doomed(self) -> None:
+        """After every buffer is written: the superseded rows of this run that were written go to
+        ``superseded``; those dropped from their buffer leave ``content_hashes`` (no part holds them)."""
+        if not self.doomed:
+            return
+        gone = pa.concat_arrays([h for h, _ in self.doomed])
+        by = pa.concat_arrays([b for _, b in self.doomed])
+        if self.pruned:
+            pruned = pa.concat_arrays(self.pruned)
+            written = pc.invert(pc.is_in(gone, value_set=pruned))
+            gone, by = gone.filter(written), by.filter(written)
+            self.pending_hashes = [h.filter(pc.invert(pc.is_in(h, value_set=pruned))) for h in self.pending_hashes]
+        if len(gone):
+            self.pending_superseded.append((gone, by))
+        self.doomed, self._doomed_set, self.pruned = [], None, []
+
     def checkpoint(self, final: bool) -> None:
         """Write every buffer, then commit everything pending in one transaction (on the sink thread)."""
         for d in list(self.buffers):
             self._flush_day(d)
+        self._settle_doomed()
         r = self.result
-        totals = {k: getattr(r, k) for k in ("objects", "missing_objects", "read", "normalized", "duplicates",
-                                             "quarantined", "skipped")}
+        totals = {k: getattr(r, k) for k in RUN_COUNTS}
         totals["redactions"] = dict(r.redactions)
         pending = {"manifest": self.pending_manifest, "quarantine": self.pending_quarantine,
-                   "skipped": self.pending_skips, "hashes": pa.chunked_array(self.pending_hashes, pa.string())}
+                   "skipped": self.pending_skips, "hashes": pa.chunked_array(self.pending_hashes, pa.string()),
+                   "prefixes": _pairs(self.pending_prefixes, ("prefix_hash", "content_hash")),
+                   "superseded": _pairs(self.pending_superseded, ("content_hash", "by_hash"))}
 
         def commit(files: list[dict]) -> None:
             con = self.wh.connect()
@@ -688,8 +758,16 @@ class _Run:
 
         self.sink.commit(commit)
         self.pending_manifest, self.pending_quarantine, self.pending_skips = [], [], []
-        self.pending_hashes = []
+        self.pending_hashes, self.pending_prefixes, self.pending_superseded = [], [], []
         self.pending_bytes = 0
+
+
+def _pairs(pairs: list[tuple[pa.Array, pa.Array]], names: tuple[str, str]) -> pa.Table | None:
+    """Two string columns from pairs of arrays, or ``None`` when there are none."""
+    if not pairs:
+        return None
+    return pa.Table.from_arrays([pa.chunked_array([a for a, _ in pairs], pa.string()),
+                                 pa.chunked_array([b for _, b in pairs], pa.string())], names=list(names))
 
 
 def _workers(capture: CaptureConfig, objs: list[SourceObject]) -> int:
@@ -727,10 +805,13 @@ def ingest(
             orphans = wh.clean_orphans(con)
             if orphans:
                 log.warning("removed %d uncommitted Parquet files from an interrupted run", len(orphans))
+            result.superseded += adopt(wh, con, run_id)
+            if result.superseded:
+                log.info("stitched the rows stored before conversation stitching: %d prefixes superseded",
+                         result.superseded)
             done = wh.processed(con)
-            seen = HashSet()
-            for hashes in wh.known_hashes(con):
-                seen.add_new(hashes)
+            known = Known()
+            known.load(wh.known_hashes(con), wh.known_prefixes(con), wh.superseded_hashes(con))
             client = s3_client(cfg.s3) if source.startswith("s3://") else None
             objs = [
                 o for o in list_objects(source, endpoint=endpoint, variant=cfg.capture.variant if endpoint else "",
@@ -744,7 +825,7 @@ def ingest(
         try:
             opts = FileOptions.of(cfg.capture, cfg.s3, client)
             n = workers if workers is not None else _workers(cfg.capture, objs)
-            _run_files(opts, _Run(wh, run_id, seen, result, sink), objs, n, on_worker_start)
+            _run_files(opts, _Run(wh, run_id, known, result, sink), objs, n, on_worker_start)
         except BaseException:
             sink.abort()
             raise

@@ -2,7 +2,10 @@
 
 Held out = conversations served in the last ``heldout_hours`` hours of the data
 (after ``max(inference_time) - heldout_hours``). Since the warehouse keeps each
-content hash once (first seen wins), no hash can be in both splits.
+content hash once (first seen wins), no hash can be in both splits; since it keeps
+each multi-turn conversation once, at its longest (:mod:`capture.stitch`: the rows
+it superseded are left out here), whose ``inference_time`` is its last turn's, no
+conversation has turns on both sides either.
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ def stats(cfg: Config, heldout_hours: float | None = None) -> dict[str, Any]:
         out["skipped"] = cat.execute("SELECT coalesce(sum(count), 0) FROM skipped").fetchone()[0]
         out["skip_reasons"] = dict(cat.execute(
             "SELECT reason, sum(count) FROM skipped GROUP BY 1 ORDER BY 1").fetchall())
+        out["stitched"] = cat.execute("SELECT coalesce(sum(stitched), 0) FROM runs").fetchone()[0]
+        out["superseded"] = cat.execute("SELECT count(*) FROM superseded").fetchone()[0]
         out["runs"] = cat.execute("SELECT count(*) FROM runs").fetchone()[0]
         out["objects"] = cat.execute("SELECT count(*) FROM manifest").fetchone()[0]
     finally:

@@ -7,9 +7,14 @@ dies between writing Parquet and committing leaves orphans that no view shows;
 the next run deletes them and redoes the work.
 
 Catalog tables: ``runs``, ``manifest``, ``quarantine``, ``skipped``, ``parquet_files``,
-``content_hashes``; views ``conversations`` and ``conversations_split`` (local
+``content_hashes``, ``prefix_hashes`` and ``superseded`` (conversation stitching, see
+:mod:`capture.stitch`); views ``conversations`` and ``conversations_split`` (local
 warehouse only: DuckDB here has no S3 extension, so S3 Parquet is read with
 pyarrow's own S3 filesystem, see :meth:`Warehouse.read_conversations`).
+
+A row named in ``superseded`` (a longer version of its conversation was stored later) stays
+in its Parquet part, which is never rewritten, but no reader returns it: the views and
+:meth:`Warehouse.read_conversations` leave it out.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 
     from settings.config import Config, S3Config
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -82,6 +88,19 @@ CREATE TABLE IF NOT EXISTS parquet_files (path VARCHAR PRIMARY KEY, run_id VARCH
 -- Random hex does not compress, and DuckDB's string compression tried it again at every commit
 -- (~0.3 s of CPU per million hashes); a catalog made before keeps its compressed column.
 CREATE TABLE IF NOT EXISTS content_hashes (content_hash VARCHAR USING COMPRESSION uncompressed, run_id VARCHAR);
+-- Stitching (capture.stitch): the prefix hashes of every row taken in, and the rows a longer
+-- version superseded (by_hash: the content hash of a row that has it as a prefix).
+CREATE TABLE IF NOT EXISTS prefix_hashes (
+    prefix_hash VARCHAR USING COMPRESSION uncompressed, content_hash VARCHAR USING COMPRESSION uncompressed,
+    run_id VARCHAR);
+CREATE TABLE IF NOT EXISTS superseded (
+    content_hash VARCHAR, by_hash VARCHAR, run_id VARCHAR, superseded_at TIMESTAMPTZ);
+-- What was done to the catalog once ("stitching": its rows were stitched, see capture.stitch.adopt).
+CREATE TABLE IF NOT EXISTS catalog_state (key VARCHAR PRIMARY KEY, value VARCHAR);
+-- Catalogs made before stitching: the new counters.
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS stitched BIGINT;
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS superseded BIGINT;
+ALTER TABLE manifest ADD COLUMN IF NOT EXISTS stitched BIGINT;
 """
 
 # Snappy (pyarrow's and DuckDB's default): compressing is most of the cost of writing, and
@@ -95,7 +114,8 @@ PARQUET_OPTIONS: dict[str, Any] = {
                        "model", "temperature", "top_p", "max_tokens", "run_id", "dt"],
 }
 
-RUN_COUNTS = ("objects", "missing_objects", "read", "normalized", "duplicates", "quarantined", "skipped")
+RUN_COUNTS = ("objects", "missing_objects", "read", "normalized", "duplicates", "stitched", "quarantined", "skipped",
+              "superseded")
 
 
 def _insert_rows(con: duckdb.DuckDBPyConnection, table: str, cols: dict[str, str], rows: list[dict],
@@ -116,6 +136,11 @@ def _tighten(path: Path) -> None:
             os.chmod(path, FILE_MODE)
     except (FileNotFoundError, PermissionError):
         pass
+
+
+def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    found = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchall()
+    return bool(found[0][0])
 
 
 class IngestLocked(RuntimeError):
@@ -211,6 +236,56 @@ class Warehouse:
         for batch in reader:
             yield batch.column(0)
 
+    def known_prefixes(self, con: duckdb.DuckDBPyConnection) -> Iterator[pa.Array]:
+        """Prefix hashes of every stored conversation (for stitching across runs), in batches."""
+        reader = con.sql("SELECT prefix_hash FROM prefix_hashes").to_arrow_reader(1 << 20)
+        for batch in reader:
+            yield batch.column(0)
+
+    def superseded_hashes(self, con: duckdb.DuckDBPyConnection) -> Iterator[pa.Array]:
+        """Content hashes of the stored rows a longer version superseded, in batches."""
+        if not _has_table(con, "superseded"):  # a catalog opened read-only before stitching existed
+            return
+        reader = con.sql("SELECT DISTINCT content_hash FROM superseded").to_arrow_reader(1 << 20)
+        for batch in reader:
+            yield batch.column(0)
+
+    def stored_batches(self, con: duckdb.DuckDBPyConnection, columns: list[str],
+                       batch_rows: int = 65_536) -> Iterator[pa.RecordBatch]:
+        """Every committed row (superseded ones too), ``columns`` of it, a batch at a time."""
+        for path in self.committed_files(con):
+            with self.fs.open_input_file(path) as f:
+                yield from pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=columns)
+
+    def stitching_adopted(self, con: duckdb.DuckDBPyConnection) -> bool:
+        return bool(con.execute("SELECT count(*) FROM catalog_state WHERE key = 'stitching'").fetchall()[0][0])
+
+    def adopt_stitching(self, con: duckdb.DuckDBPyConnection, run_id: str, prefixes: Iterator[pa.Table]) -> int:
+        """Record the prefix hashes of the stored rows (``prefix_hash``, ``content_hash`` tables), supersede the
+        stored rows that are prefixes of stored rows, and note that it was done: one transaction. Returns how
+        many rows were superseded."""
+        now = datetime.now(timezone.utc)
+        with owner_only_umask():
+            con.execute("BEGIN TRANSACTION")
+            try:
+                for t in prefixes:
+                    con.register("_p", t)
+                    con.execute("INSERT INTO prefix_hashes SELECT prefix_hash, content_hash, ? FROM _p", [run_id])
+                    con.unregister("_p")
+                (n,), = con.execute(
+                    "INSERT INTO superseded SELECT prefix_hash, min(content_hash), ?, ? FROM prefix_hashes "
+                    "WHERE prefix_hash IN (SELECT content_hash FROM content_hashes) "
+                    "AND prefix_hash NOT IN (SELECT content_hash FROM superseded) GROUP BY prefix_hash",
+                    [run_id, now]).fetchall()
+                con.execute("INSERT INTO catalog_state VALUES ('stitching', ?)", [now.isoformat()])
+                if n and not self.is_s3:
+                    self._create_views(con)
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return n
+
     def committed_files(self, con: duckdb.DuckDBPyConnection) -> list[str]:
         return [r[0] for r in con.execute("SELECT path FROM parquet_files ORDER BY path").fetchall()]
 
@@ -278,15 +353,22 @@ class Warehouse:
         files: list[dict],
         totals: dict[str, Any],
         final: bool,
+        prefixes: pa.Table | None = None,
+        superseded: pa.Table | None = None,
     ) -> None:
-        """Make one checkpoint of a run visible: all of it in one transaction, or none."""
+        """Make one checkpoint of a run visible: all of it in one transaction, or none.
+
+        ``prefixes`` (columns ``prefix_hash``, ``content_hash``) and ``superseded`` (``content_hash``,
+        ``by_hash``) are the stitching state of the checkpoint's rows (:mod:`capture.stitch`).
+        """
         with owner_only_umask():  # DuckDB creates the WAL at the first write
             self._commit(con, run_id, manifest=manifest, quarantine=quarantine, skipped=skipped, hashes=hashes,
-                         files=files, totals=totals, final=final)
+                         files=files, totals=totals, final=final, prefixes=prefixes, superseded=superseded)
 
     def _commit(self, con: duckdb.DuckDBPyConnection, run_id: str, *, manifest: list[dict], quarantine: list[dict],
                 skipped: list[dict], hashes: list[str] | pa.Array | pa.ChunkedArray, files: list[dict],
-                totals: dict[str, Any], final: bool) -> None:
+                totals: dict[str, Any], final: bool, prefixes: pa.Table | None = None,
+                superseded: pa.Table | None = None) -> None:
         now = datetime.now(timezone.utc)
         con.execute("BEGIN TRANSACTION")
         try:
@@ -294,7 +376,8 @@ class Warehouse:
             # would import pandas into the ingest parent (~0.4 s of CPU per run).
             if manifest:
                 cols = {"source_uri": "VARCHAR", "etag": "VARCHAR", "size": "BIGINT", "read": "BIGINT",
-                        "normalized": "BIGINT", "duplicates": "BIGINT", "quarantined": "BIGINT", "skipped": "BIGINT"}
+                        "normalized": "BIGINT", "duplicates": "BIGINT", "stitched": "BIGINT", "quarantined": "BIGINT",
+                        "skipped": "BIGINT"}
                 # A changed object (new ETag) replaces its old entry.
                 con.execute("DELETE FROM manifest WHERE source_uri IN (SELECT unnest(?::VARCHAR[]))",
                             [[m["source_uri"] for m in manifest]])
@@ -313,6 +396,14 @@ class Warehouse:
                 con.register("_h", t)
                 con.execute("INSERT INTO content_hashes SELECT content_hash, ? FROM _h", [run_id])
                 con.unregister("_h")
+            if prefixes is not None and prefixes.num_rows:
+                con.register("_p", prefixes)
+                con.execute("INSERT INTO prefix_hashes SELECT prefix_hash, content_hash, ? FROM _p", [run_id])
+                con.unregister("_p")
+            if superseded is not None and superseded.num_rows:
+                con.register("_s", superseded)
+                con.execute("INSERT INTO superseded SELECT content_hash, by_hash, ?, ? FROM _s", [run_id, now])
+                con.unregister("_s")
             for f in files:
                 con.execute(
                     'INSERT INTO parquet_files (path, run_id, dt, "rows", bytes) VALUES (?, ?, ?, ?, ?)',
@@ -324,7 +415,7 @@ class Warehouse:
                 [*(totals[k] for k in RUN_COUNTS), json.dumps(totals["redactions"], sort_keys=True),
                  "complete" if final else "running", now if final else None, run_id],
             )
-            if files and not self.is_s3:
+            if (files or (superseded is not None and superseded.num_rows)) and not self.is_s3:
                 self._create_views(con)
             con.execute("COMMIT")
         except BaseException:
@@ -336,7 +427,8 @@ class Warehouse:
         if not files:
             return
         lst = ", ".join("'" + p.replace("'", "''") + "'" for p in files)
-        con.execute(f"CREATE OR REPLACE VIEW conversations AS SELECT * FROM read_parquet([{lst}], hive_partitioning = false)")
+        con.execute(f"CREATE OR REPLACE VIEW conversations AS SELECT * FROM read_parquet([{lst}], hive_partitioning = false)"
+                    " WHERE content_hash NOT IN (SELECT content_hash FROM superseded)")
         con.execute(
             "CREATE OR REPLACE VIEW conversations_split AS SELECT *, CASE WHEN inference_time > "
             f"(SELECT max(inference_time) FROM conversations) - to_microseconds({round(self.heldout_hours * 3600e6)}) "
@@ -346,13 +438,20 @@ class Warehouse:
     # -- reading -----------------------------------------------------------------------
 
     def read_conversations(self, columns: list[str] | None = None) -> pa.Table:
-        """All committed conversation rows as one Arrow table (local or S3)."""
+        """All committed conversation rows as one Arrow table (local or S3), less the superseded ones."""
         con = self.connect(read_only=True)
         try:
             files = self.committed_files(con)
+            gone = list(self.superseded_hashes(con))
         finally:
             con.close()
         if not files:
             return SCHEMA.empty_table() if columns is None else SCHEMA.empty_table().select(columns)
-        tables = [pq.read_table(p, filesystem=self.fs, columns=columns, schema=SCHEMA) for p in files]
-        return pa.concat_tables(tables)
+        read = columns if columns is None or not gone or "content_hash" in columns else [*columns, "content_hash"]
+        t = pa.concat_tables([pq.read_table(p, filesystem=self.fs, columns=read, schema=SCHEMA) for p in files])
+        if gone:
+            gone_set = pa.concat_arrays([g.cast(pa.string()) for g in gone])
+            t = t.filter(pc.invert(pc.is_in(t.column("content_hash"), value_set=gone_set)))
+            if read is not columns:
+                t = t.select(columns)
+        return t

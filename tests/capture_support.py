@@ -37,7 +37,8 @@ def make_cfg(tmp_path: Path, **capture) -> Config:
 
 
 def reconciles(res) -> bool:
-    return res.read == res.normalized + res.duplicates + res.quarantined + res.skipped
+    """Every line read is accounted for (rows superseded by the run were read by earlier runs: no part of it)."""
+    return res.read == res.normalized + res.duplicates + res.stitched + res.quarantined + res.skipped
 
 
 def chat(i: int, t: datetime, text: str | None = None, **kw) -> str:
@@ -221,8 +222,12 @@ def same_file_result(obj: SourceObject, opts: FileOptions | None = None) -> None
 
 
 def same_result(on: FileResult, off: FileResult) -> None:
-    for attr in ("read", "missing", "error", "file_duplicates", "skips", "quarantine", "row_redactions"):
+    for attr in ("read", "missing", "error", "file_duplicates", "file_stitched", "skips", "quarantine",
+                 "row_redactions"):
         assert getattr(on, attr) == getattr(off, attr), attr
+    assert (on.prefixes is None) == (off.prefixes is None)
+    if on.prefixes is not None:
+        assert on.prefixes.hashes.equals(off.prefixes.hashes) and on.prefixes.rows.tolist() == off.prefixes.rows.tolist()
     assert on.table.schema == off.table.schema
     for name in on.table.column_names:  # NaN (from the reference's json) compares unequal to itself
         nan_safe = [["nan" if v != v else v for v in t[name].to_pylist()] for t in (on.table, off.table)]

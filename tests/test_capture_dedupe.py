@@ -1,4 +1,5 @@
 """The run-wide content-hash set: the native table against a Python set of the strings."""
+import contextlib
 import hashlib
 import random
 
@@ -174,3 +175,18 @@ def test_a_full_table_stops_dropping_but_keeps_every_row(tmp_path):
     assert (out["rows"], out["duplicates"], out["inserted"], out["unchecked"]) == (50, 0, 0, 50)
     with pytest.raises(ValueError, match="half full"):
         nat.decode_block(block, 0, 8192, 1 << 26, table, 1024, 513, True)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_contains_answers_membership_and_adds_nothing(fallback):
+    rng = random.Random(8)
+    with backend.python_fallback() if fallback else contextlib.nullcontext():
+        hs = dedupe.HashSet()
+        assert hs.contains(pa.array(["0" * 32], pa.string())).tolist() == [False]
+        members = [f"{rng.getrandbits(128):032x}" for _ in range(3000)] + ["0" * 32]
+        hs.add_new(pa.array(members, pa.string()))
+        probe = members[::7] + [f"{rng.getrandbits(128):032x}" for _ in range(500)]
+        arr = pa.array(["pad"] + probe, pa.string()).slice(1)
+        assert hs.contains(arr).tolist() == [p in set(members) for p in probe]
+        assert len(hs) == len(members)  # nothing was added
+        assert hs.contains(pa.chunked_array([], pa.string())).tolist() == []

@@ -339,7 +339,8 @@ def test_cli_ingest_stats_export(tmp_path):
     r = runner.invoke(app, ["ingest", "--source", str(FIXTURES), "--config", str(cfg_file), "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert list(out) == ["read", "normalized", "duplicates", "quarantined", "skipped", "redactions", "run_id"]
+    assert list(out) == ["read", "normalized", "duplicates", "stitched", "quarantined", "skipped", "superseded",
+                         "redactions", "run_id"]
     assert out["normalized"] == 3 and out["quarantined"] == 0 and out["read"] == out["normalized"] + out["skipped"]
     r = runner.invoke(app, ["ingest", "--source", str(FIXTURES), "--config", str(cfg_file), "--json"])
     assert json.loads(r.stdout)["read"] == 0

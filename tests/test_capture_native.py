@@ -135,6 +135,18 @@ def test_content_hashes_reject_inconsistent_buffers():
         nat.content_hashes(offs.buffers()[1], 0, 1, s.buffers()[1], b"a", 0, 1, s.buffers()[1], s.buffers()[2])
 
 
+def test_native_range_hashes_reject_bad_ranges():
+    nat = native.load()
+    s = pa.array(["human", "gpt"])
+    args = (0, 2, s.buffers()[1], s.buffers()[2], 0, 2, s.buffers()[1], s.buffers()[2])
+    got = nat.range_hashes(np.array([0, 0, 1], np.int32), np.array([1, 2, 2], np.int32), *args).decode()
+    turns = [("human", "human"), ("gpt", "gpt")]
+    assert [got[i:i + 32] for i in (0, 32, 64)] == [ingest_mod.content_hash(t) for t in (turns[:1], turns, turns[1:])]
+    for starts, ends in (([0], [3]), ([2], [1]), ([-1], [1]), ([0, 0], [1])):
+        with pytest.raises(ValueError):
+            nat.range_hashes(np.array(starts, np.int32), np.array(ends, np.int32), *args)
+
+
 # -- agreement with the msgspec batch path -----------------------------------------------
 
 

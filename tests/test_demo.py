@@ -100,7 +100,8 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
         b = report[key]["bench"]
         assert b["before"]["mean_acceptance_length"] >= 1.0 and b["after"]["output_tok_per_s"]
         i = report[key]["ingest"]  # what this cycle ingested (its own ingest step then reads nothing new)
-        assert i["read"] == sent[key] and i["read"] == i["normalized"] + i["duplicates"] + i["quarantined"] + i["skipped"]
+        assert i["read"] == sent[key]
+        assert i["read"] == i["normalized"] + i["duplicates"] + i["stitched"] + i["quarantined"] + i["skipped"]
     saved = json.loads((tmp_path / "state" / "demo" / "report.json").read_text())
     assert saved["rollback"]["to_version"] == "1"
     text = render(report)

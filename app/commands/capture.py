@@ -42,8 +42,11 @@ def register(app: typer.Typer) -> None:
         s = res.summary()
         human = (
             f"run {res.run_id}: read {res.read} lines from {res.objects} files → {res.normalized} conversations, "
-            f"{res.duplicates} duplicates, {res.quarantined} quarantined, {res.skipped} skipped"
+            f"{res.duplicates} duplicates, {res.stitched} stitched, {res.quarantined} quarantined, "
+            f"{res.skipped} skipped"
         )
+        if res.superseded:
+            human += f"\n  {res.superseded} stored conversations superseded by longer versions"
         if res.skip_reasons:
             human += "\n  skipped: " + ", ".join(f"{k}={v}" for k, v in sorted(res.skip_reasons.items()))
         if res.quarantine_reasons:

@@ -1,5 +1,5 @@
-/* The Python module _capture_native: configure, decode_chunk, decode_block, content_hashes, parse_times,
- * redact_gate, digests_add_new, digests_rehash, blake2b16_many. */
+/* The Python module _capture_native: configure, decode_chunk, decode_block, content_hashes, range_hashes,
+ * parse_times, redact_gate, digests_add_new, digests_contains, digests_rehash, blake2b16_many. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -460,6 +460,53 @@ static void hex_digest(const uint8_t digest[16], char *out) {
     }
 }
 
+/* The hex digests of turns [first[r], end[r]) for r < n (content_hash of each range) into hex
+ * (32 * n bytes); the ranges are checked by the caller. 0, or -1 with MemoryError set. */
+static int hash_ranges(const Utf8 *from, const Utf8 *value, const int32_t *first, const int32_t *end, Py_ssize_t n,
+                       char *hex) {
+    Buf serialized[GROUP] = {{0}};
+    int rc = 0;
+    /* GROUP ranges at a time, hashed side by side. */
+    for (Py_ssize_t r0 = 0; r0 < n && rc == 0; r0 += GROUP) {
+        int k = n - r0 < GROUP ? (int)(n - r0) : GROUP;
+        const uint8_t *msg[GROUP];
+        size_t len[GROUP];
+        uint8_t digests[GROUP][16];
+        for (int i = 0; i < k; i++) {
+            if (columns_serialize(from, value, first[r0 + i], end[r0 + i], &serialized[i]) != J_OK) {
+                PyErr_NoMemory();
+                rc = -1;
+                break;
+            }
+            msg[i] = serialized[i].data;
+            len[i] = serialized[i].len;
+        }
+        if (rc == 0) {
+            blake2b16_many(msg, len, (size_t)k, digests[0]);
+            for (int i = 0; i < k; i++)
+                hex_digest(digests[i], hex + 32 * (r0 + i));
+        }
+    }
+    for (int i = 0; i < GROUP; i++)
+        buf_free(&serialized[i]);
+    return rc;
+}
+
+/* The from/value utf8 arguments shared by content_hashes and range_hashes, checked. */
+static int turn_columns(Utf8 *from, Utf8 *value, Arg *fo, Arg *fd, Arg *vo, Arg *vd, PyObject *o_fo, PyObject *o_fd,
+                        PyObject *o_vo, PyObject *o_vd, Py_ssize_t f_off, Py_ssize_t f_len, Py_ssize_t v_off,
+                        Py_ssize_t v_len) {
+    if (arg_get(o_fo, fo) < 0 || arg_get(o_fd, fd) < 0 || arg_get(o_vo, vo) < 0 || arg_get(o_vd, vd) < 0)
+        return -1;
+    if (utf8_check(from, fo, fd, f_off, f_len) < 0 || utf8_check(value, vo, vd, v_off, v_len) < 0)
+        return -1;
+    if (f_len != v_len) {
+        PyErr_SetString(PyExc_ValueError, "from/value lengths differ");
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(content_hashes_doc,
              "content_hashes(row_offsets, from_offset, from_length, from_offsets, from_data,\n"
              "               value_offset, value_length, value_offsets, value_data) -> bytes\n\n"
@@ -474,14 +521,11 @@ static PyObject *content_hashes(PyObject *self, PyObject *args) {
     Arg rows = {0}, fo = {0}, fd = {0}, vo = {0}, vd = {0};
     PyObject *out = NULL;
     Utf8 from, value;
-    Buf serialized[GROUP] = {{0}};
-    if (arg_get(o_rows, &rows) < 0 || arg_get(o_fo, &fo) < 0 || arg_get(o_fd, &fd) < 0 || arg_get(o_vo, &vo) < 0 ||
-        arg_get(o_vd, &vd) < 0)
+    if (arg_get(o_rows, &rows) < 0 ||
+        turn_columns(&from, &value, &fo, &fd, &vo, &vd, o_fo, o_fd, o_vo, o_vd, f_off, f_len, v_off, v_len) < 0)
         goto done;
-    if (utf8_check(&from, &fo, &fd, f_off, f_len) < 0 || utf8_check(&value, &vo, &vd, v_off, v_len) < 0)
-        goto done;
-    if (f_len != v_len || rows.view.len < 4) {
-        PyErr_SetString(PyExc_ValueError, "from/value lengths differ or no row offsets");
+    if (rows.view.len < 4) {
+        PyErr_SetString(PyExc_ValueError, "no row offsets");
         goto done;
     }
     const int32_t *row_offsets = (const int32_t *)rows.view.buf;
@@ -494,30 +538,55 @@ static PyObject *content_hashes(PyObject *self, PyObject *args) {
     out = PyBytes_FromStringAndSize(NULL, 32 * n);
     if (out == NULL)
         goto done;
-    char *hex = PyBytes_AS_STRING(out);
-    /* GROUP rows at a time, hashed side by side. */
-    for (Py_ssize_t r0 = 0; r0 < n; r0 += GROUP) {
-        int k = n - r0 < GROUP ? (int)(n - r0) : GROUP;
-        const uint8_t *msg[GROUP];
-        size_t len[GROUP];
-        uint8_t digests[GROUP][16];
-        for (int i = 0; i < k; i++) {
-            if (columns_serialize(&from, &value, row_offsets[r0 + i], row_offsets[r0 + i + 1], &serialized[i]) != J_OK) {
-                Py_CLEAR(out);
-                PyErr_NoMemory();
-                goto done;
-            }
-            msg[i] = serialized[i].data;
-            len[i] = serialized[i].len;
-        }
-        blake2b16_many(msg, len, (size_t)k, digests[0]);
-        for (int i = 0; i < k; i++)
-            hex_digest(digests[i], hex + 32 * (r0 + i));
-    }
+    if (hash_ranges(&from, &value, row_offsets, row_offsets + 1, n, PyBytes_AS_STRING(out)) < 0)
+        Py_CLEAR(out);
 done:
-    for (int i = 0; i < GROUP; i++)
-        buf_free(&serialized[i]);
     arg_release(&rows);
+    arg_release(&fo);
+    arg_release(&fd);
+    arg_release(&vo);
+    arg_release(&vd);
+    return out;
+}
+
+PyDoc_STRVAR(range_hashes_doc,
+             "range_hashes(starts, ends, from_offset, from_length, from_offsets, from_data,\n"
+             "             value_offset, value_length, value_offsets, value_data) -> bytes\n\n"
+             "32 hex characters per range: capture.ingest.content_hash of turns [starts[i], ends[i]) of\n"
+             "two utf8 arrays (as content_hashes takes them); starts and ends are int32 buffers of one\n"
+             "length. Ranges may overlap: capture.stitch hashes a row's prefixes with it.");
+
+static PyObject *range_hashes(PyObject *self, PyObject *args) {
+    PyObject *o_starts, *o_ends, *o_fo, *o_fd, *o_vo, *o_vd;
+    Py_ssize_t f_off, f_len, v_off, v_len;
+    if (!PyArg_ParseTuple(args, "OOnnOOnnOO", &o_starts, &o_ends, &f_off, &f_len, &o_fo, &o_fd, &v_off, &v_len, &o_vo,
+                          &o_vd))
+        return NULL;
+    Arg starts = {0}, ends = {0}, fo = {0}, fd = {0}, vo = {0}, vd = {0};
+    PyObject *out = NULL;
+    Utf8 from, value;
+    if (arg_get(o_starts, &starts) < 0 || arg_get(o_ends, &ends) < 0 ||
+        turn_columns(&from, &value, &fo, &fd, &vo, &vd, o_fo, o_fd, o_vo, o_vd, f_off, f_len, v_off, v_len) < 0)
+        goto done;
+    if (starts.view.len != ends.view.len || starts.view.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "starts and ends must be int32 buffers of one length");
+        goto done;
+    }
+    const int32_t *first = (const int32_t *)starts.view.buf, *end = (const int32_t *)ends.view.buf;
+    Py_ssize_t n = starts.view.len / 4;
+    for (Py_ssize_t r = 0; r < n; r++)
+        if (first[r] < 0 || first[r] > end[r] || end[r] > f_len) {
+            PyErr_SetString(PyExc_ValueError, "ranges out of bounds");
+            goto done;
+        }
+    out = PyBytes_FromStringAndSize(NULL, 32 * n);
+    if (out == NULL)
+        goto done;
+    if (hash_ranges(&from, &value, first, end, n, PyBytes_AS_STRING(out)) < 0)
+        Py_CLEAR(out);
+done:
+    arg_release(&starts);
+    arg_release(&ends);
     arg_release(&fo);
     arg_release(&fd);
     arg_release(&vo);
@@ -623,41 +692,57 @@ PyDoc_STRVAR(digests_add_new_doc,
              "byte per string back, 1 where it was new. The caller keeps the table at most half full.\n"
              "Any null or other text raises ValueError before anything is added.");
 
-static PyObject *digests_add_new(PyObject *self, PyObject *args) {
-    PyObject *o_table, *rest;
-    Py_ssize_t slots;
+/* The arguments of digests_add_new and digests_contains: (table, slots, then a utf8 array as
+ * utf8_arg takes it), checked. On success the caller releases `a` and `table`; on failure
+ * nothing is held. */
+static int digest_args(PyObject *args, const char *name, Utf8Arg *a, Py_buffer *table, Py_ssize_t *slots) {
+    memset(a, 0, sizeof *a);
     if (PyTuple_GET_SIZE(args) != 7) {
-        PyErr_SetString(PyExc_TypeError, "digests_add_new takes 7 arguments");
-        return NULL;
+        PyErr_Format(PyExc_TypeError, "%s takes 7 arguments", name);
+        return -1;
     }
-    o_table = PyTuple_GET_ITEM(args, 0);
-    slots = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
-    if (slots == -1 && PyErr_Occurred())
-        return NULL;
-    if ((rest = PyTuple_GetSlice(args, 2, 7)) == NULL)
-        return NULL;
+    *slots = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 1));
+    if (*slots == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *rest = PyTuple_GetSlice(args, 2, 7);
+    if (rest == NULL)
+        return -1;
+    int rc = utf8_arg(rest, a);
+    Py_DECREF(rest);
+    if (rc == 0 && table_arg(PyTuple_GET_ITEM(args, 0), *slots, table) == 0)
+        return 0;
+    utf8_arg_release(a);
+    return -1;
+}
+
+/* String i of the array as a digest; 0 with ValueError set if it is null or not 32 lowercase hex characters. */
+static int digest_at(const Utf8Arg *a, Py_ssize_t i, uint8_t out[16]) {
+    Py_ssize_t j = a->u.offset + i;
+    const int32_t *o = a->u.offsets + j;
+    if ((a->valid != NULL && !((a->valid[j >> 3] >> (j & 7)) & 1)) ||
+        !digest_from_hex(a->u.data + o[0], (size_t)(o[1] - o[0]), out)) {
+        PyErr_Format(PyExc_ValueError, "content hash %zd is not 32 lowercase hex characters", i);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *digests_add_new(PyObject *self, PyObject *args) {
     Utf8Arg a;
     Py_buffer table;
+    Py_ssize_t slots;
+    if (digest_args(args, "digests_add_new", &a, &table, &slots) < 0)
+        return NULL;
     PyObject *out = NULL;
-    uint8_t *digests = NULL;
-    int have_table = 0;
-    if (utf8_arg(rest, &a) < 0 || table_arg(o_table, slots, &table) < 0)
-        goto done;
-    have_table = 1;
     Py_ssize_t n = a.u.length;
-    if ((digests = PyMem_Malloc(16 * (size_t)(n ? n : 1))) == NULL) {
+    uint8_t *digests = PyMem_Malloc(16 * (size_t)(n ? n : 1));
+    if (digests == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t j = a.u.offset + i;
-        const int32_t *o = a.u.offsets + j;
-        if ((a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1)) ||
-            !digest_from_hex(a.u.data + o[0], (size_t)(o[1] - o[0]), digests + 16 * i)) {
-            PyErr_Format(PyExc_ValueError, "content hash %zd is not 32 lowercase hex characters", i);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!digest_at(&a, i, digests + 16 * i))
             goto done;
-        }
-    }
     if ((out = PyBytes_FromStringAndSize(NULL, n)) == NULL)
         goto done;
     uint8_t *mask = (uint8_t *)PyBytes_AS_STRING(out);
@@ -672,10 +757,37 @@ static PyObject *digests_add_new(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_Free(digests);
-    if (have_table)
-        PyBuffer_Release(&table);
+    PyBuffer_Release(&table);
     utf8_arg_release(&a);
-    Py_DECREF(rest);
+    return out;
+}
+
+PyDoc_STRVAR(digests_contains_doc,
+             "digests_contains(table, slots, offset, length, offsets, data, validity) -> bytes\n\n"
+             "One byte per string of the utf8 array (as digests_add_new takes it), 1 where its digest is in\n"
+             "the table; nothing is added. Any null or other text raises ValueError.");
+
+static PyObject *digests_contains_py(PyObject *self, PyObject *args) {
+    Utf8Arg a;
+    Py_buffer table;
+    Py_ssize_t slots;
+    if (digest_args(args, "digests_contains", &a, &table, &slots) < 0)
+        return NULL;
+    Py_ssize_t n = a.u.length;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out != NULL) {
+        uint8_t *mask = (uint8_t *)PyBytes_AS_STRING(out);
+        uint8_t digest[16];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!digest_at(&a, i, digest)) {
+                Py_CLEAR(out);
+                break;
+            }
+            mask[i] = (uint8_t)digests_contains(table.buf, (size_t)slots, digest);
+        }
+    }
+    PyBuffer_Release(&table);
+    utf8_arg_release(&a);
     return out;
 }
 
@@ -924,9 +1036,11 @@ static PyMethodDef methods[] = {
     {"decode_chunk", decode_chunk, METH_VARARGS, decode_chunk_doc},
     {"decode_block", decode_block, METH_VARARGS, decode_block_doc},
     {"content_hashes", content_hashes, METH_VARARGS, content_hashes_doc},
+    {"range_hashes", range_hashes, METH_VARARGS, range_hashes_doc},
     {"parse_times", parse_times, METH_VARARGS, parse_times_doc},
     {"redact_gate", redact_gate, METH_VARARGS, redact_gate_doc},
     {"digests_add_new", digests_add_new, METH_VARARGS, digests_add_new_doc},
+    {"digests_contains", digests_contains_py, METH_VARARGS, digests_contains_doc},
     {"digests_rehash", py_digests_rehash, METH_VARARGS, digests_rehash_doc},
     {"blake2b16_many", py_blake2b16_many, METH_O, blake2b16_many_doc},
     {"isspace", py_isspace_fn, METH_O, isspace_doc},
