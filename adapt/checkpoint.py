@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -191,6 +192,13 @@ def init_random_head(target_dir: str | Path, out_dir: str | Path, k: int = 3,
                      target_dir=target_dir)
 
 
+# Tensors some exporters write that no served head uses: speculators' training-time copies
+# of the target's output layer, and the ``hidden_norm`` vLLM creates on every layer but
+# only reads on the first (layers after it take no embeddings).
+_TRAINING_ONLY = frozenset({"verifier_lm_head.weight", "verifier_norm.weight"})
+_UNUSED_HIDDEN_NORM = re.compile(r"layers\.\d+\.hidden_norm\.weight")
+
+
 def _normalize_name(name: str) -> str:
     """Map the tensor names EAGLE-3 / P-EAGLE / speculators checkpoints use to ours."""
     if name.startswith("model.") and not name.startswith("model.lm_head"):
@@ -229,9 +237,13 @@ def _source_config(raw: dict[str, Any]) -> tuple[dict[str, Any], str, int | None
 def import_head(src_dir: str | Path, target_dir: str | Path, out_dir: str | Path, k: int | None = None) -> Path:
     """Normalize a foreign EAGLE-3 / P-EAGLE head (vLLM-style or speculators format) into a head dir.
 
-    Missing ``embed_tokens`` is copied from the target; a plain EAGLE-3 head
-    without ``mask_hidden``/mask token gets a zero ``mask_hidden`` and a spare
-    special token (it then needs training before parallel drafting is useful).
+    Any number of layers, with the head's own inner sizes (the published P-EAGLE
+    heads have 4 layers; tests/peagle_support.py writes their layout). Missing
+    ``embed_tokens`` is copied from the target; a plain EAGLE-3 head without
+    ``mask_hidden``/mask token gets a zero ``mask_hidden`` and a spare special token
+    (it then needs training before parallel drafting is useful). Tensors vLLM never
+    reads (speculators' ``verifier_*`` copies, ``hidden_norm`` past the first layer)
+    are dropped; the manifest's ``imported_from.notes`` says what was done.
     """
     src, target_dir = Path(src_dir), Path(target_dir)
     if not (src / "config.json").is_file():
@@ -252,6 +264,10 @@ def import_head(src_dir: str | Path, target_dir: str | Path, out_dir: str | Path
     for f in files:
         for name, t in _read_tensors(f).items():
             tensors[_normalize_name(name)] = t
+    for name in sorted(tensors):
+        if name in _TRAINING_ONLY or (_UNUSED_HIDDEN_NORM.fullmatch(name) and not name.startswith("layers.0.")):
+            del tensors[name]
+            notes.append(f"dropped {name} (vLLM never reads it)")
     if "embed_tokens.weight" not in tensors:
         tensors["embed_tokens.weight"] = _target_embeddings(target_dir)
         notes.append("embed_tokens copied from the target")

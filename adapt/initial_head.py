@@ -64,9 +64,19 @@ def configured_head(head: HeadConfig, target_dir: Path) -> DrafterConfig:
                                      head.aux_layer_ids or None, head.num_layers)
 
 
+# What ``[head]`` and the target decide about a head's shape. The drafter's inner sizes
+# (hidden/intermediate size, attention heads, head_dim) and its mask token are the base
+# head's own: an imported head (a published P-EAGLE head) need not have the target's
+# sizes, and a warm start keeps whatever it has.
+CONFIGURED_SHAPE_FIELDS = ("num_hidden_layers", "draft_vocab_size", "aux_layer_ids", "num_speculative_tokens",
+                           "vocab_size", "target_hidden_size")
+
+
 def check_same_shape(head: DrafterConfig, want: DrafterConfig) -> None:
-    """Warm start never changes a head's shape: what an in-place swap needs equal (:func:`shape_differences`)."""
-    diffs = [f"{f}: head has {a}, config asks {b}" for f, (a, b) in shape_differences(head, want).items()]
+    """Warm start never changes a head's shape: what an in-place swap needs equal (:func:`shape_differences`)
+    and the configuration decides (:data:`CONFIGURED_SHAPE_FIELDS`) must be what ``[head]`` asks."""
+    diffs = [f"{f}: head has {a}, config asks {b}" for f, (a, b) in shape_differences(head, want).items()
+             if f in CONFIGURED_SHAPE_FIELDS]
     if diffs:
         raise ShapeChangeError("warm start cannot change the head's shape (" + "; ".join(diffs)
                                + "); bootstrap a new head (no --base) instead")

