@@ -755,6 +755,7 @@ class _Run:
                 self.wh.commit(con, self.run_id, **pending, files=files, totals=totals, final=final)
             finally:
                 con.close()
+            self.wh.push_catalog()  # an S3 warehouse's catalog is shared: other workers read this commit
 
         self.sink.commit(commit)
         self.pending_manifest, self.pending_quarantine, self.pending_skips = [], [], []

@@ -12,6 +12,12 @@ Catalog tables: ``runs``, ``manifest``, ``quarantine``, ``skipped``, ``parquet_f
 warehouse only: DuckDB here has no S3 extension, so S3 Parquet is read with
 pyarrow's own S3 filesystem, see :meth:`Warehouse.read_conversations`).
 
+With an S3 warehouse the catalog is shared through the warehouse itself: the last committed
+catalog lies at ``<uri>/_catalog/catalog.duckdb``. Opening the catalog first fetches that copy
+when it differs from the local one (compared by ETag), and every ingest commit uploads it, so
+workers with separate disks that share only the bucket see one catalog. One ingest writes at a
+time (the DAG runs one cycle at a time); readers on any worker see the last commit.
+
 A row named in ``superseded`` (a longer version of its conversation was stored later) stays
 in its Parquet part, which is never rewritten, but no reader returns it: the views and
 :meth:`Warehouse.read_conversations` leave it out.
@@ -43,7 +49,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from capture.fsmode import FILE_MODE, create_private, owner_only_umask, private_dirs
+from capture.fsmode import FILE_MODE, create_private, owner_only_umask, private_dirs, write_private
 
 TURN = pa.struct([("from", pa.string()), ("value", pa.string())])
 
@@ -184,13 +190,61 @@ class Warehouse:
                 self._boto = s3_client(self._s3_cfg)
             return self._boto
 
+    # -- the shared catalog (S3 warehouse) ---------------------------------------------
+
+    def _catalog_key(self) -> tuple[str, str]:
+        bucket, _, prefix = self.base.partition("/")
+        return bucket, "/".join(x for x in (prefix, "_catalog", "catalog.duckdb") if x)
+
+    def _etag_file(self) -> Path:
+        return self.catalog.with_name(self.catalog.name + ".etag")
+
+    def pull_catalog(self) -> bool:
+        """Fetch the shared catalog when it differs from the local copy; True when it was fetched."""
+        if not self.is_s3:
+            return False
+        bucket, key = self._catalog_key()
+        client = self._client()
+        try:
+            etag = client.head_object(Bucket=bucket, Key=key)["ETag"]
+        except Exception as exc:  # botocore raises a bare ClientError for HEAD
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False  # no catalog shared yet: the first ingest writes it
+            raise
+        mark = self._etag_file()
+        if self.catalog.exists() and mark.exists() and mark.read_text() == etag:
+            return False
+        private_dirs(self.catalog.parent)
+        tmp = self.catalog.with_name(f".{self.catalog.name}.{uuid.uuid4().hex[:8]}")
+        try:
+            with owner_only_umask():
+                client.download_file(bucket, key, str(tmp))
+            os.replace(tmp, self.catalog)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.catalog.with_name(self.catalog.name + ".wal").unlink(missing_ok=True)  # belongs to the old file
+        write_private(mark, etag)
+        return True
+
+    def push_catalog(self) -> None:
+        """Upload the local catalog (closed, so checkpointed) as the shared one."""
+        if not self.is_s3:
+            return
+        bucket, key = self._catalog_key()
+        client = self._client()
+        with open(self.catalog, "rb") as f:
+            etag = client.put_object(Bucket=bucket, Key=key, Body=f)["ETag"]
+        write_private(self._etag_file(), etag)
+
     # -- catalog -----------------------------------------------------------------------
 
     def connect(self, read_only: bool = False) -> duckdb.DuckDBPyConnection:
-        """Open the catalog (creating its tables on first write)."""
+        """Open the catalog (creating its tables on first write); an S3 warehouse's shared one first."""
         # Imported here: ingest workers import this module for SCHEMA only, and duckdb
         # costs each of them ~0.05 s of CPU to import.
         import duckdb
+
+        self.pull_catalog()
 
         if read_only and not self.catalog.exists():
             con = duckdb.connect(":memory:")

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -209,9 +210,19 @@ def step_base(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[st
     if live is None:
         cur = Path(cfg.head.heads_dir) / "current"
         live = str(cur.resolve()) if (cur / "config.json").is_file() else None
-    live_sha = validate_head(live, _target(cfg)).sha256 if live else None
+    if not live:
+        return {"parent_version": None, "parent_path": None, "parent_sha256": None,
+                "live_version": None, "live_path": None, "live_sha256": None}
+    # A copy in the cycle directory: the bench step may run on a worker without this one's heads.
+    copy = d / "live"
+    if not (copy / "config.json").is_file():
+        tmp = d / ".live.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(live, tmp)
+        os.replace(tmp, copy)
+    live_sha = validate_head(copy, _target(cfg)).sha256
     return {"parent_version": None, "parent_path": None, "parent_sha256": None,
-            "live_version": None, "live_path": live, "live_sha256": live_sha}
+            "live_version": None, "live_path": "live", "live_sha256": live_sha}
 
 
 def step_train(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:

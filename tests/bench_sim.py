@@ -9,9 +9,11 @@ the slot) and a jitter per block.
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
-from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, plan
+from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, analyze, headline, plan
 from serving.metrics import SpecDelta
 
 N = 24
@@ -52,3 +54,22 @@ def simulate(slots, speed, *, drift=0.0, load=0.0, jitter=0.0, seed=0, al=None):
                            "prompts": slot.prompts, "results": results,
                            "wall": sum(r.latency for r in results) / slot.concurrency, "spec": spec})
     return blocks
+
+
+def simulated_bench(runs, calls: list):
+    """A stand-in for run_bench_cli: each call analyzes the next simulated run (load, speeds) for real."""
+    runs = iter(runs)
+
+    def fake_bench(c, *, out, seed, **kw):
+        load, speed = next(runs)
+        calls.append(seed)
+        blocks = simulate(slots_for(seed=seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0}, load=load,
+                          jitter=load / 4, seed=seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
+        res = {"heads": {"candidate": {"sha256": "c" * 64}, "live": {"sha256": "l" * 64}}, "requests": N,
+               **analyze(blocks, ARMS, CONCS, 0.9, 500, seed)}
+        res["summary"] = headline(res)
+        Path(out).mkdir(parents=True)
+        (Path(out) / "bench.json").write_text(json.dumps(res))
+        return res
+
+    return fake_bench

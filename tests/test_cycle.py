@@ -9,6 +9,7 @@ import pytest
 
 from loop import cycle, tracking
 from settings.config import load_config
+from tests.bench_sim import simulated_bench
 
 
 @pytest.fixture
@@ -84,28 +85,6 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
     p = tracking.run_params(cfg, state)
     assert p["parent_version"] == "4" and p["train_snapshot_id"] == "a" * 64 and p["gate.confidence"] == "0.9"
     assert p["training.depth_weights"] == "[1.0, 0.8, 0.6]"
-
-
-def simulated_bench(runs, calls: list):
-    """A stand-in for run_bench_cli: each call analyzes the next simulated run (load, speeds) for real."""
-    from evaluation.bench import CANDIDATE, CONTROL, LIVE, analyze, headline
-    from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
-
-    runs = iter(runs)
-
-    def fake_bench(c, *, out, seed, **kw):
-        load, speed = next(runs)
-        calls.append(seed)
-        blocks = simulate(slots_for(seed=seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0}, load=load,
-                          jitter=load / 4, seed=seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
-        res = {"heads": {"candidate": {"sha256": "c" * 64}, "live": {"sha256": "l" * 64}}, "requests": N,
-               **analyze(blocks, ARMS, CONCS, 0.9, 500, seed)}
-        res["summary"] = headline(res)
-        Path(out).mkdir(parents=True)
-        (Path(out) / "bench.json").write_text(json.dumps(res))
-        return res
-
-    return fake_bench
 
 
 def bench_state(cid: str) -> dict:
