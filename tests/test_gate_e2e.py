@@ -32,9 +32,12 @@ WORDS = ("the of and to in is you that it he was for on are as with his they at 
 
 
 def prompts(n: int, seed: int) -> list[dict]:
+    """One-turn ShareGPT rows (the replay sends the user turn; the served answer replaces none)."""
     rng = random.Random(seed)
-    return [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))}]}
-            for _ in range(n)]
+    def question() -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+
+    return [{"conversations": [{"from": "human", "value": question()}]} for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,7 @@ def gated(tmp_path_factory, model_cache):
         "serving": {"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN,
                     "max_model_len": 1024},
         "bench": {"concurrencies": [1, 2], "max_prompts": 16, "max_tokens": 32, "rounds": 2},
-        "demo": {"max_tokens": 48, "concurrency": 4, "gap_seconds": 4},
+        "demo": {"max_tokens": 48, "concurrency": 4, "gap_seconds": 4, "heldout_fraction": 1 / 7},
     })
     cold = init_random_head(target, d / "heads" / "cold", k=3, seed=0, draft_vocab_size=256)
     model = served_name(cfg.target)
@@ -72,7 +75,7 @@ def gated(tmp_path_factory, model_cache):
     try:
         stack.start()
         bench.wait_healthy()
-        sent = send_phases(stack, model, prompts(96, 0), prompts(16, 1), cfg.demo, print, "traffic")
+        sent = send_phases(stack, model, prompts(96, 0) + prompts(16, 1), cfg.demo, print, "traffic")
         wait_captured(stack, 112)
         yield {"cfg": cfg, "stack": stack, "cold": cold, "bench_url": spec.url, "gap_mid": sent["gap_mid"],
                "dir": d}
