@@ -2,10 +2,11 @@
 
 1. start a pool of the target in vLLM behind the capturing router, serving a cold-start
    (untrained) P-EAGLE head, plus a dedicated bench replica;
-2. send general chat (MT-Bench) through the router, so it is captured;
+2. replay general ShareGPT conversations (real users' multi-turn chat, turn by turn with the
+   target's own answers) through the router, so they are captured;
 3. cycle 1 bootstraps a base head from that traffic, benchmarks it against the cold head,
    gates, registers and promotes it, and the pool hot-swaps to it;
-4. send drifted traffic (HumanEval code, BFCL tool calls) through the router;
+4. replay drifted traffic (code-heavy ShareGPT conversations, BFCL tool calls) through the router;
 5. cycle 2 adapts the Production head to the captured drift: train, offline eval, replay
    benchmark against the live head, gate, register, promote, hot-swap;
 6. roll back by moving the previous version to Production in the registry, and time how

