@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from headspec.files import sha256_file
 
@@ -305,23 +306,10 @@ def build_tiny_target(
                                  "spec": spec})
 
 
-def build_tiny_llama(
-    out_dir: str | Path,
-    *,
-    vocab_size: int = 512,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 2,
-    num_kv_heads: int = 1,
-    intermediate_size: int = 256,
-    seed: int = 0,
-    residual_scale: float = 1.0,
-) -> Path:
+def build_tiny_llama(out_dir: str | Path, **spec: Any) -> Path:
     """Build (once) a tiny random Llama with a trained BPE tokenizer and ChatML template
-    (:func:`build_tiny_target` with ``arch="llama"``)."""
-    return build_tiny_target("llama", out_dir, vocab_size=vocab_size, hidden_size=hidden_size,
-                             num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                             intermediate_size=intermediate_size, seed=seed, residual_scale=residual_scale)
+    (:func:`build_tiny_target` with ``arch="llama"``; ``spec`` as there)."""
+    return build_tiny_target("llama", out_dir, **spec)
 
 
 # A tiny target whose greedy text a trained head can predict well (see residual_scale): the

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from serving.metrics import SpecSnapshot
 from settings.config import load_config
 from targets.model_zoo import PREDICTABLE_RESIDUAL_SCALE, TINY_ARCHS, build_tiny_target
 from tests.peagle_support import write_published_peagle_head
+from tests.target_support import self_answered
 
 pytestmark = pytest.mark.services
 # Llama is served by the other vLLM tests; these are the rest of docs/architectures.md's table.
@@ -53,8 +53,6 @@ ARCHS = ("qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 MULTI_LAYER_ARCH = "qwen3_moe"
 K = 3
 MAX_NEW = 32
-WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from "
-         "def return import class self print while if else json tool call function name value list").split()
 
 
 @dataclass
@@ -67,20 +65,6 @@ class Case:
     second: Path  # the head swapped in place
     base: Path | None  # the imported published-layout head (multi-layer case)
     result: TrainResult
-
-
-def _traffic(runner: TargetRunner, n: int, seed: int) -> list[dict]:
-    """ShareGPT rows whose answers the target generated greedily."""
-    rng = random.Random(seed)
-    eos = runner.tokenizer.eos_token_id
-    rows = []
-    for i in range(n):
-        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
-        row = {"content_hash": f"self-{seed}-{i}", "conversations": [{"from": "human", "value": q}]}
-        out = runner.greedy(runner.prompt_ids(row), 48, stop_ids=(eos,))
-        row["conversations"].append({"from": "gpt", "value": runner.tokenizer.decode(out, skip_special_tokens=True)})
-        rows.append(row)
-    return rows
 
 
 def _cfg(work: Path, target: Path, num_layers: int, **training):
@@ -105,8 +89,8 @@ def case(request, model_cache, tmp_path_factory) -> Case:
     torch.set_num_threads(1)
     try:
         runner = TargetRunner(target, default_aux_layer_ids(L), device="cpu", dtype=torch.float32)
-        rows = _traffic(runner, 24, seed=0)
-        held = [runner.prompt_ids(r) for r in _traffic(runner, 3, seed=1)]
+        rows = self_answered(runner, 24, seed=0)
+        held = [runner.prompt_ids(r) for r in self_answered(runner, 3, seed=1)]
         if arch == MULTI_LAYER_ARCH:
             published = write_published_peagle_head(target, work / "published", num_layers=4, k=K)
             base = import_head(published, target, work / "imported")
@@ -116,7 +100,7 @@ def case(request, model_cache, tmp_path_factory) -> Case:
             base = None
             res = train(_cfg(work, target, 1), rows, None, work / "trained", progress=False)
             # The second head: a warm start of the first on the held-out traffic, as a cycle makes one.
-            train(_cfg(work, target, 1, max_steps=10), _traffic(runner, 6, seed=2), str(work / "trained"),
+            train(_cfg(work, target, 1, max_steps=10), self_answered(runner, 6, seed=2), str(work / "trained"),
                   work / "second", progress=False)
             second = work / "second"
     finally:

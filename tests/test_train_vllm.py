@@ -12,38 +12,21 @@ token and make a text comparison meaningless).
 
 from __future__ import annotations
 
-import random
 import time
 
 import httpx
 import pytest
 import torch
 
-from settings.config import load_config
-from evaluation.offline import estimate_acceptance
-from serving.metrics import SpecSnapshot
 from adapt.hidden_states import TargetRunner
 from adapt.train import train
+from evaluation.offline import estimate_acceptance
+from serving.metrics import SpecSnapshot
+from settings.config import load_config
+from tests.target_support import self_answered
 
 K = 3
 MAX_NEW = 40
-WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from "
-         "def return import class self print while if else json tool call function name value list").split()
-
-
-def _traffic(runner: TargetRunner, n: int, seed: int) -> list[dict]:
-    """ShareGPT rows whose answers the target generated greedily."""
-    rng = random.Random(seed)
-    eos = runner.tokenizer.eos_token_id
-    rows = []
-    for i in range(n):
-        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
-        row = {"content_hash": f"self-{seed}-{i}", "conversations": [{"from": "human", "value": q}]}
-        out = runner.greedy(runner.prompt_ids(row), 48, stop_ids=(eos,))
-        answer = runner.tokenizer.decode(out, skip_special_tokens=True)
-        row["conversations"].append({"from": "gpt", "value": answer})
-        rows.append(row)
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +42,8 @@ def adapted(tiny_model, tmp_path_factory):
     torch.set_num_threads(1)
     try:
         runner = TargetRunner(tiny_model, [1, 2, 3], device="cpu", dtype=torch.float32)
-        rows = _traffic(runner, 48, seed=0)
-        held = [runner.prompt_ids(r) for r in _traffic(runner, 6, seed=1)]
+        rows = self_answered(runner, 48, seed=0)
+        held = [runner.prompt_ids(r) for r in self_answered(runner, 6, seed=1)]
         res = train(cfg, rows, None, work / "head", progress=False)
     finally:
         torch.set_num_threads(before)
