@@ -65,7 +65,11 @@ def test_s3_source_and_s3_warehouse_incremental(s3env):
     assert ingest(cfg).read == 0
 
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/warehouse/")["Contents"]]
-    assert keys and all("/dt=" in k and k.endswith(".parquet") for k in keys)
+    # Parquet parts by day, and the catalog every worker shares.
+    catalog = f"{prefix}/warehouse/_catalog/catalog.duckdb"
+    assert catalog in keys
+    parts = [k for k in keys if k != catalog]
+    assert parts and all("/dt=" in k and k.endswith(".parquet") for k in parts)
     rows = load_split(cfg, "train", heldout_hours=0)
     assert len(rows) == 8 and len({r["content_hash"] for r in rows}) == 8
     assert {r["endpoint"] for r in rows} == {"llm-ep"}
@@ -137,6 +141,9 @@ def test_s3_warehouse_crash_leaves_orphans_invisible_then_cleans_them(s3env, mon
     res = ingest(cfg)
     assert (res.read, res.normalized) == (3, 3)
     after = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/warehouse/")["Contents"]]
+    # The crashed run pushed no catalog; the run that committed did, beside its one part.
+    catalog = f"{prefix}/warehouse/_catalog/catalog.duckdb"
+    after.remove(catalog)
     assert len(after) == 1 and after[0] != listed[0]["Key"]
     out = tmp_path / "train.jsonl"
     assert export(cfg, "train", out, heldout_hours=0) == 3
