@@ -9,7 +9,6 @@ counts, as in vLLM's own logging); acceptance at position ``i`` is
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -21,26 +20,12 @@ NUM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 GENERATION_TOKENS = "vllm:generation_tokens"
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Parse the text exposition format into (name, labels, value) samples."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, labels_raw, value = m.groups()
-        labels = dict(_LABEL.findall(labels_raw or ""))
-        try:
-            out.append((name, labels, float(value)))
-        except ValueError:
-            continue
-    return out
+    """(name, labels, value) samples of the text exposition format (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(smp.name, dict(smp.labels), float(smp.value))
+            for fam in text_string_to_metric_families(text) for smp in fam.samples]
 
 
 def _base(name: str) -> str:
