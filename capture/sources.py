@@ -114,6 +114,12 @@ def in_window(hour: datetime | None, since: datetime | None, until: datetime | N
     return True
 
 
+def is_not_found(exc: BaseException) -> bool:
+    """Whether a botocore ``ClientError`` says the object is not there (GET: NoSuchKey; HEAD: a bare 404)."""
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+    return code in ("NoSuchKey", "404", "NotFound")
+
+
 def s3_client(s3_cfg: S3Config | None) -> Any:
     """A boto3 S3 client from ``config.s3`` (standard credential chain, optional endpoint URL)."""
     import boto3
@@ -243,9 +249,8 @@ def iter_blocks(uri: str, client: Any = None, s3: S3Config | None = None, block_
         client = client or s3_client(s3)
         try:
             body = client.get_object(Bucket=bucket, Key=key)["Body"]
-        except Exception as exc:  # botocore ClientError: NoSuchKey / 404
-            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
-            if code in ("NoSuchKey", "404", "NotFound"):
+        except Exception as exc:  # botocore ClientError
+            if is_not_found(exc):
                 raise ObjectMissing(uri) from exc
             raise
         try:

@@ -50,6 +50,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from capture.fsmode import FILE_MODE, create_private, owner_only_umask, private_dirs, write_private
+from capture.sources import is_not_found
 
 TURN = pa.struct([("from", pa.string()), ("value", pa.string())])
 
@@ -207,8 +208,8 @@ class Warehouse:
         client = self._client()
         try:
             etag = client.head_object(Bucket=bucket, Key=key)["ETag"]
-        except Exception as exc:  # botocore raises a bare ClientError for HEAD
-            if getattr(exc, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        except Exception as exc:  # botocore ClientError
+            if is_not_found(exc):
                 return False  # no catalog shared yet: the first ingest writes it
             raise
         mark = self._etag_file()
