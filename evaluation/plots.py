@@ -77,8 +77,7 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> Path:
     ax2.legend(fontsize=8)
     ax2.grid(axis="y", alpha=0.3)
 
-    rounds = result["rounds"]  # per-round figures since schema 2; a count before
-    n_rounds = len(rounds) if isinstance(rounds, list) else rounds
+    n_rounds = len(result["rounds"])  # the per-round figures
     fig.suptitle(f"Replay bench: {result['requests']} held-out requests × {n_rounds} counterbalanced rounds",
                  fontsize=11)
     fig.tight_layout()

@@ -1,10 +1,13 @@
-"""Traffic a tiny target answered itself, for the tests that train and serve a head on it."""
+"""Traffic a tiny target answered itself, and greedy serving of it, for the tests that train and serve a head."""
 
 from __future__ import annotations
 
 import random
 
+import httpx
+
 from adapt.hidden_states import TargetRunner
+from serving.metrics import SpecDelta, SpecSnapshot
 
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from "
          "def return import class self print while if else json tool call function name value list").split()
@@ -22,3 +25,17 @@ def self_answered(runner: TargetRunner, n: int, seed: int, max_new: int = 48) ->
         row["conversations"].append({"from": "gpt", "value": runner.tokenizer.decode(out, skip_special_tokens=True)})
         rows.append(row)
     return rows
+
+
+def serve_greedy(server, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], SpecDelta]:
+    """Each prompt's greedy completion (token ids, ``max_new`` of them) from a replica serving as
+    ``target``, and the spec-decode counters those requests moved."""
+    before = SpecSnapshot.from_text(server.metrics())
+    outs = []
+    for p in prompts:
+        r = httpx.post(server.url + "/v1/completions", timeout=180, json={
+            "model": "target", "prompt": p, "max_tokens": max_new, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        r.raise_for_status()
+        outs.append(r.json()["choices"][0]["token_ids"])
+    return outs, SpecSnapshot.from_text(server.metrics()).minus(before)

@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -41,11 +40,11 @@ from evaluation.offline import estimate_acceptance
 from headspec.config import DrafterConfig, default_aux_layer_ids
 from headspec.validate import validate_head
 from serving.admin import ReplicaAdmin
-from serving.metrics import SpecSnapshot
+from serving.metrics import SpecDelta
 from settings.config import load_config
 from targets.model_zoo import PREDICTABLE_RESIDUAL_SCALE, TINY_ARCHS, build_tiny_target
 from tests.peagle_support import write_published_peagle_head
-from tests.target_support import self_answered
+from tests.target_support import self_answered, serve_greedy
 
 pytestmark = pytest.mark.services
 # Llama is served by the other vLLM tests; these are the rest of docs/architectures.md's table.
@@ -120,19 +119,7 @@ def server(case, start_replica):
         srv.stop()
 
 
-def _serve(server, prompts: list[list[int]]) -> tuple[list[list[int]], SpecSnapshot]:
-    before = SpecSnapshot.from_text(server.metrics())
-    outs = []
-    for p in prompts:
-        r = httpx.post(server.url + "/v1/completions", timeout=180, json={
-            "model": "target", "prompt": p, "max_tokens": MAX_NEW, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True})
-        r.raise_for_status()
-        outs.append(r.json()["choices"][0]["token_ids"])
-    return outs, SpecSnapshot.from_text(server.metrics()).minus(before)
-
-
-def _assert_offline_equals_vllm(case: Case, head: Path, d: SpecSnapshot) -> dict:
+def _assert_offline_equals_vllm(case: Case, head: Path, d: SpecDelta) -> dict:
     assert d.drafts > 0 and d.draft_tokens == K * d.drafts
     off = estimate_acceptance(head, case.target, prompts_ids=case.held, max_new_tokens=MAX_NEW,
                               ignore_eos=True, runner=case.runner)
@@ -216,7 +203,7 @@ def test_vllm_serves_the_head_with_parallel_drafting_and_unchanged_greedy_text(c
     # The proposer caches fc(mask_hidden) only when parallel drafting is on.
     assert info["num_speculative_tokens"] == K and info["pd_hidden_sha256"]
     assert info["shape"]["num_hidden_layers"] == (4 if case.base else 1)
-    outs, d = _serve(server, case.held)
+    outs, d = serve_greedy(server, case.held, MAX_NEW)
     for p, got in zip(case.held, outs):
         assert got == case.runner.greedy(p, MAX_NEW), f"{case.arch}: spec-decoded output differs for {p}"
     print(f"\n{case.arch}: engine start {server.start_seconds:.0f}s, train {case.result.steps} steps")
@@ -230,7 +217,7 @@ def test_in_place_swap_to_a_second_head_keeps_serving_and_drafting(case, server)
     got = asyncio.run(adm.load_head(str(case.second), "second", want))
     assert got["sha256"] == want and got["swaps"] == 1
     assert asyncio.run(adm.param_digest())["target"] == target_before
-    outs, d = _serve(server, case.held)
+    outs, d = serve_greedy(server, case.held, MAX_NEW)
     for p, o in zip(case.held, outs):
         assert o == case.runner.greedy(p, MAX_NEW), f"{case.arch}: output after the swap differs for {p}"
     # The engine now drafts with the second head: its counters are the second head's offline estimate.

@@ -14,7 +14,6 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import boto3
 import pytest
 
 from capture.synth import write_layout
@@ -29,7 +28,7 @@ T0 = datetime(2025, 3, 1, tzinfo=timezone.utc)
 
 
 def upload(s3_server, local_root: Path, prefix: str) -> None:
-    c = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name=s3_server.region)
+    c = s3_server.client()
     for p in sorted(local_root.rglob("*")):
         if p.is_file():
             c.upload_file(str(p), s3_server.bucket, f"{prefix}/{p.relative_to(local_root).as_posix()}")

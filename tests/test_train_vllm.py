@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 import torch
 
 from adapt.hidden_states import TargetRunner
 from adapt.train import train
 from evaluation.offline import estimate_acceptance
-from serving.metrics import SpecSnapshot
 from settings.config import load_config
-from tests.target_support import self_answered
+from tests.target_support import self_answered, serve_greedy
 
 K = 3
 MAX_NEW = 40
@@ -51,15 +49,7 @@ def adapted(tiny_model, tmp_path_factory):
 
 
 def _serve_and_count(server, prompts: list[list[int]]) -> tuple[list[list[int]], float, list[float]]:
-    before = SpecSnapshot.from_text(server.metrics())
-    outs = []
-    for p in prompts:
-        r = httpx.post(server.url + "/v1/completions", timeout=180, json={
-            "model": "target", "prompt": p, "max_tokens": MAX_NEW, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True})
-        r.raise_for_status()
-        outs.append(r.json()["choices"][0]["token_ids"])
-    d = SpecSnapshot.from_text(server.metrics()).minus(before)
+    outs, d = serve_greedy(server, prompts, MAX_NEW)
     drafts, acc = d.drafts, d.accepted
     per_pos = [x / drafts for x in d.per_pos]
     assert drafts > 0
