@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -282,25 +283,32 @@ def test_a_failed_run_still_releases_its_feature_cache(tiny_model, tmp_path, mon
 
 
 def test_large_blocks_are_reused_inside_training_not_faulted_in_again():
-    """Freeing and reallocating a step-sized tensor faults its pages in again by default; not inside the context."""
+    """A step's large tensors fault their pages in again every step by default; inside the context, once warm, not.
+
+    Which freed block the next allocation fits depends on what small allocations
+    landed beside it (torch's aligned allocations carry padding), so the first
+    steps may still grow the heap: the claim is about the steady state.
+    """
     from adapt.memory import heap_kept_between_steps
 
     def minor_faults() -> int:
         return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
 
-    def refault_pages() -> int:
-        torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, above glibc's mmap ceiling; freed at once
+    def step_faults() -> int:
         before = minor_faults()
-        torch.ones(64 << 20, dtype=torch.uint8)
+        # two step-sized blocks above glibc's 32 MiB mmap ceiling, freed at the end of the step
+        x = torch.ones(64 << 20, dtype=torch.uint8)
+        y = torch.ones(48 << 20, dtype=torch.uint8) + 1
+        del x, y
         return minor_faults() - before
 
-    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert refault_pages() > pages // 2
+    pages = (112 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert statistics.median(step_faults() for _ in range(3)) > pages // 2
     with heap_kept_between_steps() as kept:
         assert kept
-        refault_pages()  # the first block now comes from the heap and stays there
-        assert refault_pages() < pages // 20
-    assert refault_pages() > pages // 2  # glibc's defaults are back
+        steps = [step_faults() for _ in range(12)]
+    assert statistics.median(steps[6:]) < pages // 20, steps
+    assert statistics.median(step_faults() for _ in range(3)) > pages // 2  # glibc's defaults are back
 
 
 def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
