@@ -47,8 +47,8 @@ class Controller:
 
     def __init__(self, cfg: Config, *, router_url: str | None = None, admin_token: str | None = None,
                  poll_seconds: float | None = None, rollback_fraction: float | None = None,
-                 drift_fraction: float = 0.9, min_live_drafts: float = 50.0, max_backoff: float = 60.0,
-                 trigger: Callable[[dict[str, Any]], Any] | None = None, trigger_cooldown_s: float = 6 * 3600,
+                 min_live_drafts: float | None = None, max_backoff: float = 60.0,
+                 trigger: Callable[[dict[str, Any]], Any] | None = None,
                  health_host: str = "127.0.0.1", health_port: int | None = None,
                  request_timeout: float = 600.0) -> None:
         # Fail fast inside a poll instead of MLflow's minutes of retries; the loop does the retrying.
@@ -62,11 +62,11 @@ class Controller:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.poll = poll_seconds or cfg.controller.poll_seconds
         self.rollback_fraction = cfg.controller.rollback_fraction if rollback_fraction is None else rollback_fraction
-        self.drift_fraction = drift_fraction
-        self.min_live_drafts = min_live_drafts
+        self.drift_fraction = cfg.controller.drift_fraction
+        self.min_live_drafts = cfg.controller.min_live_drafts if min_live_drafts is None else min_live_drafts
         self.max_backoff = max_backoff
         self.trigger = trigger if trigger is not None else airflow_trigger_from_env()
-        self.trigger_cooldown_s = trigger_cooldown_s
+        self.trigger_cooldown_s = cfg.controller.drift_cooldown_s
         self.request_timeout = request_timeout
         self.registry = reg_mod.Registry(cfg)
         self.events: deque[dict[str, Any]] = deque(maxlen=500)

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -183,8 +183,20 @@ class CycleConfig(_Section):
 
 
 class ControllerConfig(_Section):
+    """When live acceptance, as a fraction of the Production version's benchmarked value, calls for action."""
+
     poll_seconds: float = Field(5.0, gt=0)
-    rollback_fraction: float = Field(0.7, ge=0, le=1)
+    rollback_fraction: float = Field(0.7, ge=0, le=1)  # below: put the previous Production version back
+    drift_fraction: float = Field(0.9, ge=0, le=1)  # below: trigger the nightly DAG early
+    drift_cooldown_s: float = Field(6 * 3600, ge=0)  # at most one early trigger in this many seconds
+    min_live_drafts: float = Field(50.0, ge=1)  # live drafts counted before either decision is taken
+
+    @model_validator(mode="after")
+    def _drift_above_rollback(self) -> "ControllerConfig":
+        if self.drift_fraction < self.rollback_fraction:
+            raise ValueError(f"controller.drift_fraction ({self.drift_fraction}) is below rollback_fraction "
+                             f"({self.rollback_fraction}): a drop would roll back before it could trigger adaptation")
+        return self
 
 
 class DemoConfig(_Section):
