@@ -18,6 +18,8 @@ PARAMS = {
     "cycle_id": Param(None, type=["null", "string"], description="resume this cycle instead of the run's own"),
     "live_head": Param(None, type=["null", "string"], description="live head while nothing is in Production"),
     "bench_url": Param(None, type=["null", "string"], description="existing bench replica URL"),
+    "nospec_url": Param(None, type=["null", "string"],
+                        description="existing replica without speculation (the bench's reference arm)"),
     "router_url": Param(None, type=["null", "string"], description="swap this router's pool after promotion"),
 }
 

@@ -41,6 +41,7 @@ def probe(tmp_path: Path) -> dict:
 
 
 def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
+    from loop.airflow_tasks import OPTION_KEYS
     from loop.cycle import STEPS
 
     out = probe(tmp_path)
@@ -54,6 +55,8 @@ def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
     # A strict chain: each task waits for exactly the previous one.
     assert n["upstream"] == {t: ([chain[i - 1]] if i else []) for i, t in enumerate(chain)}
     assert {"config", "cycle_id", "live_head", "bench_url", "router_url"} <= set(n["params"])
+    # Every option a cycle records can be given as a param, except the interval, which is the run's own.
+    assert set(OPTION_KEYS) - {"data_interval"} <= set(n["params"])
     r = out["dags"]["drafter_reconcile"]
     assert list(r["upstream"]) == ["reconcile"] and r["max_active_runs"] == 1 and r["catchup"] is False
     # Every task is bounded in time, and the snapshot is an asset for data-aware scheduling.
