@@ -343,11 +343,17 @@ def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None
     from evaluation.plots import plot_bench
     from headspec.resolve import resolve_head
     from headspec.validate import validate_head
+    from serving.admin import url_is_loopback
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from serving.serve import served_name
     from targets.model_zoo import ensure_target
 
+    if url is not None and not url_is_loopback(url):
+        # Heads go in by local path over the replica's dev-mode RPC, which never leaves loopback.
+        raise ValueError(f"bench replica {url} is not on loopback: the bench swaps heads into it by local path "
+                         "over its loopback RPC, so it must run on this worker (e.g. http://127.0.0.1:PORT); "
+                         "leave the URL out to have the bench start its own")
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     dl = Path(cfg.head.heads_dir) / "downloaded"
     heads = {}

@@ -65,3 +65,14 @@ def test_config_never_prints_the_admin_token(tmp_path):
     for args in (["config", "--json", "--config", str(cfg)], ["config", "--config", str(cfg)]):
         r = runner.invoke(app, args)
         assert r.exit_code == 0 and "s3cr3t" not in r.output and "***" in r.output
+
+
+def test_bench_refuses_a_bench_replica_off_this_worker(tmp_path):
+    """Heads go into the bench replica by local path over its loopback RPC: a remote URL fails before anything runs."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n')
+    r = runner.invoke(app, ["bench", "--candidate", "a", "--live", "b", "--url", "http://10.1.2.3:8000",
+                            "--json", "--config", str(cfg)])
+    err = json.loads(r.stdout)
+    assert r.exit_code == err["exit_code"] != 0 and "is not on loopback" in err["error"], r.output
+    assert not (tmp_path / "bench").exists()
