@@ -27,8 +27,11 @@ from serving.replica import build_command
 from settings.config import Config
 
 # Variables the agent (and the head fetch) read from the environment; their values are secrets.
+# All but the agent token are optional: a registry or bucket may need no credentials, or get them otherwise.
 SECRET_ENV = {"ADAPT_AGENT_TOKEN": "agent-token", "AWS_ACCESS_KEY_ID": "aws-access-key-id",
-              "AWS_SECRET_ACCESS_KEY": "aws-secret-access-key"}
+              "AWS_SECRET_ACCESS_KEY": "aws-secret-access-key", "MLFLOW_TRACKING_TOKEN": "mlflow-tracking-token",
+              "MLFLOW_TRACKING_USERNAME": "mlflow-tracking-username",
+              "MLFLOW_TRACKING_PASSWORD": "mlflow-tracking-password"}
 
 
 @dataclass
@@ -96,7 +99,9 @@ def shell_text(r: Recipe) -> str:
     out = [
         "# An attached replica and its agent (docs/architecture.md, \"Attached replicas\").",
         "# Export from your secret store first (never written here): ADAPT_AGENT_TOKEN, the pool's",
-        "# [serving].agent_token; AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when heads come from S3.",
+        "# [serving].agent_token; AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when heads come from S3;",
+        "# MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, when the",
+        "# tracking server asks for credentials.",
         "# 1. Fetch and validate the first head:",
         line(r.env, r.fetch),
         "# 2. The replica, on loopback only (its dev-mode RPC must never leave this host):",

@@ -83,7 +83,9 @@ def test_replica_command_is_the_pools_own_replica_on_loopback_with_its_agent(cfg
     assert aflag == {"--replica": "http://127.0.0.1:8200", "--host": "0.0.0.0", "--port": "9300", "--target": "/m/t",
                      "--heads-dir": "/var/heads/fetched", "--tracking-uri": "https://mlflow.example:5000",
                      "--s3-endpoint": "https://s3.example"}
-    assert out["agent"]["secret_env"] == ["ADAPT_AGENT_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    assert out["agent"]["secret_env"] == ["ADAPT_AGENT_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                          "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                                          "MLFLOW_TRACKING_USERNAME"]
     # The shell form is the same command lines, and never the token.
     text = _cli("replica", "command", "--config", str(cfg_file), "--head", "s3://b/heads/v7", "--repo-dir", "/opt/da",
                 "--target", "/m/t", "--heads-dir", "/var/heads").stdout
@@ -134,7 +136,12 @@ def test_k8s_manifest_two_containers_on_the_pod_loopback_token_from_a_secret(cfg
     env = {e["name"]: e for e in agent["env"]}
     assert env["ADAPT_AGENT_TOKEN"] == {"name": "ADAPT_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": "drafter-adapt", "key": "agent-token", "optional": False}}}
-    assert all("value" not in env[k] for k in ("ADAPT_AGENT_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))
+    secrets = ("ADAPT_AGENT_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_TOKEN",
+               "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    assert all("value" not in env[k] for k in secrets)
+    # The registry's credentials, when it asks for any, come from the same Secret, optional like S3's.
+    assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "drafter-adapt", "key": "mlflow-tracking-password", "optional": True}
     assert agent["readinessProbe"]["httpGet"] == {"path": "/health", "port": "agent", "scheme": scheme.upper()}
     aflag = {a: agent["command"][i + 1] for i, a in enumerate(agent["command"][:-1]) if a.startswith("--")}
     assert aflag["--replica"] == "http://127.0.0.1:8200" and aflag["--host"] == "0.0.0.0"
