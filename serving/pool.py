@@ -44,6 +44,7 @@ class Replica:
     health_failures: int = 0  # consecutive failed health checks
     head: dict[str, Any] = field(default_factory=dict)
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=120))
+    head_epoch: int = 0  # bumped by every head change: live acceptance never spans two heads
     last_error: str | None = None
 
     @property
@@ -64,6 +65,16 @@ class Replica:
     @property
     def routable(self) -> bool:
         return self.healthy and not self.draining
+
+    def head_swapped(self) -> None:
+        """Forget the counter snapshots taken under the previous head.
+
+        Otherwise the live window mixes the old head's drafts into the new one's for up
+        to a window, and the controller judges a just-promoted version on them (a head
+        that replaced a weaker one would look like drift at once).
+        """
+        self.head_epoch += 1
+        self.history.clear()
 
     def live_acceptance(self, window_s: float) -> dict[str, Any] | None:
         """Acceptance over the last ``window_s`` seconds of recorded counter snapshots."""
@@ -193,6 +204,7 @@ class Pool:
             r.healthy = False
             head = self.current_head.get("path") or r.proc.spec.head_dir
             await asyncio.to_thread(r.proc.start, head)
+            r.head_swapped()  # a new process: counters from zero (a delta across it would be negative)
             try:
                 await asyncio.to_thread(r.proc.wait_healthy)
             except Exception as exc:  # noqa: BLE001
@@ -210,10 +222,13 @@ class Pool:
         for r in self.replicas:
             if not r.healthy:
                 continue
+            epoch = r.head_epoch
             try:
-                r.history.append(await afetch_snapshot(self._client, r.url, headers=r.headers))
+                snap = await afetch_snapshot(self._client, r.url, headers=r.headers)
             except Exception:  # noqa: BLE001 - a missed sample only widens the window
-                pass
+                continue
+            if r.head_epoch == epoch:  # else the head changed meanwhile: the counters may be the old head's
+                r.history.append(snap)
 
     async def refresh_head(self, r: Replica) -> dict[str, Any]:
         try:
@@ -236,7 +251,7 @@ class Pool:
             await asyncio.to_thread(r.proc.start, head_dir)
             await asyncio.to_thread(r.proc.wait_healthy)
             r.healthy = True
-            r.history.clear()  # counters restart from zero
+            r.head_swapped()  # a new process: its counters start from zero under the new head
             await self.refresh_head(r)
             self.undrain(url)
 

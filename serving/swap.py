@@ -194,6 +194,7 @@ class SwapController:
                     got = await r.admin.load_head(head if r.agent else str(info.path), version, info.sha256)
                     step["worker_ms"] = got.get("last_swap_ms")
                     r.head = got
+                    r.head_swapped()
                 else:
                     done.append((r, prev_head))
                     await self.pool.restart_with_head(r.url, str(info.path))
@@ -234,6 +235,7 @@ class SwapController:
                         # An agent still holds its previous head: named by sha256 (and URI if it had one).
                         ref = prev.get("uri") if r.agent else prev["path"]
                         r.head = await r.admin.load_head(ref, prev.get("version"), prev.get("sha256"))
+                        r.head_swapped()
                     except Exception:  # noqa: BLE001 - in-place failed: restart it with the old head
                         if r.proc is None:
                             raise

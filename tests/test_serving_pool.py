@@ -199,8 +199,12 @@ def test_inplace_swap_under_load_has_zero_failures(stack, heads):
     prompts = ["the of and to in", "def return import class"]
     r0 = stack.pool.replicas[0]
     ref = greedy(r0.url, prompts)
+    stack.run_coro(stack.pool.sample_metrics(), 60)
+    assert all(r.history for r in stack.pool.replicas)  # counters of the head before the swap
+    epochs = {r.url: r.head_epoch for r in stack.pool.replicas}
     with SteadyLoad(stack.url, MODEL) as load:
         time.sleep(3)
+        t_swap = time.time()
         p = subprocess.run([sys.executable, "-m", "app", "swap", str(heads["e1"]), "--json",
                             "--config", str(stack.cfg_file)], capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
@@ -214,6 +218,9 @@ def test_inplace_swap_under_load_has_zero_failures(stack, heads):
     now = heads_now(stack)
     assert {h["sha256"] for h in now.values()} == {sha}
     assert {h["version"] for h in now.values()} == {"e1"}
+    # Live acceptance starts again with the new head: no snapshot from before the swap is left.
+    for r in stack.pool.replicas:
+        assert r.head_epoch == epochs[r.url] + 1 and all(snap.t > t_swap for snap in r.history)
     # Same behaviour as e0 (constant token 1): output unchanged and acceptance kept.
     assert greedy(r0.url, prompts) == ref
     for s in rep["replicas"]:
@@ -273,6 +280,9 @@ def test_hot_swap_matches_cold_start_and_leaves_target_alone(stack, heads):
 
 
 def test_pool_status_cli(stack):
+    stack.run_coro(stack.pool.sample_metrics(), 60)
+    for r in stack.pool.replicas:  # drafts inside the window, under the head now served
+        greedy(r.url, ["the of and to in"], max_tokens=16)
     stack.run_coro(stack.pool.sample_metrics(), 60)
     p = subprocess.run([sys.executable, "-m", "app", "pool", "status", "--json", "--config", str(stack.cfg_file)],
                        capture_output=True, text=True, timeout=120,
