@@ -8,7 +8,7 @@ per-type counts) of :class:`Redactor`. The gate is the native module's
 ``redact_gate`` (``capture/_native/gate.c``: one pass over the Arrow buffers, a
 superset of GATE's matches) where that module is loaded, else GATE itself as one
 RE2 pattern (pyarrow, linear time, vectorized). Whatever the redactor changes,
-both gates flag (tests/test_capture_redact.py checks it with hypothesis).
+both gates flag (tests/capture/test_redact.py checks it with hypothesis).
 
 Time per line: every detector runs in time linear in the string. Each unbounded
 repetition is followed by a character its class cannot match (so a failed match

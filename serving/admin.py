@@ -143,7 +143,7 @@ class ReplicaAdmin:
 
         Then the replica's prefix cache is reset: cached blocks hold KV that the previous
         head's drafter computed, and a new head drafting on them proposes other tokens than
-        on its own KV (tests/test_gate_e2e.py pins that the first pass after a swap drafts as
+        on its own KV (tests/loop/test_gate_e2e.py pins that the first pass after a swap drafts as
         on a fresh cache). Running requests are preempted and recomputed under the new head
         rather than failed.
         """

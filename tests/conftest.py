@@ -2,6 +2,12 @@
 
 Nothing here skips: a service that cannot start fails the test that needs it,
 with its log tail in the error.
+
+Layout: one directory per package (tests/capture, tests/adapt, ...; tests/deploy for
+docker/ and dags/), shared code in support modules at the top (never a test module).
+The kind is a marker: a test that uses a real service (S3, MLflow, a vLLM replica) is
+marked ``services`` here, from the fixtures it asks for, or by hand where it starts its
+servers itself; ``pytest -m "not services"`` runs the unit tests alone.
 """
 
 from __future__ import annotations
@@ -11,15 +17,23 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import DATACAPTURE as DATACAPTURE_FIXTURES
 from tests.services import MlflowServer, SeaweedS3, free_port
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = REPO_ROOT.parent / "shared"
-DATACAPTURE_FIXTURES = SHARED / "fixtures" / "datacapture"
 
 # Keep Airflow and MLflow from writing into the user's home during tests.
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# Fixtures that start a real server; a test that asks for one (directly or through another
+# fixture) is a services test.
+SERVICE_FIXTURES = frozenset({"s3_server", "mlflow_server", "start_replica", "vllm_server"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.services)
 
 
 def model_cache_dir() -> Path:

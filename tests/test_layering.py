@@ -72,3 +72,15 @@ def test_dags_only_wire_the_loops_airflow_tasks():
     for f in (REPO / "dags").glob("*.py"):
         ours = {m.split(".")[0] for _, m in imports(f)} & set(LAYERS)
         assert ours <= {"loop"}, (f.name, ours)
+
+
+def test_tests_are_laid_out_by_package():
+    """A test module lives in the directory of the package it tests (tests/deploy for docker/ and dags/);
+    only this whole-tree check sits at the top, beside the support modules."""
+    tests = REPO / "tests"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert top == ["test_layering.py"], top
+    dirs = {p.parent.relative_to(tests).parts[0] for p in tests.rglob("test_*.py") if p.parent != tests}
+    assert dirs <= set(LAYERS) | {"deploy"}, dirs
+    for d in dirs:
+        assert (tests / d / "__init__.py").is_file(), d

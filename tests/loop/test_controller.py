@@ -1,6 +1,6 @@
 """The controller's watch decisions on live acceptance: drift trigger (to Airflow's REST API), cooldown, rollback.
 
-The live figures come from a stubbed ``/admin/status``; tests/test_loop.py takes the
+The live figures come from a stubbed ``/admin/status``; tests/loop/test_loop.py takes the
 same decisions from a real pool's counters (the rollback) end to end.
 """
 

@@ -5,22 +5,21 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import duckdb
 import pytest
 
-from settings.config import load_config
 from capture import ingest as ingest_mod
 from capture.ingest import ingest
 from capture.records import make_capture_record
 from capture.sources import iter_lines, list_objects
 from capture.split import export, load_split, stats
 from capture.warehouse import Warehouse
+from settings.config import load_config
+from tests.paths import DATACAPTURE
 
 pytestmark = pytest.mark.services
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "datacapture"
 T0 = datetime(2025, 6, 1, 8, 0, tzinfo=timezone.utc)
 
 
@@ -53,8 +52,8 @@ def s3env(s3_server, tmp_path):
 
 def test_s3_source_and_s3_warehouse_incremental(s3env):
     cfg, client, bucket, prefix, put = s3env
-    put(T0, "34-30-683-real.jsonl", (FIXTURES / "llm-jumpstart-llama31.jsonl").read_bytes())
-    put(T0, "00-00-000-tabular.jsonl", (FIXTURES / "tabular-csv-notebook.jsonl").read_bytes())
+    put(T0, "34-30-683-real.jsonl", (DATACAPTURE / "llm-jumpstart-llama31.jsonl").read_bytes())
+    put(T0, "00-00-000-tabular.jsonl", (DATACAPTURE / "tabular-csv-notebook.jsonl").read_bytes())
     put(T0 + timedelta(hours=1), "00-00-000-a.jsonl", "\n".join(chat(i, T0 + timedelta(hours=1)) for i in range(4)).encode())
     res = ingest(cfg)
     assert (res.objects, res.read, res.normalized, res.skipped, res.quarantined) == (3, 10, 7, 3, 0)

@@ -18,8 +18,8 @@ from capture.ingest import EXCERPT_BYTES, ingest
 from capture.records import make_capture_record
 from capture.sources import LongLine, _blocks, iter_blocks, iter_lines
 from tests.capture_support import T0, chat, layout_file, make_cfg, reconciles
+from tests.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
 GHP = "ghp_" + "A1b2C3d4E5" * 4
 AKIA = "AKIAIOSFODNN7EXAMPLE"
 
@@ -150,7 +150,7 @@ def test_a_huge_line_without_newline_costs_no_memory_and_is_quarantined_with_its
         print(json.dumps({{"grew_mb": (peak - base) / 1024, "read": r.read, "rows": r.table.num_rows,
                           "q": [(q["line_no"], q["reason"], q["detail"], q["excerpt"]) for q in r.quarantine]}}))
     """)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["grew_mb"] < 40, out["grew_mb"]  # buffers of ~1 MiB, not the 64 MB line (nor 3x it)

@@ -18,15 +18,29 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from capture import backend, batchpath, dedupe, native, rules
+from capture import backend, batchpath, dedupe, native
 from capture import ingest as ingest_mod
 from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record
 from capture.sources import SourceObject, iter_lines
 from capture.synth import FORMATS, TextPool, exchange, write_layout
-from tests.capture_support import (CONTENT_TYPES, ENCODINGS, FIXTURES, MAX_LINE, NUMBERS, RAW_ESCAPES, ROLES, T0, TEXTS,
-                                   VARIANTS, check, msgspec_chunk, mutated_line, native_chunk, same_file_result)
-
+from tests.capture_support import (
+    CONTENT_TYPES,
+    ENCODINGS,
+    FIXTURES,
+    MAX_LINE,
+    NUMBERS,
+    RAW_ESCAPES,
+    ROLES,
+    T0,
+    TEXTS,
+    VARIANTS,
+    check,
+    msgspec_chunk,
+    mutated_line,
+    native_chunk,
+    same_file_result,
+)
 
 # -- the module itself -----------------------------------------------------------------
 

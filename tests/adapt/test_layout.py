@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from adapt.data import StepBatches, build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts, Example
+from adapt.data import Example, StepBatches, build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts
 from adapt.drafter import PEagleDrafter, build_draft_inputs
-from headspec.config import DrafterConfig
 from adapt.layout import build_layout, chain_depths
 from adapt.loss import Features, collate, label_rows, peagle_loss
+from headspec.config import DrafterConfig
 
 T, F = True, False
 

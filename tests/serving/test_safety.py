@@ -29,6 +29,7 @@ from serving.capture_writer import CaptureWriter
 from serving.pool import Pool
 from serving.router import create_app, server_config
 from settings.config import load_config
+from tests.paths import REPO_ROOT
 from tests.services import LoopbackServer, free_port
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
@@ -296,7 +297,7 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path: Path):
             print(json.dumps(dict(w.counts, last_error=w.last_error)))
         asyncio.run(main())
     """)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
     assert p.returncode == 0, p.stderr
     counts = json.loads(p.stdout.splitlines()[-1])
     assert counts["dropped_write_error"] == 20 and counts["written"] == 1, counts

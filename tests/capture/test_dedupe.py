@@ -85,7 +85,6 @@ def test_a_full_table_is_refused_not_looped_on():
 
 # ---- in-file replays dropped by the native decoder ---------------------------------------
 
-import json  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from datetime import datetime, timedelta, timezone  # noqa: E402
 

@@ -9,7 +9,7 @@ engine per architecture:
 * ``train()`` on the target's own greedy text, export, ``validate_head``;
 * stock vLLM loads the head with ``{"method": "eagle3", "parallel_drafting": true}``,
   greedy text equals the target's greedy text (float32 serving, see
-  tests/test_head_vllm.py), and vLLM's acceptance counters equal the offline estimate
+  tests/adapt/test_head_vllm.py), and vLLM's acceptance counters equal the offline estimate
   (which runs our drafter on our hidden states: equal counts mean equal hidden states
   and an equal drafter);
 * an in-place swap (``ReplicaAdmin.load_head``) to a second head of the same shapes,

@@ -5,7 +5,7 @@ Worker A and worker B each have their own state directory (catalog copy, cycle d
 heads); the capture, the warehouse (Parquet and its shared catalog), the cycle store and
 MLflow (its artifacts in the same bucket) are all they share. Every step runs for real
 except the replay bench of cycle 2, which is simulated (``tests/bench_sim.py``; the real
-bench and gate are tested in tests/test_gate_e2e.py): it writes its ``bench.json`` on one
+bench and gate are tested in tests/loop/test_gate_e2e.py): it writes its ``bench.json`` on one
 worker and the gate reads it on the other.
 """
 

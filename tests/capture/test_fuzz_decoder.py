@@ -10,15 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tests.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import fuzz_decoder  # noqa: E402  (after the path, as the benchmarks run)
 
 
 def run(tmp_path: Path, *args: str) -> dict:
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fuzz_decoder.py"), "--seed", "23",
-                        "--out", str(tmp_path), *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "fuzz_decoder.py"), "--seed", "23",
+                        "--out", str(tmp_path), *args], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from app import __version__
 from app.cli import app
+from tests.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
@@ -30,7 +29,7 @@ def commands(group=None, prefix=()):
 
 
 def test_version_is_the_projects():
-    assert __version__ == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert __version__ == tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
     r = runner.invoke(app, ["--version"])
     assert r.exit_code == 0 and r.output.strip() == f"drafter-adapt {__version__}"
 

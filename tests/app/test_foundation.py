@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 
 from settings.config import dump_toml, load_config
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO_ROOT
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=REPO,
+        [sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=REPO_ROOT,
         env={**os.environ, **(env or {})}, timeout=300,
     )
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from adapt.train import ShapeChangeError, train
 from headspec.validate import validate_head
 from settings.config import load_config
-from adapt.train import ShapeChangeError, train
+from tests.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = "the of and to in is you that it def return import class self print for while if else".split()
 
 
@@ -119,9 +119,10 @@ def test_warm_start_keeps_shapes_and_rejects_shape_changes(bootstrapped, tiny_mo
 
 
 def test_warm_start_refreshes_the_draft_vocabulary_for_drifted_traffic(bootstrapped, tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
     from adapt.checkpoint import load_head
     from adapt.data import tokenize_rows
-    from transformers import AutoTokenizer
 
     base, _ = bootstrapped
     old, _ = load_head(base)
@@ -184,8 +185,8 @@ def test_compact_features_give_the_targets_logits_at_a_fraction_of_the_bytes(tin
     import adapt.features as F
     import adapt.hidden_states as H
     from adapt.data import tokenize_rows
-    from headspec.config import default_aux_layer_ids
     from adapt.loss import collate, peagle_loss
+    from headspec.config import default_aux_layer_ids
 
     draft = torch.randperm(512, generator=torch.Generator().manual_seed(0))[:200]
     args = (tiny_model, default_aux_layer_ids(4), draft, torch.device("cpu"))
@@ -415,11 +416,11 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_model, tmp_path):
         f"pathlib.Path({str(tmp_path)!r}, 'result-' + os.environ['RANK'] + '.json')"
         ".write_text(json.dumps({'steps': r.steps, 'curve': r.loss_curve}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     # --standalone: a local rendezvous on a free port (no fixed master port to collide on).
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=REPO, start_new_session=True)
+                            cwd=REPO_ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
