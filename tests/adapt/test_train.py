@@ -283,33 +283,51 @@ def test_a_failed_run_still_releases_its_feature_cache(tiny_model, tmp_path, mon
     assert (tmp_path / "head" / "model.safetensors").is_file()
 
 
+HEAP_PROBE = r"""
+import json, os, statistics
+from pathlib import Path
+import torch
+from adapt.memory import heap_kept_between_steps
+
+def minor_faults():
+    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+def step_faults():
+    before = minor_faults()
+    # two step-sized blocks above glibc's 32 MiB mmap ceiling, freed at the end of the step
+    x = torch.ones(64 << 20, dtype=torch.uint8)
+    y = torch.ones(48 << 20, dtype=torch.uint8) + 1
+    del x, y
+    return minor_faults() - before
+
+before = [step_faults() for _ in range(3)]
+with heap_kept_between_steps() as kept:
+    inside = [step_faults() for _ in range(12)]
+after = [step_faults() for _ in range(3)]
+print(json.dumps({"kept": kept, "before": before, "inside": inside, "after": after,
+                  "pages": (112 << 20) // os.sysconf("SC_PAGE_SIZE")}))
+"""
+
+
 def test_large_blocks_are_reused_inside_training_not_faulted_in_again():
     """A step's large tensors fault their pages in again every step by default; inside the context, once warm, not.
 
     Which freed block the next allocation fits depends on what small allocations
     landed beside it (torch's aligned allocations carry padding), so the first
-    steps may still grow the heap: the claim is about the steady state.
+    steps may still grow the heap: the claim is about the steady state. The probe
+    runs in a fresh interpreter: page faults are counted for the whole process, and
+    in the suite's process earlier tests' threads and heap fault pages of their own.
     """
-    from adapt.memory import heap_kept_between_steps
-
-    def minor_faults() -> int:
-        return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
-
-    def step_faults() -> int:
-        before = minor_faults()
-        # two step-sized blocks above glibc's 32 MiB mmap ceiling, freed at the end of the step
-        x = torch.ones(64 << 20, dtype=torch.uint8)
-        y = torch.ones(48 << 20, dtype=torch.uint8) + 1
-        del x, y
-        return minor_faults() - before
-
-    pages = (112 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert statistics.median(step_faults() for _ in range(3)) > pages // 2
-    with heap_kept_between_steps() as kept:
-        assert kept
-        steps = [step_faults() for _ in range(12)]
-    assert statistics.median(steps[6:]) < pages // 20, steps
-    assert statistics.median(step_faults() for _ in range(3)) > pages // 2  # glibc's defaults are back
+    p = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, timeout=300,
+                       cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    pages = r["pages"]
+    assert r["kept"]
+    assert statistics.median(r["before"]) > pages // 2, r
+    assert statistics.median(r["inside"][6:]) < pages // 20, r
+    # On exit the heap's free pages go back to the OS, so the next step faults its blocks in again.
+    assert r["after"][0] > pages // 2, r
 
 
 def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
