@@ -55,7 +55,7 @@ class Verdict:
 
 
 def check(name: str, diff: dict[str, Any] | None, aa: dict[str, Any] | None, margin: float,
-          unit: str, min_slots: int = 4) -> dict[str, Any]:
+          unit: str) -> dict[str, Any]:
     """One gated figure: passed / rejected / inconclusive, with the numbers and a sentence."""
     diff = diff or {}
     est, (lo, hi) = diff.get("estimate"), (diff.get("ci") or [None, None])
@@ -69,11 +69,6 @@ def check(name: str, diff: dict[str, Any] | None, aa: dict[str, Any] | None, mar
     if noise is None:
         return {**out, "status": INCONCLUSIVE, "ok": False,
                 "why": f"{name}: no A/A control in this benchmark, so its noise is unknown"}
-    slots = [n for n in (diff.get("slots"), (aa or {}).get("slots")) if n is not None]
-    if slots and min(slots) < min_slots:
-        return {**out, "status": INCONCLUSIVE, "ok": False,
-                "why": f"{name}: measured over {min(slots)} slot(s), fewer than gate.min_slots ({min_slots}): "
-                       "too few to tell its spread"}
     span = f"[{lo:.4g}, {hi:.4g}] (estimate {est:.4g}), A/A noise ±{noise:.3g}, margin {margin:.4g} {unit}"
     if lo - noise > margin:
         return {**out, "status": PASSED, "ok": True, "why": f"{name}: better beyond the noise: {span}"}
@@ -96,7 +91,7 @@ def decide(bench: dict[str, Any], gate: Any) -> Verdict:
                        "why": f"requests: the candidate failed {failed['candidate']} requests, "
                               f"the live head {failed['live']}"})
     checks.append(check("mean_acceptance_length", diffs.get("mean_acceptance_length"),
-                        aa.get("mean_acceptance_length"), gate.min_acceptance_gain, "tokens", gate.min_slots))
+                        aa.get("mean_acceptance_length"), gate.min_acceptance_gain, "tokens"))
     concs = sorted((k for k in diffs if k.startswith("c") and k[1:].isdigit()), key=lambda k: int(k[1:]))
     if not concs:
         checks.append({"name": "output_tok_per_s", "status": INCONCLUSIVE, "ok": False,
@@ -107,7 +102,7 @@ def decide(bench: dict[str, Any], gate: Any) -> Verdict:
         # The throughput margin is relative; the paired difference is absolute tok/s.
         margin = gate.min_throughput_gain * live_tps if live_tps else 0.0
         checks.append(check(f"output_tok_per_s@{c}", diffs[c].get("output_tok_per_s"),
-                            (aa.get(c) or {}).get("output_tok_per_s"), margin, "tok/s", gate.min_slots))
+                            (aa.get(c) or {}).get("output_tok_per_s"), margin, "tok/s"))
     statuses = {c["status"] for c in checks}
     status = REJECTED if REJECTED in statuses else PASSED if statuses == {PASSED} else INCONCLUSIVE
     shown = [c for c in checks if c["status"] == status] if status != PASSED else checks

@@ -174,9 +174,6 @@ class GateConfig(_Section):
     confidence: float = Field(0.9, gt=0, lt=1)
     # Benchmarks per cycle: an inconclusive verdict (the A/A control too noisy to decide) measures again.
     max_attempts: int = Field(2, ge=1)
-    # Fewest slots a gated figure (and its A/A control) may rest on: resampling 2 or 3 slots gives
-    # an interval far narrower than the run's real spread, so such a figure decides nothing.
-    min_slots: int = Field(4, ge=2)
 
 
 class CycleConfig(_Section):
