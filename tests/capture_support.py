@@ -24,9 +24,7 @@ from capture.redact import Redactor
 from capture.sources import SourceObject
 from capture.synth import FORMATS, TextPool, exchange
 from settings.config import Config, load_config
-from tests.paths import DATACAPTURE
 
-FIXTURES = DATACAPTURE
 T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
 MAX_LINE = 8 << 20
 

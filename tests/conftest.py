@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.paths import DATACAPTURE as DATACAPTURE_FIXTURES
+from tests.paths import DATACAPTURE
 from tests.services import MlflowServer, SeaweedS3, free_port
 
 # Keep Airflow and MLflow from writing into the user's home during tests.
@@ -49,8 +49,8 @@ def model_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def datacapture_fixtures() -> Path:
-    assert DATACAPTURE_FIXTURES.is_dir(), f"shared fixtures missing at {DATACAPTURE_FIXTURES}"
-    return DATACAPTURE_FIXTURES
+    assert DATACAPTURE.is_dir(), f"shared fixtures missing at {DATACAPTURE}"
+    return DATACAPTURE
 
 
 @pytest.fixture(scope="session")

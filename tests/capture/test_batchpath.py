@@ -19,7 +19,8 @@ from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record, parse_time
 from capture.sources import SourceObject, iter_blocks, iter_lines, list_objects
 from capture.synth import FORMATS, TextPool, exchange, write_layout
-from tests.capture_support import FIXTURES, T0, VARIANTS, obj_of, write
+from tests.capture_support import T0, VARIANTS, obj_of, write
+from tests.paths import DATACAPTURE
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "q"}], "temperature": 0.2}
 OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "a"}}]}
@@ -68,11 +69,11 @@ def test_each_synthetic_format_alone(tmp_path):
 
 
 def test_real_fixtures(tmp_path):
-    paths = sorted(FIXTURES.glob("*.jsonl"))
+    paths = sorted(DATACAPTURE.glob("*.jsonl"))
     assert len(paths) >= 4
     for p in paths:
         both(obj_of(p))
-    assert declined(FIXTURES / "llm-jumpstart-llama31.jsonl") == []
+    assert declined(DATACAPTURE / "llm-jumpstart-llama31.jsonl") == []
 
 
 def test_bad_input_goes_to_the_per_line_path_by_line_number(tmp_path):

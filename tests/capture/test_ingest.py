@@ -20,12 +20,13 @@ from capture.split import export, load_split, stats
 from capture.synth import write_layout
 from capture.warehouse import Warehouse
 from settings.config import dump_toml
-from tests.capture_support import FIXTURES, T0, chat, layout_file, make_cfg, reconciles, write
+from tests.capture_support import T0, chat, layout_file, make_cfg, reconciles, write
+from tests.paths import DATACAPTURE
 
 
 def test_real_llm_fixture_yields_three_conversations_then_nothing(tmp_path):
     cfg = make_cfg(tmp_path)
-    src = str(FIXTURES / "llm-jumpstart-llama31.jsonl")
+    src = str(DATACAPTURE / "llm-jumpstart-llama31.jsonl")
     res = ingest(cfg, source=src)
     assert (res.read, res.normalized, res.quarantined, res.skipped, res.duplicates) == (3, 3, 0, 0, 0)
     rows = load_split(cfg, "train", heldout_hours=0) + load_split(cfg, "heldout", heldout_hours=0)
@@ -45,8 +46,8 @@ def test_real_llm_fixture_yields_three_conversations_then_nothing(tmp_path):
 @pytest.mark.parametrize("name", ["tabular-csv-sdk-fixture.jsonl", "tabular-csv-notebook.jsonl", "tabular-json-notebook.jsonl"])
 def test_real_tabular_fixtures_are_skipped_with_reason(tmp_path, name):
     cfg = make_cfg(tmp_path)
-    res = ingest(cfg, source=str(FIXTURES / name))
-    n_lines = len((FIXTURES / name).read_bytes().rstrip(b"\n").split(b"\n"))
+    res = ingest(cfg, source=str(DATACAPTURE / name))
+    n_lines = len((DATACAPTURE / name).read_bytes().rstrip(b"\n").split(b"\n"))
     assert res.read == n_lines > 0
     assert (res.normalized, res.quarantined, res.duplicates) == (0, 0, 0)
     assert res.skipped == res.read and res.skip_reasons == {"not_llm_traffic": res.read}
@@ -336,13 +337,13 @@ def test_cli_ingest_stats_export(tmp_path):
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text(dump_toml(cfg))
     runner = CliRunner()
-    r = runner.invoke(app, ["ingest", "--source", str(FIXTURES), "--config", str(cfg_file), "--json"])
+    r = runner.invoke(app, ["ingest", "--source", str(DATACAPTURE), "--config", str(cfg_file), "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert list(out) == ["read", "normalized", "duplicates", "stitched", "quarantined", "skipped", "superseded",
                          "redactions", "run_id"]
     assert out["normalized"] == 3 and out["quarantined"] == 0 and out["read"] == out["normalized"] + out["skipped"]
-    r = runner.invoke(app, ["ingest", "--source", str(FIXTURES), "--config", str(cfg_file), "--json"])
+    r = runner.invoke(app, ["ingest", "--source", str(DATACAPTURE), "--config", str(cfg_file), "--json"])
     assert json.loads(r.stdout)["read"] == 0
     r = runner.invoke(app, ["dataset", "stats", "--config", str(cfg_file), "--json"])
     assert r.exit_code == 0, r.output

@@ -14,7 +14,8 @@ import pytest
 from capture import batchpath
 from capture.records import make_capture_record
 from capture.synth import FORMATS, TextPool, exchange
-from tests.capture_support import CANONICAL_ACCEPTED, FIXTURES, VARIANTS, decided, msgspec_chunk, same
+from tests.capture_support import CANONICAL_ACCEPTED, VARIANTS, decided, msgspec_chunk, same
+from tests.paths import DATACAPTURE
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]}
@@ -35,10 +36,10 @@ def test_msgspec_path_handles_every_synthetic_llm_format_identically():
 
 
 def test_msgspec_path_on_real_fixtures():
-    for f in FIXTURES.glob("*.jsonl"):
+    for f in DATACAPTURE.glob("*.jsonl"):
         for line in f.read_bytes().splitlines():
             assert same(line)
-    llm = (FIXTURES / "llm-jumpstart-llama31.jsonl").read_bytes().splitlines()
+    llm = (DATACAPTURE / "llm-jumpstart-llama31.jsonl").read_bytes().splitlines()
     assert all(decided(x) == "row" for x in llm)
 
 

@@ -24,23 +24,10 @@ from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record
 from capture.sources import SourceObject, iter_lines
 from capture.synth import FORMATS, TextPool, exchange, write_layout
-from tests.capture_support import (
-    CONTENT_TYPES,
-    ENCODINGS,
-    FIXTURES,
-    MAX_LINE,
-    NUMBERS,
-    RAW_ESCAPES,
-    ROLES,
-    T0,
-    TEXTS,
-    VARIANTS,
-    check,
-    msgspec_chunk,
-    mutated_line,
-    native_chunk,
-    same_file_result,
-)
+from tests.capture_support import (CONTENT_TYPES, ENCODINGS, MAX_LINE, NUMBERS, RAW_ESCAPES, ROLES, T0, TEXTS, VARIANTS,
+                                   check, msgspec_chunk, mutated_line, native_chunk, same_file_result)
+from tests.paths import DATACAPTURE
+
 
 # -- the module itself -----------------------------------------------------------------
 
@@ -178,7 +165,7 @@ def test_synthetic_traffic_of_every_format_is_identical(tmp_path):
 
 
 def test_real_fixtures_are_identical():
-    paths = sorted(FIXTURES.glob("*.jsonl"))
+    paths = sorted(DATACAPTURE.glob("*.jsonl"))
     assert len(paths) >= 4
     for p in paths:
         check(list(iter_lines(str(p))), exact=True)
@@ -350,7 +337,7 @@ def test_hostile_lines_are_declined_safely():
 def test_process_file_identical_with_the_native_path_on_and_off(tmp_path):
     for p in write_layout(tmp_path / "cap", 600, per_file=300, seed=5, start=T0):
         same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", None))
-    for p in sorted(FIXTURES.glob("*.jsonl")):
+    for p in sorted(DATACAPTURE.glob("*.jsonl")):
         same_file_result(SourceObject(str(p), p.stat().st_size, "e", "ep", "AllTraffic", T0))
     rng = random.Random(77)
     pool = TextPool(random.Random(7))
@@ -395,7 +382,7 @@ def test_no_pandas_import_on_the_native_path(tmp_path):
     write_layout(tmp_path / "cap", 300, per_file=300, seed=5, start=T0)
     # Files that yield no rows at all: all tabular (skipped), and empty.
     hour = tmp_path / "cap" / "ep" / "AllTraffic" / T0.strftime("%Y/%m/%d/%H")
-    (hour / "tabular.jsonl").write_bytes((FIXTURES / "tabular-csv-sdk-fixture.jsonl").read_bytes())
+    (hour / "tabular.jsonl").write_bytes((DATACAPTURE / "tabular-csv-sdk-fixture.jsonl").read_bytes())
     (hour / "empty.jsonl").write_bytes(b"")
     code = ("import sys\nfrom capture import ingest as m\nfrom capture.sources import list_objects\n"
             f"res = [m.process_file(o, m.FileOptions()) for o in list_objects({str(tmp_path / 'cap')!r}, endpoint='')]\n"

@@ -27,7 +27,8 @@ from capture.ingest import content_hash, ingest, process_file
 from capture.records import make_capture_record
 from capture.split import export, load_split, split_table, stats
 from capture.warehouse import TURN
-from tests.capture_support import FIXTURES, T0, layout_file, make_cfg, obj_of, reconciles, same_file_result, write
+from tests.capture_support import T0, layout_file, make_cfg, obj_of, reconciles, same_file_result, write
+from tests.paths import DATACAPTURE
 
 
 def record(history: list[tuple[str, str]], answer: str, t: datetime, event: str) -> str:
@@ -336,7 +337,7 @@ def real_chain() -> tuple[list[str], list[tuple[str, str]]]:
     exchanges as history. Each keeps its real metadata, parameters and answer; the request becomes the JumpStart
     chat shape (``{"inputs": [[messages]]}``) and the response BASE64 ``[{"generation": ...}]``, as
     llm-capture.schema.json describes them."""
-    real = [json.loads(line) for line in (FIXTURES / "llm-jumpstart-llama31.jsonl").read_text().splitlines()]
+    real = [json.loads(line) for line in (DATACAPTURE / "llm-jumpstart-llama31.jsonl").read_text().splitlines()]
     exchanges = []
     for rec in real:
         req = json.loads(rec["captureData"]["endpointInput"]["data"])
@@ -361,7 +362,7 @@ def test_real_records_extended_into_a_chain(tmp_path):
     cfg, src = make_cfg(tmp_path), tmp_path / "cap"
     # The real single-turn records first: three conversations.
     layout_file(src, T0, "real.jsonl", [ln.rstrip("\n") for ln in
-                                        (FIXTURES / "llm-jumpstart-llama31.jsonl").read_text().splitlines()])
+                                        (DATACAPTURE / "llm-jumpstart-llama31.jsonl").read_text().splitlines()])
     first = run(cfg, src)
     assert counts(first) == (3, 0, 0, 0)
     # Then the chain, its records in reverse: the first real exchange is the chain's first turn, so the row the
