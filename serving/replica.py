@@ -203,8 +203,15 @@ class ReplicaProcess:
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
+    def stop(self, grace: float = 20.0, kill_wait: float = 120.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds, then wait for it to be gone.
+
+        A killed process still has to be torn down by the kernel (its engine's multi-GiB
+        KV cache unmapped), which on a loaded 2-core host can take longer than a few
+        seconds; starting the replica again before that would find the old one alive
+        (or its port and memory still held), so this waits up to ``kill_wait`` seconds
+        for the leader and the rest of its group, and raises if the leader outlives it.
+        """
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -221,10 +228,14 @@ class ReplicaProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        deadline = time.monotonic() + kill_wait
         try:
-            self.proc.wait(5)
+            self.proc.wait(kill_wait)
         except subprocess.TimeoutExpired:
-            pass
+            raise RuntimeError(f"replica {self.url} (pid {self.proc.pid}) did not exit within "
+                               f"{grace + kill_wait:.0f}s of SIGTERM/SIGKILL") from None
+        while time.monotonic() < deadline and group_alive(self.proc.pid):
+            time.sleep(0.2)
 
     def metrics(self, timeout: float = 30.0) -> str:
         """The replica's Prometheus exposition (``/metrics``)."""
@@ -247,6 +258,32 @@ class ReplicaProcess:
                 return
             time.sleep(1.0)
         raise TimeoutError(f"replica {self.url} not healthy after {timeout:.0f}s (log: {self.log_path})")
+
+
+def group_alive(pgid: int) -> bool:
+    """True while a live (not zombie) process of group ``pgid`` exists.
+
+    Zombies are left out: a container's PID 1 may never reap the orphans it inherits,
+    and a zombie holds neither memory nor ports.
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def tail(path: Path, n: int = 30) -> str:
