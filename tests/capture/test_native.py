@@ -24,10 +24,23 @@ from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record
 from capture.sources import SourceObject, iter_lines
 from capture.synth import FORMATS, TextPool, exchange, write_layout
-from tests.capture_support import (CONTENT_TYPES, ENCODINGS, MAX_LINE, NUMBERS, RAW_ESCAPES, ROLES, T0, TEXTS, VARIANTS,
-                                   check, msgspec_chunk, mutated_line, native_chunk, same_file_result)
+from tests.capture_support import (
+    CONTENT_TYPES,
+    ENCODINGS,
+    MAX_LINE,
+    NUMBERS,
+    RAW_ESCAPES,
+    ROLES,
+    T0,
+    TEXTS,
+    VARIANTS,
+    check,
+    msgspec_chunk,
+    mutated_line,
+    native_chunk,
+    same_file_result,
+)
 from tests.paths import DATACAPTURE
-
 
 # -- the module itself -----------------------------------------------------------------
 
