@@ -260,6 +260,17 @@ class ReplicaProcess:
         raise TimeoutError(f"replica {self.url} not healthy after {timeout:.0f}s (log: {self.log_path})")
 
 
+def stat_fields(stat: Path) -> list[str] | None:
+    """The fields of a ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...), or None if gone.
+
+    The name is parenthesized and may itself hold spaces and parentheses, so it is cut at the last ``)``.
+    """
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def group_alive(pgid: int) -> bool:
     """True while a live (not zombie) process of group ``pgid`` exists.
 
@@ -276,12 +287,8 @@ def group_alive(pgid: int) -> bool:
             pass
         return True
     for stat in proc.glob("[0-9]*/stat"):
-        try:
-            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+        fields = stat_fields(stat)
+        if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
             return True
     return False
 

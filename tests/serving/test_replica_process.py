@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.replica import ReplicaProcess, ReplicaSpec, group_alive
+from serving.replica import ReplicaProcess, ReplicaSpec, group_alive, stat_fields
 
 # A leader that ignores SIGTERM and a child (same process group) that ignores it too,
 # as a wedged API server and its engine core would.
@@ -29,10 +29,8 @@ SPEC = ReplicaSpec(target_dir="t", head_dir="h", num_speculative_tokens=3, port=
 
 
 def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    fields = stat_fields(Path(f"/proc/{pid}/stat"))
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def test_stop_kills_the_whole_group_and_start_may_follow(tmp_path):
