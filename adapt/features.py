@@ -1,9 +1,12 @@
 """The target's features for training: aux hidden states and distillation targets, cached in memory.
 
-The target runs in bf16 through :class:`adapt.hidden_states.TargetRunner` (aux
-states exactly as vLLM records them, and the precision vLLM serves in). Target
-forwards dominate CPU training time, so features are computed once per example
-and kept for every later epoch, within a memory budget.
+The target runs through :class:`adapt.hidden_states.TargetRunner` (aux states
+exactly as vLLM records them) in the precision the step runs in: bf16 where
+matmuls are native in bf16 (CUDA, AMX, AVX512-BF16), else fp32, because a CPU
+without bf16 kernels emulates them and runs the target several times slower
+than in fp32. Features are kept in bf16 either way. Target forwards dominate
+CPU training time, so features are computed once per example and kept for
+every later epoch, within a memory budget.
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ class TargetFeatures:
     """
 
     def __init__(self, target_dir: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor,
-                 device: torch.device, cache_bytes: int | None = None, compact: bool = True) -> None:
-        self.runner = TargetRunner(target_dir, aux_layer_ids, device=str(device), dtype=torch.bfloat16)
+                 device: torch.device, cache_bytes: int | None = None, compact: bool = True,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.runner = TargetRunner(target_dir, aux_layer_ids, device=str(device), dtype=dtype)
         self.draft_ids = draft_ids.to(self.runner.device)
         out_layer = self.runner.model.get_output_embeddings()
-        self.output_rows = out_layer.weight.detach()[self.draft_ids].contiguous()  # [Vd, H] bf16
+        self.output_rows = out_layer.weight.detach()[self.draft_ids].contiguous()  # [Vd, H], the target's dtype
         self.compact = compact and out_layer.bias is None and self._projection_matches()
         self.cache: dict[int, Features] = {}
         self.cache_bytes = default_cache_bytes() if cache_bytes is None else cache_bytes
@@ -78,7 +82,7 @@ class TargetFeatures:
         _, logits = self.runner.forward(ids)
         want = logits[:, self.draft_ids]
         got = project_hidden(self.runner.final_hidden(), self.output_rows).float()
-        # Both are one bf16 matmul; only accumulation order may differ (an ulp or two of bf16).
+        # Both are one matmul in the target's dtype; only accumulation order may differ (an ulp or two of bf16).
         return bool((got - want).abs().max() <= 2e-2 * want.abs().max().clamp(min=1.0))
 
     @torch.no_grad()

@@ -105,9 +105,12 @@ class TrainRecipe:
         start = initial_head(self.cfg, self.target_dir, base_head, self.examples, eos_id)
         self.parent_sha, self.vocab_refresh = start.parent_sha, start.vocab_refresh
         self.model = start.model.to(device=self.device, dtype=torch.float32).train()
-        # Features are computed lazily, only for the examples this rank trains on.
+        self.bf16 = use_bf16_autocast(tc.dtype, self.device)
+        # Features are computed lazily, only for the examples this rank trains on, by the
+        # target in the step's precision (emulated bf16 would run it several times slower).
         draft_ids = torch.arange(self.model.config.draft_vocab_size, device=self.model.d2t.device) + self.model.d2t
-        self.features = TargetFeatures(self.target_dir, self.model.config.aux_layer_ids, draft_ids.cpu(), self.device)
+        self.features = TargetFeatures(self.target_dir, self.model.config.aux_layer_ids, draft_ids.cpu(), self.device,
+                                       dtype=torch.bfloat16 if self.bf16 else torch.float32)
         self._setup_optimizer()
         self.batches = StepBatches([len(e) for e in self.examples], tc.batch_tokens, tc.max_seq_len, tc.seed,
                                    self.dist.rank, self.dist.world)
@@ -134,7 +137,6 @@ class TrainRecipe:
         fingerprint = run_fingerprint(self.cfg, self.parent_sha, self.snapshot)
         self.state = load_run_state(self.run_dir, self.model, self.opt, fingerprint) or RunState(fingerprint)
         self.ddp_model = wrap_data_parallel(self.model, self.device, self.dist)
-        self.bf16 = use_bf16_autocast(tc.dtype, self.device)
 
     # --- train ---------------------------------------------------------------------
 

@@ -374,6 +374,51 @@ def test_auto_dtype_is_bf16_where_the_cpu_multiplies_bf16_natively(monkeypatch, 
     assert use_bf16_autocast("auto", torch.device("cuda", 0)) is True
 
 
+@pytest.mark.parametrize("dtype, native, want", [("auto", False, torch.float32), ("auto", True, torch.bfloat16),
+                                                  ("fp32", True, torch.float32), ("bf16", False, torch.bfloat16)])
+def test_the_target_featurizes_in_the_steps_precision(tiny_model, tmp_path, monkeypatch, dtype, native, want):
+    """Emulated bf16 runs the target several times slower than fp32 on a CPU without bf16 kernels:
+    the target runs in the precision the step picks, and its features are kept in bf16 either way."""
+    import adapt.features as F
+    import adapt.recipe as R
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    made = []
+
+    class Recording(F.TargetFeatures):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(R, "TargetFeatures", Recording)
+    train(make_cfg(tmp_path, tiny_model, max_steps=1, dtype=dtype), conversations(4), None, tmp_path / "head",
+          progress=False)
+    assert made[0].runner.model.dtype == want and made[0].output_rows.dtype == want
+
+
+def test_fp32_features_are_kept_in_bf16_and_match_bf16_ones(tiny_model):
+    """The fp32 target's features take the bytes bf16 ones take and differ from them by bf16 rounding:
+    the drafter trains on the same inputs either way."""
+    from adapt.data import tokenize_rows
+    from adapt.features import TargetFeatures
+    from headspec.config import default_aux_layer_ids
+
+    args = (tiny_model, default_aux_layer_ids(4), torch.arange(64), torch.device("cpu"))
+    lo, hi = TargetFeatures(*args, dtype=torch.bfloat16), TargetFeatures(*args, dtype=torch.float32)
+    assert hi.compact and lo.compact
+    examples = tokenize_rows(lo.runner.tokenizer, conversations(4, seed=3), 160)
+    agree = rows = 0
+    for ex in examples:
+        a, b = lo.compute(ex), hi.compute(ex)
+        assert b.aux_hidden.dtype == b.target_hidden.dtype == torch.bfloat16 and b.nbytes == a.nbytes
+        err = (a.aux_hidden.float() - b.aux_hidden.float()).norm() / b.aux_hidden.float().norm()
+        assert 0 < err < 0.03
+        agree += int((a.target_argmax[a.logit_rows] == b.target_argmax[b.logit_rows]).sum())
+        rows += len(a.logit_rows)
+    assert agree / rows > 0.95
+
+
 def test_output_layer_starts_from_the_targets_draft_vocab_rows(tiny_model):
     from adapt.checkpoint import init_output_from_target, new_head, target_output_layer
 
