@@ -11,7 +11,7 @@ target in both precisions, in alternating order over ``--rounds`` rounds, and pr
   states (and bf16 against itself recomputed, which must be 0), and how often the
   target's argmax on labelled rows agrees between the two.
 
-What ``[train] dtype = "auto"`` picks on this machine is printed too.
+What ``[training] dtype = "auto"`` picks on this machine is printed too.
 
     python benchmarks/featurize.py [--conversations 24] [--rounds 3] [--target smollm2|tiny|DIR] [--json]
 """
@@ -117,8 +117,9 @@ def main() -> int:
     again = result["aux_rel_err_bf16_vs_bf16"]
     print(f"aux hidden, fp32 vs bf16: relative error {result['aux_rel_err_fp32_vs_bf16']:.4f}"
           + (f" (bf16 recomputed vs bf16: {again:.4f})" if again is not None else ""))
-    print(f"target argmax on {rows_total} labelled rows: fp32 and bf16 agree on {100 * result['argmax_agreement']:.2f}%")
-    print(f'[train] dtype = "auto" picks {result["auto_picks"]} on this machine')
+    print(f"target argmax on {rows_total} labelled rows: fp32 and bf16 agree on "
+          f"{100 * result['argmax_agreement']:.2f}%")
+    print(f'[training] dtype = "auto" picks {result["auto_picks"]} on this machine')
     return 0
 
 
