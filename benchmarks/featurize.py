@@ -56,10 +56,9 @@ def main() -> int:
 
     from transformers import AutoConfig
 
-    layers = AutoConfig.from_pretrained(target).num_hidden_layers
-    aux_ids = default_aux_layer_ids(layers)
-    vocab = AutoConfig.from_pretrained(target).vocab_size
-    draft_ids = torch.arange(min(32000, vocab))
+    tcfg = AutoConfig.from_pretrained(target)
+    aux_ids = default_aux_layer_ids(tcfg.num_hidden_layers)
+    draft_ids = torch.arange(min(32000, tcfg.vocab_size))
     cpu = torch.device("cpu")
     arms = {"bf16": TargetFeatures(target, aux_ids, draft_ids, cpu, cache_bytes=0, dtype=torch.bfloat16),
             "fp32": TargetFeatures(target, aux_ids, draft_ids, cpu, cache_bytes=0, dtype=torch.float32)}
