@@ -23,6 +23,7 @@ COPY --chown=airflow:root targets /app/targets
 COPY --chown=airflow:root adapt /app/adapt
 COPY --chown=airflow:root serving /app/serving
 COPY --chown=airflow:root evaluation /app/evaluation
+COPY --chown=airflow:root rollout /app/rollout
 COPY --chown=airflow:root loop /app/loop
 COPY --chown=airflow:root app /app/app
 COPY --chown=airflow:root dags /opt/airflow/dags

@@ -20,6 +20,7 @@ COPY targets ./targets
 COPY adapt ./adapt
 COPY serving ./serving
 COPY evaluation ./evaluation
+COPY rollout ./rollout
 COPY loop ./loop
 COPY app ./app
 USER 50000:0

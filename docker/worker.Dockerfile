@@ -28,6 +28,7 @@ COPY targets ./targets
 COPY adapt ./adapt
 COPY serving ./serving
 COPY evaluation ./evaluation
+COPY rollout ./rollout
 COPY loop ./loop
 COPY app ./app
 # Built into the image (a host's build directory is not reused).

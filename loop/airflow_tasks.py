@@ -70,7 +70,7 @@ def report(cycle_id: str, params: dict[str, Any] | None) -> dict[str, Any]:
 
 def reconcile(params: dict[str, Any] | None) -> dict[str, Any]:
     """One controller pass (for the reconcile DAG): registry → pool, then the acceptance watch."""
-    from loop.controller import Controller
+    from rollout.controller import Controller
 
     ctl = Controller(config(params), router_url=(params or {}).get("router_url") or None)
     ctl.step()

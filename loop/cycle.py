@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from loop import gate as gate_mod
-from loop import registry as reg_mod
+from rollout import registry as reg_mod
 from loop import tracking
 from loop.store import CycleStore, relative_paths
 from settings.config import Config
@@ -354,7 +354,7 @@ def step_promote(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict
     reg = reg_mod.Registry(cfg)
     out: dict[str, Any] = {"promoted": True, **reg.promote(r["version"], reason=f"cycle {state['cycle_id']}: gate passed")}
     if opts.router_url:
-        from loop.controller import Controller
+        from rollout.controller import Controller
 
         # One reconcile pass now instead of waiting for the controller's next poll.
         out["swap"] = Controller(cfg, router_url=opts.router_url).reconcile()

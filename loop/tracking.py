@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from loop import registry as reg_mod
+from rollout import registry as reg_mod
 from loop.store import CycleStore
 from settings.config import Config
 

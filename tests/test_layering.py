@@ -9,7 +9,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Bottom to top. A package may import itself and any package before it in this list.
-LAYERS = ["settings", "capture", "traffic", "headspec", "targets", "adapt", "serving", "evaluation", "loop", "app"]
+LAYERS = ["settings", "capture", "traffic", "headspec", "targets", "adapt", "serving", "evaluation", "rollout", "loop",
+          "app"]
 
 
 def imports(path: Path) -> list[tuple[int, str]]:

@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
         """Pool + capturing router, bootstrap a head, adapt it to drifted traffic, gate, hot-swap, roll back."""
-        from loop.demo import render, run_demo, stderr_log
+        from app.demo import render, run_demo, stderr_log
 
         cfg = get_config(config, json_)
         report = run_demo(cfg, stderr_log(time.monotonic()))

@@ -15,7 +15,7 @@ from settings.config import Config
 
 def rollback(cfg: Config, to: str) -> dict:
     """Move version ``to`` back to Production (the controller makes the pool follow)."""
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     reg = Registry(cfg)
     mv = reg.get(to)  # raises for an unknown version
@@ -25,7 +25,7 @@ def rollback(cfg: Config, to: str) -> dict:
 
 
 def registry_list(cfg: Config) -> dict:
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     reg = Registry(cfg)
     prod = reg.production()
@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
         once: Annotated[bool, typer.Option("--once", help="One reconcile pass, then exit.")] = False,
     ) -> None:
         """Run the controller: reconcile the pool to Production, watch live acceptance, roll back."""
-        from loop.controller import Controller
+        from rollout.controller import Controller
         from serving.admin import ExposureError
 
         cfg = get_config(config, json_)
@@ -137,7 +137,7 @@ def register(app: typer.Typer) -> None:
         json_: JsonOpt = False,
     ) -> None:
         """Register an existing head as a version (seeds an empty registry)."""
-        from loop.registry import Registry, import_head
+        from rollout.registry import Registry, import_head
 
         cfg = get_config(config, json_)
         mv = import_head(cfg, head)

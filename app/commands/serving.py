@@ -44,7 +44,7 @@ def _current_head(cfg: Config, head: Optional[str]) -> Path:
 
 def _production_warnings(cfg: Config) -> list[str]:
     """What the registry knows against the Production head (today: slower than no speculation somewhere)."""
-    from loop.registry import Registry, slower_than_nospec
+    from rollout.registry import Registry, slower_than_nospec
 
     try:
         prod = Registry(cfg).production()

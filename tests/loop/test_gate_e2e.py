@@ -44,7 +44,7 @@ def prompts(n: int, seed: int) -> list[dict]:
 def gated(tmp_path_factory, model_cache):
     """A pool (cold head) with captured traffic, a bench replica, and the config of the cycles."""
     from adapt.checkpoint import init_random_head
-    from loop.demo import send_phases, wait_captured
+    from app.demo import send_phases, wait_captured
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from serving.serve import ServingStack, served_name
@@ -94,7 +94,7 @@ def served(stack) -> set[str]:
 
 def test_a_clearly_better_candidate_is_promoted_and_served(gated):
     from loop.cycle import CycleOptions, run_cycle
-    from loop.demo import heldout_hours_for, with_overrides
+    from app.demo import heldout_hours_for, with_overrides
 
     cfg = gated["cfg"]
     hours, _ = heldout_hours_for(cfg, gated["gap_mid"])
@@ -119,12 +119,12 @@ def test_a_degraded_candidate_is_rejected_and_never_served(gated):
     from headspec.validate import validate_head
     from loop.cycle import CycleOptions, load_state, run_cycle, run_step, save_state
     from loop.cycle import local as cycle_local
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     prod = gated.get("production")
     assert prod is not None, "needs the promotion of the test before"
     cfg = gated["cfg"]
-    from loop.demo import heldout_hours_for, with_overrides
+    from app.demo import heldout_hours_for, with_overrides
 
     hours, _ = heldout_hours_for(cfg, gated["gap_mid"])
     cfg = with_overrides(cfg, capture={"heldout_hours": hours})

@@ -119,7 +119,7 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.5):
 
 def test_full_cycle_registers_everything_and_rejected_candidate_is_never_served(loop):
     from loop.cycle import run_cycle
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     # A margin no tiny random head can clear: the candidate must be registered as rejected.
     cfg = cfg_for(loop, "drafter-cycle", gate={"min_acceptance_gain": 10.0})
@@ -186,7 +186,7 @@ def _crash_child(cfg_path: str, cycle_id: str, bench_url: str, live: str) -> Non
 
 def test_killed_cycle_rerun_yields_exactly_one_version(loop):
     from loop.cycle import load_state, run_cycle
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     cfg = cfg_for(loop, "drafter-kill")
     path = loop.dir / "kill.toml"
@@ -212,8 +212,8 @@ def test_stage_moves_are_followed_within_30s_and_live_drop_rolls_back(loop, tiny
 
     from adapt.checkpoint import init_random_head
     from app.cli import app
-    from loop.controller import Controller
-    from loop.registry import T_PREVIOUS, Registry, import_head
+    from rollout.controller import Controller
+    from rollout.registry import T_PREVIOUS, Registry, import_head
 
     cfg = cfg_for(loop, "drafter-follow")
     other = trained_like(init_random_head(tiny_model, loop.dir / "heads" / "other-random", k=3, seed=7,
@@ -270,8 +270,8 @@ def test_stage_moves_are_followed_within_30s_and_live_drop_rolls_back(loop, tiny
 
 
 def test_controller_survives_mlflow_outage(loop, s3_server, tmp_path):
-    from loop.controller import Controller
-    from loop.registry import Registry, import_head
+    from rollout.controller import Controller
+    from rollout.registry import Registry, import_head
 
     ml = MlflowServer(tmp_path / "ml", s3_server).start()
     cfg = cfg_for(loop, "drafter-outage", mlflow={"tracking_uri": ml.tracking_uri})
@@ -303,7 +303,7 @@ def test_controller_survives_mlflow_outage(loop, s3_server, tmp_path):
 
 
 def test_nightly_dag_runs_end_to_end_with_dag_test(loop, tmp_path):
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     cfg = cfg_for(loop, "drafter-nightly")
     cfg_path = loop.dir / "nightly.toml"

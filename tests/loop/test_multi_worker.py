@@ -19,7 +19,7 @@ import pytest
 from capture.synth import write_layout
 from capture.warehouse import Warehouse
 from loop import cycle
-from loop.registry import Registry
+from rollout.registry import Registry
 from settings.config import load_config
 from tests.bench_sim import simulated_bench
 

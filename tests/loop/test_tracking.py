@@ -69,7 +69,7 @@ def stub_steps(head: Path, tmp: Path, fail_at: str | None = None):
 
 
 def test_the_run_opens_at_the_first_step_and_logs_each_step_as_it_finishes(setup, monkeypatch):
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     cfg, head, tmp = setup
     monkeypatch.setattr(cycle, "STEP_FUNCS", stub_steps(head, tmp, fail_at="evaluate"))

@@ -445,7 +445,7 @@ def test_swap_by_s3_uri_the_agent_fetches_it_itself(attached, heads, s3_server):
 
 @pytest.mark.services
 def test_swap_by_registry_uri_and_rollback_by_sha(attached, heads):
-    from loop.registry import import_head
+    from rollout.registry import import_head
 
     mv = import_head(attached.cfg, heads["e2"])
     uri = f"models:/{attached.cfg.mlflow.registered_model}/{mv.version}"

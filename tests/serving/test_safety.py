@@ -87,7 +87,7 @@ def test_adapt_serve_and_controller_refuse_with_a_clear_error(tmp_path, monkeypa
 
 
 def test_controller_health_endpoint_refuses_off_loopback_with_a_weak_token(tmp_path):
-    from loop.controller import Controller
+    from rollout.controller import Controller
 
     cfg = load_config(overrides={"state_dir": str(tmp_path)})
     with pytest.raises(ExposureError, match="health endpoint"):

@@ -130,7 +130,7 @@ def heldout_hours_for(cfg: Config, gap_mid: dt.datetime) -> tuple[float, dict[st
 
 
 def registry_view(cfg: Config) -> list[dict[str, Any]]:
-    from loop.registry import Registry
+    from rollout.registry import Registry
 
     reg = Registry(cfg)
     return reg.describe_all()
@@ -245,7 +245,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``<state_dir>/demo/report.json``)."""
     from adapt.checkpoint import init_random_head
     from headspec.validate import validate_head
-    from loop.controller import Controller
+    from rollout.controller import Controller
     from loop.cycle import CycleOptions
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import httpx
 
-from loop import registry as reg_mod
+from rollout import registry as reg_mod
 from serving.admin import check_exposure
 from settings.config import Config
 

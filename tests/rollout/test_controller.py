@@ -51,8 +51,8 @@ class FakeAirflow:
 def served(tiny_model, tmp_path):
     """A Production version benchmarked at mean acceptance length 2.0, and the config to watch it with."""
     from adapt.checkpoint import init_random_head
-    from loop.controller import BENCH_METRIC
-    from loop.registry import Registry, import_head
+    from rollout.controller import BENCH_METRIC
+    from rollout.registry import Registry, import_head
 
     def config(**controller: Any):
         return load_config(overrides={
@@ -71,7 +71,7 @@ def served(tiny_model, tmp_path):
 
 def watching(cfg, version: str, live: float, drafts: float, **kw: Any):
     """A controller whose pool reports ``live`` mean acceptance length over ``drafts`` drafts (two replicas)."""
-    from loop.controller import Controller
+    from rollout.controller import Controller
 
     ctl = Controller(cfg, router_url="http://127.0.0.1:9", **kw)
     ctl.serving_version = version
@@ -91,7 +91,7 @@ def test_controller_thresholds_come_from_config_and_must_be_ordered():
 
 
 def test_drift_triggers_the_nightly_dag_through_airflows_api_once_per_cooldown(served, monkeypatch):
-    from loop.controller import NIGHTLY_DAG
+    from rollout.controller import NIGHTLY_DAG
 
     config, version = served
     airflow = FakeAirflow()

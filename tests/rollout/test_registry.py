@@ -10,7 +10,7 @@ from settings.config import load_config
 def test_pool_status_says_plainly_when_production_is_slower_than_no_speculation(tiny_model, tmp_path):
     from adapt.checkpoint import init_random_head
     from app.commands.serving import _production_warnings
-    from loop.registry import T_SPEEDUP, Registry, import_head, slower_than_nospec, speedups
+    from rollout.registry import T_SPEEDUP, Registry, import_head, slower_than_nospec, speedups
 
     cfg = load_config(overrides={"state_dir": str(tmp_path), "target": {"model": str(tiny_model)},
                                  "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",

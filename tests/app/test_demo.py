@@ -2,7 +2,7 @@
 
 import pytest
 
-from loop.demo import demo_config, with_overrides
+from app.demo import demo_config, with_overrides
 from settings.config import load_config
 
 
@@ -35,7 +35,7 @@ def test_heldout_hours_for_ingests_and_returns_that_ingest(tmp_path, monkeypatch
     """The demo ingests before each cycle to place the held-out cut; the report keeps that ingest's counts."""
     from datetime import timedelta
 
-    from loop.demo import heldout_hours_for
+    from app.demo import heldout_hours_for
     from tests.capture_support import T0 as t0
     from tests.capture_support import chat, layout_file
 
@@ -62,7 +62,7 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     import json
 
     from loop import gate
-    from loop.demo import render, run_demo
+    from app.demo import render, run_demo
     from settings.config import dump_toml
     from tests.services import free_ports
 
@@ -111,7 +111,7 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
 
 
 def test_demo_traffic_is_real_conversations_general_then_code_and_tools(tmp_path_factory):
-    from loop.demo import demo_traffic
+    from app.demo import demo_traffic
     from settings.config import DemoConfig
 
     d = DemoConfig(general_conversations=5, drifted_conversations=4, tool_prompts=3, max_turn_chars=300)
@@ -152,7 +152,7 @@ def test_report_of_a_rejected_then_passed_demo_says_what_happened(tmp_path):
     """Cycle 1 rejected, cycle 2 passed and served: the summary shows both benches, who serves, and why
     there is no rollback (nothing was ever in Production before version 2)."""
     from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC
-    from loop.demo import bench_figures, render
+    from app.demo import bench_figures, render
 
     c1 = _cycle_summary(tmp_path, "c1", {CANDIDATE: 0.8, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 1.1},
                         {CANDIDATE: 1.1, LIVE: 1.2, CONTROL: 1.2}, "rejected", False, "1")
@@ -183,7 +183,7 @@ def test_report_of_a_rejected_then_passed_demo_says_what_happened(tmp_path):
 
 def test_demo_skips_rollback_for_the_right_reason(tmp_path, monkeypatch):
     """The rollback decision itself (run_demo's branch) for the three cycle outcomes."""
-    from loop.demo import rollback_skip_reason
+    from app.demo import rollback_skip_reason
 
     assert rollback_skip_reason({"promoted": True}, {"promoted": True}) is None
     assert "cycle 2 did not promote" in rollback_skip_reason({"promoted": True}, {"promoted": False,
