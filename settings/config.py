@@ -1,8 +1,16 @@
 """One typed configuration for the whole product.
 
 The embedded default (``default_config.toml`` in this package) keeps all state
-under one local directory. A user file given with ``--config`` or ``ADAPT_CONFIG``
-is merged over it key by key, so it only needs the keys it changes.
+under one local directory. Each layer below is merged over the one before it,
+key by key, so each holds only what it changes (later wins):
+
+1. the embedded default;
+2. standard variables of the tools this product drives, where the embedded default
+   would otherwise win silently: ``MLFLOW_TRACKING_URI`` → ``[mlflow] tracking_uri``;
+3. the file given with ``--config`` or ``ADAPT_CONFIG``;
+4. ``ADAPT__SECTION__KEY`` (``ADAPT__KEY`` for a top-level key) environment variables, as
+   Airflow reads ``AIRFLOW__SECTION__KEY``: typed and validated like the file's values;
+5. overrides passed by the caller (command-line options, tests).
 
 String values may use ``${state_dir}``, ``${cache_dir}`` and ``${ENV:-default}``.
 """
@@ -10,14 +18,21 @@ String values may use ``${state_dir}``, ``${cache_dir}`` and ``${ENV:-default}``
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
 import tomllib
+import types
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded; the message names where the bad value came from."""
 
 
 class _Section(BaseModel):
@@ -309,25 +324,177 @@ def default_toml() -> str:
     return resources.files("settings").joinpath("default_config.toml").read_text()
 
 
+ENV_PREFIX = "ADAPT__"
+# Variables of other tools that fill a key the user left at its embedded default (layer 2 above).
+TOOL_ENV = {"MLFLOW_TRACKING_URI": ("mlflow", "tracking_uri")}
+
+
+def _annotation(section: str | None, key: str) -> Any:
+    """The declared type of ``[section] key`` (top-level when ``section`` is None), or None if there is no such key."""
+    model: type[BaseModel] = Config
+    if section is not None:
+        field = Config.model_fields.get(section)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    field = model.model_fields.get(key)
+    if field is None or (section is None and key in (*_SECTIONS, "source_file")):
+        return None
+    return field.annotation
+
+
+def _is_list(annotation: Any) -> bool:
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return any(typing.get_origin(a) in (list, tuple) for a in args)
+
+
+def _is_optional(annotation: Any) -> bool:
+    return isinstance(annotation, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
+def _env_value(var: str, raw: str, annotation: Any) -> Any:
+    """An environment string as the key's type: lists as TOML/JSON arrays, an empty optional as unset;
+    scalars are left to the model's own validation ("8", "true", "0.5")."""
+    if _is_list(annotation):
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(f"{var}={raw!r}: expected an array such as [1, 4] or [\"a\", \"b\"]") from None
+        if not isinstance(value, list):
+            raise ConfigError(f"{var}={raw!r}: expected an array such as [1, 4] or [\"a\", \"b\"]")
+        return value
+    if raw == "" and _is_optional(annotation):
+        return None
+    return raw
+
+
+def env_overrides(environ: typing.Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[tuple, str]]:
+    """The ``ADAPT__SECTION__KEY`` variables as a config fragment, and the variable behind each key.
+
+    An unknown section or key is refused, as in a config file (a typo must not be ignored)."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    origin: dict[tuple, str] = {}
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        parts = var[len(ENV_PREFIX):].lower().split("__")
+        if len(parts) == 1:
+            section, key = None, parts[0]
+        elif len(parts) == 2:
+            section, key = parts
+        else:
+            raise ConfigError(f"{var}: expected {ENV_PREFIX}SECTION__KEY or {ENV_PREFIX}KEY")
+        annotation = _annotation(section, key)
+        if annotation is None:
+            raise ConfigError(f"{var}: {_unknown_key((section, key) if section else (key,))}")
+        value = _env_value(var, environ[var], annotation)
+        if section is None:
+            out[key] = value
+            origin[(key,)] = var
+        else:
+            out.setdefault(section, {})[key] = value
+            origin[(section, key)] = var
+    return out, origin
+
+
+_SECTIONS = ("target", "s3", "capture", "warehouse", "mlflow", "head", "training", "serving", "bench", "gate",
+             "cycle", "controller", "demo")
+
+
+def _unknown_key(loc: tuple) -> str:
+    """'unknown key [section] key (did you mean ...?)' for an unknown section or key."""
+    if len(loc) == 1 or loc[0] not in _SECTIONS:
+        name = loc[0]
+        known = list(_SECTIONS) + [k for k in Config.model_fields if k not in _SECTIONS and k != "source_file"]
+        what = f"unknown section or top-level key {name!r}"
+    else:
+        name = loc[1]
+        known = list(Config.model_fields[loc[0]].annotation.model_fields)  # type: ignore[union-attr]
+        what = f"unknown key {name!r} in [{loc[0]}]"
+    close = difflib.get_close_matches(str(name), known, n=1)
+    return what + (f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}")
+
+
+def _keys(fragment: dict[str, Any]) -> list[tuple]:
+    """Every (section, key) or (key,) a config fragment sets."""
+    out: list[tuple] = []
+    for k, v in fragment.items():
+        if isinstance(v, dict) and k in _SECTIONS:
+            out += [(k, kk) for kk in v] or [(k,)]
+        else:
+            out.append((k,))
+    return out
+
+
+def _explain(exc: ValidationError, origin: dict[tuple, str]) -> ConfigError:
+    """Pydantic's errors as lines that name the key and where its value came from."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(x) for x in err["loc"])
+        key = loc[:2] if len(loc) >= 2 and loc[0] in _SECTIONS else loc[:1]
+        where = origin.get(key) or origin.get(key[:1])
+        if where is None and len(key) == 1:  # a check across a section's keys: every source that set one
+            where = ", ".join(sorted({v for k, v in origin.items() if k[:1] == key})) or None
+        where = where or "the embedded default"
+        name = f"[{key[0]}] {key[1]}" if len(key) == 2 else (f"[{key[0]}]" if key and key[0] in _SECTIONS else
+                                                             (key[0] if key else "(top level)"))
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where}: {_unknown_key(key)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        got = "" if err["type"].startswith("value_error") else f" (got {err.get('input')!r})"
+        lines.append(f"{where}: {name}: {msg}{got}")
+    return ConfigError("invalid configuration:\n  " + "\n  ".join(lines) if len(lines) > 1
+                       else f"invalid configuration: {lines[0]}")
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Load the embedded default, merge ``path`` (or ``$ADAPT_CONFIG``) and ``overrides`` over it."""
+    """Load the configuration: the embedded default, tool variables, the file ``path`` (or ``$ADAPT_CONFIG``),
+    ``ADAPT__SECTION__KEY`` variables and ``overrides``, each merged over the one before (module docstring).
+
+    Raises :class:`ConfigError` (a ``ValueError``) naming the file or variable of a bad value, or
+    ``FileNotFoundError`` for a missing file."""
     raw = tomllib.loads(default_toml())
+    origin: dict[tuple, str] = {}
+    for var, (section, key) in TOOL_ENV.items():
+        if os.environ.get(var):
+            raw[section][key] = os.environ[var]
+            origin[(section, key)] = var
     path = path or os.environ.get("ADAPT_CONFIG") or None
     if path:
         p = Path(path).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
-        raw = _merge(raw, tomllib.loads(p.read_text()))
+        try:
+            user = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc}") from None
+        raw = _merge(raw, user)
+        origin.update({k: f"config file {p}" for k in _keys(user)})
+    env, env_origin = env_overrides()
+    raw = _merge(raw, env)
+    origin.update(env_origin)
     if overrides:
         raw = _merge(raw, overrides)
+        origin.update({k: "the caller's overrides" for k in _keys(overrides)})
     # state_dir and cache_dir first: the other values may refer to them.
     scope: dict[str, str] = {}
-    for key in ("state_dir", "cache_dir"):
-        scope[key] = str(Path(_expand(raw[key], scope)).expanduser().absolute())
-        raw[key] = scope[key]
-    raw = _walk(raw, scope)
+    try:
+        for key in ("state_dir", "cache_dir"):
+            scope[key] = str(Path(_expand(raw[key], scope)).expanduser().absolute())
+            raw[key] = scope[key]
+        raw = _walk(raw, scope)
+    except ValueError as exc:
+        where = f"config file {Path(path).expanduser()}" if path else "the configuration"
+        raise ConfigError(f"{where}: {exc}") from None
     raw["source_file"] = str(Path(path).expanduser().absolute()) if path else None
-    return Config.model_validate(raw)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise _explain(exc, origin) from None
 
 
 def dump_toml(cfg: Config, mask_secrets: bool = False) -> str:

@@ -23,6 +23,9 @@ from tests.services import MlflowServer, SeaweedS3, free_port
 # Keep Airflow and MLflow from writing into the user's home during tests.
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A developer's shell must not change the configuration the tests load (settings/config.py's layers).
+for _var in [v for v in os.environ if v.startswith("ADAPT__")] + ["MLFLOW_TRACKING_URI"]:
+    os.environ.pop(_var, None)
 
 
 # Fixtures that start a real server; a test that asks for one (directly or through another
