@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import os
 import re
 import tomllib
@@ -214,6 +215,63 @@ class ControllerConfig(_Section):
         return self
 
 
+class AirflowConfig(_Section):
+    """How the product reaches Airflow 3 (the controller's early trigger) and what the DAG files generate.
+
+    Queues, pools and timeouts are fixed when Airflow parses a DAG file, so they come from the config the
+    DAG processor reads (``ADAPT_CONFIG``), not from a run's params."""
+
+    # The API server, e.g. http://airflow-apiserver:8080 (else ADAPT_AIRFLOW_URL; empty: no early trigger).
+    url: str = ""
+    # Credentials the controller trades for a JWT at POST /auth/token, again when it expires (else
+    # ADAPT_AIRFLOW_USERNAME / ADAPT_AIRFLOW_PASSWORD). A fixed token (else ADAPT_AIRFLOW_TOKEN) expires.
+    username: str = ""
+    password: str = ""
+    token: str = ""
+    # Or an Airflow connection: AIRFLOW_CONN_<ID> in the environment (URI or JSON) with host and login.
+    connection: str = ""
+    # Tries of one early trigger, the first included, this many seconds apart.
+    trigger_attempts: int = Field(3, ge=1)
+    trigger_retry_s: float = Field(60.0, ge=0)
+    # This endpoint's name: its DAGs are drafter_nightly_adaptation_<name> and drafter_reconcile_<name>
+    # (empty: no suffix). The controller triggers the nightly DAG of its own config's name.
+    name: str = Field("", pattern=r"^[A-Za-z0-9_-]*$")
+    # Config files of the endpoints the DAG files generate DAGs for, each with its own [airflow] name
+    # (empty: one pair of DAGs for this config).
+    endpoints: list[str] = []
+    schedule: str = "@daily"
+    retries: int = Field(2, ge=0)
+    retry_delay_minutes: float = Field(5.0, ge=0)
+    # Longest each step may run before Airflow fails it (minutes; retries then resume the cycle).
+    step_timeout_minutes: dict[str, float] = {"ingest": 120, "snapshot": 30, "base": 30, "train": 480,
+                                              "evaluate": 120, "bench": 240, "gate": 10, "log_run": 60,
+                                              "register": 15, "promote": 30}
+    # Celery queue and Airflow pool of every task ("" = Airflow's default), and per step (e.g. train and
+    # bench on the GPU workers' queue).
+    queue: str = ""
+    pool: str = ""
+    step_queue: dict[str, str] = {}
+    step_pool: dict[str, str] = {}
+    # Where a failed task is announced besides the task log: a URL that takes a POSTed JSON
+    # {"text": ...} (Slack and most chat webhooks; else ADAPT_FAILURE_WEBHOOK). A secret.
+    failure_webhook: str = ""
+
+    def resolved_url(self) -> str:
+        return (self.url or os.environ.get("ADAPT_AIRFLOW_URL", "")).rstrip("/")
+
+    def resolved_username(self) -> str:
+        return self.username or os.environ.get("ADAPT_AIRFLOW_USERNAME", "")
+
+    def resolved_password(self) -> str:
+        return self.password or os.environ.get("ADAPT_AIRFLOW_PASSWORD", "")
+
+    def resolved_token(self) -> str:
+        return self.token or os.environ.get("ADAPT_AIRFLOW_TOKEN", "")
+
+    def resolved_failure_webhook(self) -> str:
+        return self.failure_webhook or os.environ.get("ADAPT_FAILURE_WEBHOOK", "")
+
+
 class DemoConfig(_Section):
     """Sizes of `adapt demo` (its run time scales with them)."""
 
@@ -255,6 +313,7 @@ class Config(_Section):
     gate: GateConfig = GateConfig()
     cycle: CycleConfig = CycleConfig()
     controller: ControllerConfig = ControllerConfig()
+    airflow: AirflowConfig = AirflowConfig()
     demo: DemoConfig = DemoConfig()
     source_file: str | None = None
 
@@ -278,7 +337,8 @@ class Config(_Section):
 
 
 # (section, field) of every value that must never be printed or logged in clear.
-SECRET_FIELDS = (("serving", "admin_token"), ("serving", "agent_token"))
+SECRET_FIELDS = (("serving", "admin_token"), ("serving", "agent_token"), ("airflow", "password"),
+                 ("airflow", "token"), ("airflow", "failure_webhook"))
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -343,9 +403,10 @@ def _annotation(section: str | None, key: str) -> Any:
     return field.annotation
 
 
-def _is_list(annotation: Any) -> bool:
+def _is_structured(annotation: Any) -> bool:
+    """A list or table key (its environment value is written as a TOML array or inline table)."""
     args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    return any(typing.get_origin(a) in (list, tuple) for a in args)
+    return any(typing.get_origin(a) in (list, tuple, dict) for a in args)
 
 
 def _is_optional(annotation: Any) -> bool:
@@ -353,15 +414,17 @@ def _is_optional(annotation: Any) -> bool:
 
 
 def _env_value(var: str, raw: str, annotation: Any) -> Any:
-    """An environment string as the key's type: lists as TOML/JSON arrays, an empty optional as unset;
-    scalars are left to the model's own validation ("8", "true", "0.5")."""
-    if _is_list(annotation):
+    """An environment string as the key's type: lists and tables as TOML values (``[1, 4]``, ``["a", "b"]``,
+    ``{train = "gpu"}``), an empty optional as unset; scalars are left to the model's own validation
+    ("8", "true", "0.5")."""
+    if _is_structured(annotation):
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
-            raise ConfigError(f"{var}={raw!r}: expected an array such as [1, 4] or [\"a\", \"b\"]") from None
-        if not isinstance(value, list):
-            raise ConfigError(f"{var}={raw!r}: expected an array such as [1, 4] or [\"a\", \"b\"]")
+            value = None
+        if not isinstance(value, (list, dict)):
+            raise ConfigError(f"{var}={raw!r}: expected a TOML array such as [1, 4] or [\"a\", \"b\"], "
+                              "or an inline table such as {train = \"gpu\"}")
         return value
     if raw == "" and _is_optional(annotation):
         return None
@@ -399,7 +462,7 @@ def env_overrides(environ: typing.Mapping[str, str] | None = None) -> tuple[dict
 
 
 _SECTIONS = ("target", "s3", "capture", "warehouse", "mlflow", "head", "training", "serving", "bench", "gate",
-             "cycle", "controller", "demo")
+             "cycle", "controller", "airflow", "demo")
 
 
 def _unknown_key(loc: tuple) -> str:
@@ -509,6 +572,8 @@ def dump_toml(cfg: Config, mask_secrets: bool = False) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {val(x)}" for k, x in v.items()) + "}"
         raise TypeError(type(v))
 
     data = cfg.to_json_dict(mask_secrets=mask_secrets)

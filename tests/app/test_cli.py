@@ -41,7 +41,7 @@ def test_help_shows_config_section_names_as_written(path):
     assert "(default: ." not in r.output and "Override ." not in r.output  # "[section]" eaten as markup
     sections = set(re.findall(r"\[(\w+)\]\.\w+", r.output))
     assert sections <= {"target", "s3", "capture", "warehouse", "mlflow", "head", "training", "serving", "bench",
-                        "gate", "controller", "demo"}, sections
+                        "gate", "cycle", "controller", "airflow", "demo"}, sections
 
 
 def test_every_command_with_an_option_that_names_a_section_keeps_it():

@@ -66,7 +66,7 @@ def test_mlflow_tracking_uri_beats_the_embedded_default_but_not_a_file(env, tmp_
     ("ADAPT__SERVIN__REPLICAS", "1", "ADAPT__SERVIN__REPLICAS: unknown section or top-level key 'servin'"),
     ("ADAPT__SERVING__REPLICAS", "many", "ADAPT__SERVING__REPLICAS: [serving] replicas: Input should be a valid integer"),
     ("ADAPT__SERVING__REPLICAS", "-1", "ADAPT__SERVING__REPLICAS: [serving] replicas: Input should be greater than or equal to 0 (got '-1')"),
-    ("ADAPT__BENCH__CONCURRENCIES", "1,4", "ADAPT__BENCH__CONCURRENCIES='1,4': expected an array"),
+    ("ADAPT__BENCH__CONCURRENCIES", "1,4", "ADAPT__BENCH__CONCURRENCIES='1,4': expected a TOML array"),
     ("ADAPT__A__B__C", "1", "ADAPT__A__B__C: expected ADAPT__SECTION__KEY"),
     ("ADAPT__SOURCE_FILE", "x", "unknown section or top-level key 'source_file'"),
 ])
