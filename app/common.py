@@ -80,7 +80,9 @@ _AS_JSON: ContextVar[bool] = ContextVar("as_json", default=False)
 
 
 def get_config(path: Optional[Path], as_json: bool = False) -> Config:
-    """The config the command runs with; also notes ``--json`` so that :func:`fail` answers in JSON."""
+    """The config the command runs with; also notes ``--json`` so that :func:`fail` answers in JSON.
+
+    Commands call it first, before their heavy imports: a bad config is refused at once."""
     _AS_JSON.set(as_json)
     try:
         return load_config(path)

@@ -42,10 +42,10 @@ def ingest_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Turn new Data Capture files into deduplicated ShareGPT conversations in the warehouse."""
+    cfg = get_config(config, json_)
     from capture.ingest import ingest
     from capture.warehouse import IngestLocked
 
-    cfg = get_config(config, json_)
     try:
         res = ingest(cfg, source=source, since=since, until=until, endpoint=endpoint)
     except (IngestLocked, FileNotFoundError, ValueError) as exc:
@@ -95,9 +95,9 @@ def export_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Write one split as ShareGPT JSONL."""
+    cfg = get_config(config, json_)
     from capture.split import export
 
-    cfg = get_config(config, json_)
     if out.exists() and not force:
         fail(f"{out} exists: pass --force to replace it")
     n = export(cfg, split, out)

@@ -55,10 +55,10 @@ def eval_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Offline acceptance (per position, mean acceptance length) under greedy verification."""
+    cfg = get_config(config, json_)
     from evaluation.offline import estimate_acceptance
     from headspec.errors import HeadError
 
-    cfg = get_config(config, json_)
     try:
         rows = _heldout_rows(cfg, heldout)
     except (FileNotFoundError, ValueError) as exc:
@@ -92,10 +92,10 @@ def init_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Write a randomly initialised head (embeddings copied from the target)."""
+    cfg = get_config(config, json_)
     from adapt.checkpoint import init_random_head
     from headspec.validate import validate_head
 
-    cfg = get_config(config, json_)
     _refuse_existing(out, force)
     tdir = _target(cfg, target)
     path = init_random_head(tdir, out, k=k or cfg.head.num_speculative_tokens,
@@ -116,11 +116,11 @@ def import_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Normalize a foreign head into a validated head directory with a manifest."""
+    cfg = get_config(config, json_)
     from adapt.checkpoint import import_head
     from headspec.errors import HeadError
     from headspec.validate import validate_head
 
-    cfg = get_config(config, json_)
     if not src.is_dir():
         fail(f"no head directory at {src}")
     _refuse_existing(out, force)
@@ -141,10 +141,10 @@ def validate_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Check a head is safetensors-only, complete, untampered and fits the target."""
+    cfg = get_config(config, json_)
     from headspec.errors import HeadError
     from headspec.validate import validate_head
 
-    cfg = get_config(config, json_)
     try:
         info = validate_head(head, _target(cfg, target))
     except HeadError as exc:

@@ -62,9 +62,9 @@ def cycle_cmd(
     router_url: Annotated[Optional[str], typer.Option(
         help="Swap the pool behind this router right after promotion.")] = None,
 ) -> None:
+    cfg = get_config(config, json_)
     from loop.cycle import CycleError, CycleOptions, new_cycle_id, run_cycle, run_step, summary
 
-    cfg = get_config(config, json_)
     opts = CycleOptions(live_head=live_head, bench_url=bench_url, nospec_url=nospec_url, router_url=router_url,
                         progress=progress)
     try:
@@ -92,9 +92,9 @@ def rollback_cmd(
 ) -> None:
     """Make version N the champion again (alias champion and stage Production; the current one becomes
     previous); the controller swaps the pool."""
+    cfg = get_config(config, json_)
     from rollout.registry import RegistryError
 
-    cfg = get_config(config, json_)
     try:
         out = rollback(cfg, None if to is None else str(to))
     except RegistryError as exc:
@@ -112,10 +112,10 @@ def controller_cmd(
     once: Annotated[bool, typer.Option("--once", help="One reconcile pass, then exit.")] = False,
 ) -> None:
     """Run the controller: reconcile the pool to the champion, watch live acceptance, roll back."""
+    cfg = get_config(config, json_)
     from rollout.controller import Controller
     from serving.admin import ExposureError
 
-    cfg = get_config(config, json_)
     # Structured events are JSON lines on stderr (stdout stays for --json output).
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     try:
@@ -164,9 +164,9 @@ def import_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Register an existing head as a version (seeds an empty registry)."""
+    cfg = get_config(config, json_)
     from rollout.registry import Registry, import_head
 
-    cfg = get_config(config, json_)
     if not (head / "config.json").is_file():
         fail(f"no head directory at {head} (no config.json)")
     mv = import_head(cfg, head)

@@ -97,11 +97,11 @@ def serve(
     router_port: Annotated[Optional[int], typer.Option(help="Router port.")] = None,
 ) -> None:
     """Start N vLLM replicas with the P-EAGLE head and the capturing router; run until Ctrl-C."""
+    cfg = get_config(config, json_)
     from serving.admin import ExposureError, check_exposure
     from serving.serve import ServingStack, check_attachments
     from targets.model_zoo import ensure_target
 
-    cfg = get_config(config, json_)
     try:  # before the model is fetched: a refusal should come at once
         check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
         check_attachments(cfg.serving.attach_urls if attach is None else attach,
@@ -126,9 +126,9 @@ def swap(
     url: Annotated[Optional[str], typer.Option(help="Router URL (default from config).")] = None,
 ) -> None:
     """Swap the pool to HEAD: validate, canary, then one by one; roll back on failure."""
+    cfg = get_config(config, json_)
     import httpx
 
-    cfg = get_config(config, json_)
     if "://" not in head and not head.startswith(("models:/", "runs:/")):
         head = str(Path(head).absolute())
     base = _reach_router(cfg, url)
@@ -154,9 +154,9 @@ def status(
     url: Annotated[Optional[str], typer.Option(help="Router URL (default from config).")] = None,
 ) -> None:
     """Each replica's URL, health, head sha256/version and live acceptance."""
+    cfg = get_config(config, json_)
     import httpx
 
-    cfg = get_config(config, json_)
     base = _reach_router(cfg, url)
     try:
         r = httpx.get(base + "/admin/status", headers=_admin_headers(cfg), timeout=60)
@@ -197,9 +197,9 @@ def bench(
     seed: Annotated[Optional[int], typer.Option(help="Seed of the arms' order and the bootstrap.")] = None,
 ) -> None:
     """Replay held-out traffic: candidate, live and an A/A control in counterbalanced order; JSON + plot."""
+    cfg = get_config(config, json_)
     from evaluation.bench import run_bench_cli
 
-    cfg = get_config(config, json_)
     try:
         result = run_bench_cli(cfg, candidate=candidate, live=live, heldout=heldout, url=url, out=out,
                                concurrencies=concurrency, rounds=rounds, max_prompts=max_prompts,
@@ -251,10 +251,10 @@ def agent(
     tls_key: Annotated[Optional[str], typer.Option(help="TLS key (PEM; default [serving].agent_tls_key).")] = None,
 ) -> None:
     """Front one loopback replica for a pool elsewhere: proxy, metrics, head swaps by URI (ADAPT_AGENT_TOKEN)."""
+    cfg = get_config(config, json_)
     from serving.admin import ExposureError, check_exposure
     from serving.agent import Agent
 
-    cfg = get_config(config, json_)
     s = cfg.serving
     host = host or s.agent_host
     token = s.resolved_agent_token()
@@ -285,6 +285,7 @@ def fetch_head(
     s3_endpoint: S3Opt = None,
 ) -> None:
     """Fetch a head by URI and validate it against the target (a replica's first head)."""
+    cfg = get_config(config, json_)
     import shutil
     import tempfile
 
@@ -292,7 +293,6 @@ def fetch_head(
     from headspec.resolve import is_remote_ref, resolve_head
     from headspec.validate import validate_head
 
-    cfg = get_config(config, json_)
     if not is_remote_ref(head):
         fail(f"give the head as a URI (models:/name/N, s3://bucket/prefix), not {head!r}", 2)
     target_dir = _target_dir(cfg, target)
@@ -346,11 +346,11 @@ def command(
     gpus: Annotated[int, typer.Option(help="--k8s: GPUs per replica (0 with --cpu).")] = 1,
 ) -> None:
     """Print what to run for a replica the pool does not start: the exact `vllm serve` line and its agent."""
+    cfg = get_config(config, json_)
     from serving.attach import agent_urls, k8s_manifest, recipe, shell_text, to_yaml
     from serving.replica import REPO_ROOT
     from serving.serve import served_name
 
-    cfg = get_config(config, json_)
     head = head or f"models:/{cfg.mlflow.registered_model}@champion"
     target = target or "/models/target"
     heads = heads_dir or "/heads"

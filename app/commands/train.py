@@ -52,9 +52,9 @@ def train_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Train a head; prints its directory, steps, tokens/s, final loss per depth and offline acceptance."""
+    cfg = get_config(config, json_)
     from adapt.train import ShapeChangeError, train
 
-    cfg = get_config(config, json_)
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         fail(f"{out} exists: pass --force to replace it")
     if max_steps is not None:
