@@ -181,7 +181,7 @@ class Registry:
             if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
                 return None
             raise
-        return vs[0].version if vs else None
+        return str(vs[0].version) if vs else None
 
     def aliases(self) -> dict[str, str]:
         """Every alias of the registered model and its version ({} before the first version)."""
