@@ -442,6 +442,8 @@ def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
             "bench_plot": here((s.get("bench") or {}).get("plot_path")),
             "model_uri": r.get("uri"),
         },
+        # Tasks that failed for good in Airflow (loop.airflow_tasks.on_task_failure), oldest first.
+        "failures": state.get("failures", []),
         "steps": s,
         "timings": state.get("timings", {}),
     }

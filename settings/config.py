@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -243,7 +243,7 @@ class AirflowConfig(_Section):
     retries: int = Field(2, ge=0)
     retry_delay_minutes: float = Field(5.0, ge=0)
     # Longest each step may run before Airflow fails it (minutes; retries then resume the cycle).
-    step_timeout_minutes: dict[str, float] = {"ingest": 120, "snapshot": 30, "base": 30, "train": 480,
+    step_timeout_minutes: dict[str, PositiveFloat] = {"ingest": 120, "snapshot": 30, "base": 30, "train": 480,
                                               "evaluate": 120, "bench": 240, "gate": 10, "log_run": 60,
                                               "register": 15, "promote": 30}
     # Celery queue and Airflow pool of every task ("" = Airflow's default), and per step (e.g. train and
