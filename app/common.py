@@ -61,6 +61,9 @@ def describe_error(exc: BaseException) -> str:
 
     if isinstance(exc, (HeadError, ConfigError)):
         return str(exc)
+    mlflow_errors = sys.modules.get("mlflow.exceptions")  # never imported here: raised only if MLflow was
+    if mlflow_errors is not None and isinstance(exc, mlflow_errors.MlflowException):
+        return f"MLflow: {exc}"
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
     if isinstance(exc, httpx.HTTPStatusError):

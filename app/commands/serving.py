@@ -152,6 +152,9 @@ def status(
     config: ConfigOpt = None,
     json_: JsonOpt = False,
     url: Annotated[Optional[str], typer.Option(help="Router URL (default from config).")] = None,
+    controller_url: Annotated[Optional[str], typer.Option(
+        help="Also the controller's health (`adapt controller --health-port`), e.g. http://127.0.0.1:8090: "
+             "its serving version and warnings, such as an Airflow trigger that gave up.")] = None,
 ) -> None:
     """Each replica's URL, health, head sha256/version and live acceptance."""
     cfg = get_config(config, json_)
@@ -168,14 +171,32 @@ def status(
         fail(f"the router at {base} answered {r.status_code}: {r.text[:300]}")
     st = r.json()
     st["warnings"] = _production_warnings(cfg)
+    if controller_url:
+        st["controller"] = _controller_health(controller_url.rstrip("/"))
+        st["warnings"] += st["controller"].get("warnings") or []
     lines = []
     for rep in st["replicas"]:
         acc = (rep.get("live_acceptance") or {}).get("mean_acceptance_length")
         lines.append(f"{rep['url']}  {'healthy' if rep['healthy'] else 'DOWN'}"
                      f"{' draining' if rep['draining'] else ''}  head {str(rep['head_sha256'])[:12]} "
                      f"v{rep['head_version']}  acceptance {acc if acc is None else round(acc, 3)}")
+    if "controller" in st:
+        c = st["controller"]
+        lines.append(f"controller {controller_url}: {c.get('status')}, serving version {c.get('serving_version')}"
+                     + (f", last error {c['last_error']}" if c.get("last_error") else ""))
     lines += [f"WARNING: {w}" for w in st["warnings"]]
     emit(st, json_, human="\n".join(lines))
+
+
+def _controller_health(url: str) -> dict:
+    """The controller's /health (503 while degraded still has a body); unreachable is itself a warning."""
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"status": "unreachable", "warnings": [f"the controller at {url} does not answer /health "
+                                                      f"({type(exc).__name__})"]}
 
 
 def bench(

@@ -199,3 +199,41 @@ def test_bench_refuses_a_bench_replica_off_this_worker(tmp_path):
     err = json.loads(r.stdout)
     assert r.exit_code == err["exit_code"] != 0 and "is not on loopback" in err["error"], r.output
     assert not (tmp_path / "bench").exists()
+
+
+def test_pool_status_shows_the_controllers_warnings(tmp_path, monkeypatch):
+    """A router and a controller answering on loopback (stand-ins: their own tests run the real ones)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    routes = {"/health": {"status": "ok"},
+              "/admin/status": {"replicas": [{"url": "http://127.0.0.1:8100", "healthy": True, "draining": False,
+                                              "head_sha256": "ab" * 32, "head_version": "3", "live_acceptance": None}]},
+              "/ctl/health": {"status": "ok", "serving_version": "3", "last_error": None,
+                              "warnings": ["the early Airflow trigger for version 3 failed after 3 of 3 attempts: x"]}}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps(routes[self.path]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("ADAPT_ADMIN_TOKEN", "t" * 32)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n')
+    try:
+        r = runner.invoke(app, ["pool", "status", "--url", url, "--controller-url", url + "/ctl", "--config", str(cfg)])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.exit_code == 0, r.output
+    assert f"controller {url}/ctl: ok, serving version 3" in r.stdout
+    assert "WARNING: the early Airflow trigger for version 3 failed after 3 of 3 attempts" in r.stdout
