@@ -237,3 +237,20 @@ def test_pool_status_shows_the_controllers_warnings(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert f"controller {url}/ctl: ok, serving version 3" in r.stdout
     assert "WARNING: the early Airflow trigger for version 3 failed after 3 of 3 attempts" in r.stdout
+
+
+def test_commands_live_at_module_level_in_one_annotated_style():
+    """Options and arguments are declared as ``Annotated[T, typer.Option(...)] = default``, and no command is
+    defined inside another function, so each command reads on its own."""
+    import ast
+
+    for f in sorted((REPO_ROOT / "app").rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                defaults = [*node.args.defaults, *node.args.kw_defaults]
+                assert not any(isinstance(d, ast.Call) and getattr(d.func, "attr", "") in ("Option", "Argument")
+                               for d in defaults if d is not None), f"{f.name}:{node.name} uses typer.Option as a default"
+                inner = [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node]
+                assert not any(isinstance(dec, ast.Call) and getattr(dec.func, "attr", "") == "command"
+                               for n in inner for dec in n.decorator_list), f"{f.name}:{node.name} defines a command inside"
