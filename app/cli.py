@@ -50,7 +50,7 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
-    app()
+    app(prog_name="adapt")  # the name users type (scripts/adapt, the images' entrypoint), not "python -m app"
 
 
 if __name__ == "__main__":
