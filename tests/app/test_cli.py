@@ -254,3 +254,14 @@ def test_commands_live_at_module_level_in_one_annotated_style():
                 inner = [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node]
                 assert not any(isinstance(dec, ast.Call) and getattr(dec.func, "attr", "") == "command"
                                for n in inner for dec in n.decorator_list), f"{f.name}:{node.name} defines a command inside"
+
+
+def test_config_masks_secrets_set_from_the_environment(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n')
+    env = {"ADAPT__AIRFLOW__PASSWORD": "hunter2-airflow", "ADAPT__AIRFLOW__FAILURE_WEBHOOK": "https://hooks/s3cr3t",
+           "ADAPT__SERVING__REPLICAS": "5"}
+    r = runner.invoke(app, ["config", "--json", "--config", str(cfg)], env=env)
+    out = json.loads(r.stdout)
+    assert out["airflow"]["password"] == out["airflow"]["failure_webhook"] == "***" and out["serving"]["replicas"] == 5
+    assert "hunter2" not in r.output and "s3cr3t" not in r.output
