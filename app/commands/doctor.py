@@ -57,6 +57,19 @@ def _outside(name: str, version: str | None) -> str | None:
     return None
 
 
+def check_config(cfg: Config) -> Check:
+    """Where the configuration came from: the file, and the ADAPT__SECTION__KEY variables in effect."""
+    from settings.config import TOOL_ENV, env_overrides
+
+    _, origin = env_overrides()
+    tools = [var for var, (section, key) in TOOL_ENV.items()
+             if os.environ.get(var) and getattr(getattr(cfg, section), key) == os.environ[var]]
+    env = sorted(origin.values()) + tools
+    detail = (f"file {cfg.source_file}" if cfg.source_file else "embedded default, no file") + (
+        f"; environment: {', '.join(env)}" if env else "")
+    return Check("config", True, True, None, detail, {"file": cfg.source_file, "environment": env})
+
+
 def check_python_stack(_: Config) -> Check:
     import sys
 
@@ -311,7 +324,7 @@ def check_seaweedfs(_: Config) -> Check:
 
 
 CHECKS: list[Callable[[Config], Check]] = [
-    check_python_stack, check_vllm, check_gpu, check_model_cache, check_s3, check_mlflow, check_airflow,
+    check_config, check_python_stack, check_vllm, check_gpu, check_model_cache, check_s3, check_mlflow, check_airflow,
     check_seaweedfs,
 ]
 

@@ -71,3 +71,16 @@ def test_the_mlflow_check_reads_a_local_store_without_changing_it(tmp_path):
     assert c.ok and c.info | {"tracking_uri": ""} == {"tracking_uri": "", "experiments": 1, "registered_models": 0,
                                                        "schema": "abc123"}
     assert (db.stat().st_mtime_ns, db.read_bytes()) == before and sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_the_report_says_where_the_configuration_came_from(tmp_path, monkeypatch):
+    from app.commands import doctor
+
+    f = tmp_path / "adapt.toml"
+    f.write_text('[serving]\nreplicas = 2\n')
+    monkeypatch.setenv("ADAPT__GATE__MAX_ATTEMPTS", "3")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    c = doctor.check_config(load_config(f))
+    assert c.ok and c.info == {"file": str(f), "environment": ["ADAPT__GATE__MAX_ATTEMPTS", "MLFLOW_TRACKING_URI"]}
+    f.write_text('[mlflow]\ntracking_uri = "https://from-the-file"\n')
+    assert doctor.check_config(load_config(f)).info["environment"] == ["ADAPT__GATE__MAX_ATTEMPTS"]  # the file won
