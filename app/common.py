@@ -52,6 +52,13 @@ class RootGroup(TyperGroup):
             fail(describe_error(exc))
 
 
+def error_text(exc: BaseException) -> str:
+    """An expected error as a sentence: a missing file as "No such file or directory: PATH", else its message."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+    return str(exc)
+
+
 def describe_error(exc: BaseException) -> str:
     """A sentence for an error raised by a command, naming what was tried (the file, the URL)."""
     import httpx
@@ -65,7 +72,7 @@ def describe_error(exc: BaseException) -> str:
     if mlflow_errors is not None and isinstance(exc, mlflow_errors.MlflowException):
         return f"MLflow: {exc}"
     if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+        return error_text(exc)
     if isinstance(exc, httpx.HTTPStatusError):
         return f"{exc.request.method} {exc.request.url} answered {exc.response.status_code}: {exc.response.text[:300]}"
     if isinstance(exc, httpx.RequestError):

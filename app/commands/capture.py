@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from app.common import ConfigOpt, ForceOpt, JsonOpt, command_group, emit, fail, get_config
+from app.common import ConfigOpt, ForceOpt, JsonOpt, command_group, emit, error_text, fail, get_config
 
 
 def _when(value: Optional[str]) -> Optional[str]:
@@ -49,7 +49,7 @@ def ingest_cmd(
     try:
         res = ingest(cfg, source=source, since=since, until=until, endpoint=endpoint)
     except (IngestLocked, FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
         return
     s = res.summary()
     human = (

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, ForceOpt, JsonOpt, command_group, emit, fail, get_config
+from app.common import ConfigOpt, ForceOpt, JsonOpt, command_group, emit, error_text, fail, get_config
 from settings.config import Config
 
 
@@ -62,7 +62,7 @@ def eval_cmd(
     try:
         rows = _heldout_rows(cfg, heldout)
     except (FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     rows = rows[:limit] if limit else rows
     if not rows:
         fail("no held-out conversations (ingest traffic first, or pass --heldout FILE.jsonl)")
@@ -71,7 +71,7 @@ def eval_cmd(
                                   max_new_tokens=max_new_tokens or cfg.bench.max_tokens,
                                   device=cfg.training.device, progress=True)
     except (HeadError, ValueError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     human = (f"{res['num_prompts']} prompts, {res['num_drafts']} drafts: mean acceptance length "
              f"{res['mean_acceptance_length']:.3f}, per position "
              + ", ".join(f"{r:.3f}" for r in res["acceptance_rate_per_pos"]))
@@ -129,7 +129,7 @@ def import_cmd(
         path = import_head(src, tdir, out, k=k)
         info = validate_head(path, tdir)
     except HeadError as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     emit(info.to_json(), json_, f"imported {src} -> {path} (sha256 {info.sha256[:12]})")
 
 
@@ -151,7 +151,7 @@ def validate_cmd(
         if json_:
             emit({"ok": False, "error": str(exc)}, True)
             raise typer.Exit(1)
-        fail(str(exc))
+        fail(error_text(exc))
     emit({"ok": True, **info.to_json()}, json_, f"ok: {head} (sha256 {info.sha256[:12]}, K={info.num_speculative_tokens})")
 
 

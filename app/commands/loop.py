@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config, progress
+from app.common import ConfigOpt, JsonOpt, command_group, emit, error_text, fail, get_config, progress
 from loop.steps import STEPS
 from settings.config import Config
 
@@ -75,7 +75,7 @@ def cycle_cmd(
         else:
             out = run_cycle(cfg, cycle_id, opts)
     except (CycleError, ValueError, FileNotFoundError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     human = (f"cycle {out['cycle_id']}: version {out['version']} {out['verdict']}"
              f"{' and promoted' if out['promoted'] else ''}\n{out['reason']}")
     emit(out, json_, human=human)
@@ -98,7 +98,7 @@ def rollback_cmd(
     try:
         out = rollback(cfg, None if to is None else str(to))
     except RegistryError as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     emit(out, json_, human=f"version {out['production']} is Production (was {out['previous']})")
 
 

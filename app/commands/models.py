@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config
+from app.common import ConfigOpt, JsonOpt, command_group, emit, error_text, fail, get_config
 
 models_app = command_group(help="Target model cache.")
 
@@ -29,7 +29,7 @@ def prepare(
         if tiny:
             out["tiny"] = str(model_zoo.ensure_target("tiny", cfg.target.model_cache))
     except model_zoo.ModelZooError as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     out["seconds"] = round(time.perf_counter() - t0, 2)
     emit(out, json_, human="\n".join(f"{k}: {v}" for k, v in out.items()))
 

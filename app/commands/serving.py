@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, command_group, emit, fail, get_config, progress
+from app.common import ConfigOpt, JsonOpt, command_group, emit, error_text, fail, get_config, progress
 from settings.config import Config
 
 
@@ -49,6 +49,8 @@ def _current_head(cfg: Config, head: Optional[str]) -> Path:
         except Exception as exc:  # noqa: BLE001 - S3/MLflow unreachable or nothing there
             fail(f"cannot fetch the head {head}: {type(exc).__name__}: {exc}", 2)
     if head:
+        if not (Path(head) / "config.json").is_file():
+            fail(f"no head directory at {head} (no config.json)", 2)
         return Path(head)
     cur = Path(cfg.head.heads_dir) / "current"
     if not (cur / "config.json").is_file():
@@ -108,9 +110,10 @@ def serve(
                           cfg.serving.attach_agents if attach_agent is None else attach_agent,
                           cfg.serving.resolved_agent_token())
     except ExposureError as exc:
-        fail(str(exc), 2)
+        fail(error_text(exc), 2)
+    head_dir = _current_head(cfg, head)  # a missing head is said before the target is fetched
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
-    stack = ServingStack(cfg, head_dir=_current_head(cfg, head), target_dir=target, replicas=replicas,
+    stack = ServingStack(cfg, head_dir=head_dir, target_dir=target, replicas=replicas,
                          attach_urls=attach, attach_agents=attach_agent, router_port=router_port)
     _run_until_stopped(stack, lambda: emit(
         {"router": stack.url, "replicas": [r.url for r in stack.pool.replicas], "head": stack.pool.current_head},
@@ -226,7 +229,7 @@ def bench(
                                concurrencies=concurrency, rounds=rounds, max_prompts=max_prompts,
                                nospec=nospec, nospec_url=nospec_url, seed=seed, train=train, progress=progress)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     s = result["summary"]
     human = json.dumps(s, indent=2) + f"\nJSON: {result['json_path']}\nplot: {result['plot_path']}"
     emit(result, json_, human=human)
@@ -290,7 +293,7 @@ def agent(
                    max_body_bytes=s.max_body_bytes or cfg.capture.max_line_bytes,
                    header_timeout=s.header_timeout_s, body_timeout=s.body_timeout_s)
     except (ExposureError, ValueError) as exc:
-        fail(str(exc), 2)
+        fail(error_text(exc), 2)
     _run_until_stopped(ag, lambda: emit({"agent": ag.url, "replica": ag.replica_url}, json_,
                                         human=f"agent {ag.url} in front of {ag.replica_url}; Ctrl-C stops"))
 

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, ForceOpt, JsonOpt, emit, fail, get_config
+from app.common import ConfigOpt, ForceOpt, JsonOpt, emit, error_text, fail, get_config
 from settings.config import Config
 
 
@@ -69,7 +69,7 @@ def train_cmd(
         else:
             eval_rows = None if data is not None else _rows(cfg, None, "heldout")
     except (FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     if not rows:
         fail("no training conversations (ingest traffic first, or pass --data FILE.jsonl)")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -78,7 +78,7 @@ def train_cmd(
         res = train(cfg, rows, base, out_dir, replay_rows, progress=not json_,
                     after_export=_offline_estimate(cfg, eval_rows) if eval_rows else None)
     except (ShapeChangeError, FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     obj = {
         "out_dir": res.out_dir,
         "steps": res.steps,
