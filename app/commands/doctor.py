@@ -132,18 +132,21 @@ def check_vllm(_: Config) -> Check:
                   "supported": f">={_supported('vllm').low},<{_supported('vllm').high}", "internals": internals})
 
 
-def _driver_version() -> str | None:
-    """The NVIDIA driver's version (NVML, else nvidia-smi), or None without an NVIDIA GPU."""
-    try:
-        import pynvml  # nvidia-ml-py, in the GPU lock
+def driver_from_proc(text: str) -> str | None:
+    """The driver version in /proc/driver/nvidia/version's text (proprietary or open kernel module)."""
+    import re
 
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else str(v)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no NVML, or no driver behind it
+    m = re.search(r"Kernel Module(?: for [\w-]+)?\s+(\d+(?:\.\d+)+)", text)
+    return m.group(1) if m else None
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version (the kernel module's /proc entry, else nvidia-smi), or None without one."""
+    try:
+        version = driver_from_proc(Path("/proc/driver/nvidia/version").read_text())
+        if version:
+            return version
+    except OSError:
         pass
     smi = shutil.which("nvidia-smi")
     if smi is None:

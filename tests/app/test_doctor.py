@@ -84,3 +84,15 @@ def test_the_report_says_where_the_configuration_came_from(tmp_path, monkeypatch
     assert c.ok and c.info == {"file": str(f), "environment": ["ADAPT__GATE__MAX_ATTEMPTS", "MLFLOW_TRACKING_URI"]}
     f.write_text('[mlflow]\ntracking_uri = "https://from-the-file"\n')
     assert doctor.check_config(load_config(f)).info["environment"] == ["ADAPT__GATE__MAX_ATTEMPTS"]  # the file won
+
+
+@pytest.mark.parametrize("text,version", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:40 UTC 2025\n", "580.65.06"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  (dvs-builder@U16)\n",
+     "570.133.20"),
+    ("something else\n", None),
+])
+def test_the_driver_version_is_read_from_the_kernel_modules_proc_entry(text, version):
+    from app.commands.doctor import driver_from_proc
+
+    assert driver_from_proc(text) == version
