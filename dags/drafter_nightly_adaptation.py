@@ -33,7 +33,8 @@ def nightly(spec: at.DagSpec):
         @task(task_id="begin", **spec.task_args("begin"))
         def begin() -> str:
             ctx = get_current_context()
-            return at.begin(ctx["params"], ctx["run_id"], (ctx.get("data_interval_start"), ctx.get("data_interval_end")))
+            interval = (ctx.get("data_interval_start"), ctx.get("data_interval_end"))
+            return at.begin(ctx["params"], ctx["run_id"], interval)
 
         def step(name: str):
             @task(task_id=name, outlets=[SNAPSHOT] if name == "snapshot" else [], **spec.task_args(name))

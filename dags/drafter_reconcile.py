@@ -15,7 +15,8 @@ def reconcile_dag(spec: at.DagSpec):
     @dag(dag_id=spec.reconcile_id, schedule=timedelta(minutes=10), start_date=pendulum.datetime(2025, 1, 1, tz="UTC"),
          catchup=False, max_active_runs=1,
          default_args={**spec.default_args(), "retries": 1, "retry_delay": timedelta(minutes=1)},
-         params={"config": Param(spec.config, type=["null", "string"]), "router_url": Param(None, type=["null", "string"])},
+         params={"config": Param(spec.config, type=["null", "string"]),
+                 "router_url": Param(None, type=["null", "string"])},
          tags=["drafter-adapt", spec.name or "default"], doc_md=__doc__)
     def drafter_reconcile():
         @task(task_id="reconcile", **spec.task_args("reconcile"))

@@ -144,7 +144,8 @@ class Registry:
             return self.client.get_model_version(self.name, str(version))
         except MlflowException as exc:
             if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
-                raise RegistryError(f"no version {version} of {self.name} in the registry at {self.tracking_uri}") from None
+                raise RegistryError(
+                    f"no version {version} of {self.name} in the registry at {self.tracking_uri}") from None
             raise
 
     def versions(self) -> list[Any]:

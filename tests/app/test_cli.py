@@ -250,10 +250,10 @@ def test_commands_live_at_module_level_in_one_annotated_style():
             if isinstance(node, ast.FunctionDef):
                 defaults = [*node.args.defaults, *node.args.kw_defaults]
                 assert not any(isinstance(d, ast.Call) and getattr(d.func, "attr", "") in ("Option", "Argument")
-                               for d in defaults if d is not None), f"{f.name}:{node.name} uses typer.Option as a default"
+                               for d in defaults if d is not None), f"{f.name}:{node.name}: typer.Option as a default"
                 inner = [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node]
                 assert not any(isinstance(dec, ast.Call) and getattr(dec.func, "attr", "") == "command"
-                               for n in inner for dec in n.decorator_list), f"{f.name}:{node.name} defines a command inside"
+                               for n in inner for dec in n.decorator_list), f"{f.name}:{node.name}: a command inside"
 
 
 def test_config_masks_secrets_set_from_the_environment(tmp_path):

@@ -93,7 +93,8 @@ def test_one_pair_of_dags_per_endpoint_with_its_own_timeouts_queues_and_pools(tm
     from loop.cycle import STEPS
 
     gpu = ('[airflow]\nname = "{name}"\nretries = 1\nschedule = "0 3 * * *"\nqueue = "cpu"\n'
-           'step_queue = {{train = "gpu", evaluate = "gpu", bench = "gpu"}}\nstep_pool = {{train = "gpu_slots", bench = "gpu_slots"}}\n'
+           'step_queue = {{train = "gpu", evaluate = "gpu", bench = "gpu"}}\n'
+           'step_pool = {{train = "gpu_slots", bench = "gpu_slots"}}\n'
            'step_timeout_minutes = {{train = 900}}\n')
     for name in ("chat", "code"):
         (tmp_path / f"{name}.toml").write_text(f'state_dir = "{tmp_path}/{name}"\n' + gpu.format(name=name))
@@ -111,7 +112,8 @@ def test_one_pair_of_dags_per_endpoint_with_its_own_timeouts_queues_and_pools(tm
     for name in ("chat", "code"):
         n = out["dags"][f"drafter_nightly_adaptation_{name}"]
         assert n["config_param"] == str(tmp_path / f"{name}.toml") and n["schedule"] == "0 3 * * *"
-        assert n["queues"] == {t: "gpu" if t in ("train", "evaluate", "bench") else "cpu" for t in ["begin", *STEPS, "report"]}
+        assert n["queues"] == {t: "gpu" if t in ("train", "evaluate", "bench") else "cpu"
+                               for t in ["begin", *STEPS, "report"]}
         # ADAPT__AIRFLOW__STEP_POOL wins over every endpoint's file, key by key, as a file over the default.
         assert n["pools"]["train"] == "gpu_slots" and n["pools"]["bench"] == "big_gpu_slots"
         assert n["pools"]["gate"] == "default_pool"

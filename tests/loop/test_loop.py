@@ -310,7 +310,8 @@ def test_nightly_dag_runs_end_to_end_with_dag_test(loop, airflow_home):
     cfg_path.write_text(dump_toml(cfg))
     home = airflow_home
     env = {**{k: v for k, v in os.environ.items() if k != "ADAPT_CONFIG"}, "AIRFLOW_HOME": str(home),
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"), "PYTHONPATH": str(REPO_ROOT)}
     conf = {"config": str(cfg_path), "live_head": str(loop.live), "bench_url": loop.pool.replicas[0].url,
             "cycle_id": "nightly-1"}

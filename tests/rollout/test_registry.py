@@ -24,10 +24,10 @@ def registry_db(tiny_model, tmp_path_factory):
 @pytest.fixture()
 def cfg(registry_db, tiny_model, tmp_path, request):
     db, _ = registry_db
+    name = "drafter-" + request.node.name[5:45].replace("_", "-")
     return load_config(overrides={"state_dir": str(tmp_path), "target": {"model": str(tiny_model)},
                                   "mlflow": {"tracking_uri": f"sqlite:///{db / 'mlflow.db'}",
-                                             "artifact_location": str(db / "artifacts"),
-                                             "registered_model": "drafter-" + request.node.name[5:45].replace("_", "-")}})
+                                             "artifact_location": str(db / "artifacts"), "registered_model": name}})
 
 
 def versions(cfg, heads) -> list[str]:

@@ -62,10 +62,12 @@ def test_mlflow_tracking_uri_beats_the_embedded_default_but_not_a_file(env, tmp_
 
 
 @pytest.mark.parametrize("var,value,says", [
-    ("ADAPT__SERVING__REPLICAZ", "1", "ADAPT__SERVING__REPLICAZ: unknown key 'replicaz' in [serving] (did you mean 'replicas'?)"),
+    ("ADAPT__SERVING__REPLICAZ", "1",
+     "ADAPT__SERVING__REPLICAZ: unknown key 'replicaz' in [serving] (did you mean 'replicas'?)"),
     ("ADAPT__SERVIN__REPLICAS", "1", "ADAPT__SERVIN__REPLICAS: unknown section or top-level key 'servin'"),
-    ("ADAPT__SERVING__REPLICAS", "many", "ADAPT__SERVING__REPLICAS: [serving] replicas: Input should be a valid integer"),
-    ("ADAPT__SERVING__REPLICAS", "-1", "ADAPT__SERVING__REPLICAS: [serving] replicas: Input should be greater than or equal to 0 (got '-1')"),
+    ("ADAPT__SERVING__REPLICAS", "many", "ADAPT__SERVING__REPLICAS: [serving] replicas: Input should be a valid int"),
+    ("ADAPT__SERVING__REPLICAS", "-1",
+     "ADAPT__SERVING__REPLICAS: [serving] replicas: Input should be greater than or equal to 0 (got '-1')"),
     ("ADAPT__BENCH__CONCURRENCIES", "1,4", "ADAPT__BENCH__CONCURRENCIES='1,4': expected a TOML array"),
     ("ADAPT__A__B__C", "1", "ADAPT__A__B__C: expected ADAPT__SECTION__KEY"),
     ("ADAPT__SOURCE_FILE", "x", "unknown section or top-level key 'source_file'"),
@@ -92,7 +94,8 @@ def test_a_bad_file_value_names_the_file_and_the_key_not_pydantics_raw_message(e
     env("ADAPT__CONTROLLER__DRIFT_FRACTION", "0.75")
     with pytest.raises(ConfigError) as e:
         load_config(f)
-    assert f"ADAPT__CONTROLLER__DRIFT_FRACTION, config file {f}: [controller]: controller.drift_fraction" in str(e.value)
+    says = f"ADAPT__CONTROLLER__DRIFT_FRACTION, config file {f}: [controller]: controller.drift_fraction"
+    assert says in str(e.value)
 
 
 def test_env_overrides_reads_only_the_double_underscore_prefix():
