@@ -33,6 +33,22 @@ for _var in [v for v in os.environ if v.startswith("ADAPT__")] + ["MLFLOW_TRACKI
 SERVICE_FIXTURES = frozenset({"s3_server", "mlflow_server", "start_replica", "vllm_server"})
 
 
+# MLflow client variables that code run in-process may set for itself (app.common.answer_soon, the controller).
+MLFLOW_CLIENT_VARS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_client_env():
+    """Each test starts with the session's MLflow client variables, whatever a command it ran set."""
+    saved = {k: os.environ.get(k) for k in MLFLOW_CLIENT_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):

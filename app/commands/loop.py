@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, command_group, emit, error_text, fail, get_config, progress
+from app.common import ConfigOpt, JsonOpt, answer_soon, command_group, emit, error_text, fail, get_config, progress
 from loop.steps import STEPS
 from settings.config import Config
 
@@ -93,6 +93,7 @@ def rollback_cmd(
     """Make version N the champion again (alias champion and stage Production; the current one becomes
     previous); the controller swaps the pool."""
     cfg = get_config(config, json_)
+    answer_soon()
     from rollout.registry import RegistryError
 
     try:
@@ -144,6 +145,7 @@ def controller_cmd(
 def list_cmd(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     """Versions with stage, aliases, head sha256, parent and gate verdict."""
     cfg = get_config(config, json_)
+    answer_soon()
     out = registry_list(cfg)
     lines = [f"{out['model']}: champion {out['champion']} (Production {out['production']}, "
              f"previous {out['previous']})"]
@@ -165,6 +167,7 @@ def import_cmd(
 ) -> None:
     """Register an existing head as a version (seeds an empty registry)."""
     cfg = get_config(config, json_)
+    answer_soon()
     from rollout.registry import Registry, import_head
 
     if not (head / "config.json").is_file():

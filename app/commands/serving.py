@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, command_group, emit, error_text, fail, get_config, progress
+from app.common import ConfigOpt, JsonOpt, answer_soon, command_group, emit, error_text, fail, get_config, progress
 from settings.config import Config
 
 
@@ -310,6 +310,7 @@ def fetch_head(
 ) -> None:
     """Fetch a head by URI and validate it against the target (a replica's first head)."""
     cfg = get_config(config, json_)
+    answer_soon()
     import shutil
     import tempfile
 

@@ -265,3 +265,20 @@ def test_config_masks_secrets_set_from_the_environment(tmp_path):
     out = json.loads(r.stdout)
     assert out["airflow"]["password"] == out["airflow"]["failure_webhook"] == "***" and out["serving"]["replicas"] == 5
     assert "hunter2" not in r.output and "s3cr3t" not in r.output
+
+
+def test_a_registry_command_against_an_mlflow_that_does_not_answer_fails_in_seconds(tmp_path, monkeypatch):
+    import time
+
+    from tests.services import free_port
+
+    for var in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)  # MLflow's defaults, as a user has them (conftest restores them)
+    uri = f"http://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[mlflow]\ntracking_uri = "{uri}"\nartifact_location = ""\n')
+    t0 = time.monotonic()
+    r = runner.invoke(app, ["rollback", "--to", "3", "--config", str(cfg), "--json"])
+    err = json.loads(r.stdout)["error"]
+    assert r.exit_code == 1 and err.startswith("MLflow: ") and uri in err, err
+    assert time.monotonic() - t0 < 60  # MLflow's own default retries for minutes
