@@ -1,22 +1,25 @@
-"""The `adapt` command line. Each package registers its own commands."""
+"""The `adapt` command line. Each module of ``app.commands`` holds its commands at module level and
+adds them to the root with ``register(app)``."""
 
 from __future__ import annotations
 
 import importlib
+from typing import Annotated
 
 import typer
 
 from app import __version__
-from app.common import ConfigOpt, JsonOpt, command_group, emit, get_config
+from app.common import ConfigOpt, JsonOpt, RootGroup, command_group, emit, get_config
 
 app = command_group(
     name="adapt",
     help="drafter-adapt: keep a P-EAGLE drafter fast on the traffic your vLLM endpoint serves.",
+    cls=RootGroup,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
-# Packages that contribute commands; each module exposes register(app).
+# Modules that contribute commands; each exposes register(app).
 COMMAND_MODULES = ["app.commands.doctor", "app.commands.models", "app.commands.capture", "app.commands.serving",
                    "app.commands.train", "app.commands.loop", "app.commands.head", "app.commands.demo"]
 
@@ -28,14 +31,14 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                      help="Print the version and exit.")) -> None:
+def root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
     """drafter-adapt: keep a P-EAGLE drafter fast on the traffic your vLLM endpoint serves."""
 
 
 @app.command("config")
 def show_config(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
-    """Print the effective configuration."""
+    """Print the effective configuration (file, ADAPT__SECTION__KEY variables and defaults merged)."""
     from settings.config import dump_toml
 
     cfg = get_config(config, json_)
@@ -47,7 +50,7 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
-    app()
+    app(prog_name="adapt")  # the name users type (scripts/adapt, the images' entrypoint), not "python -m app"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -51,13 +52,69 @@ def read_manifest(head_dir: str | Path) -> dict[str, Any]:
 
 
 _IDENTITY_CACHE: dict[tuple, dict[str, Any]] = {}
+# Where the sha256 of each target file is kept between processes, by (path, size, mtime): a large target is
+# hashed once per machine, not once per process that validates a head. ADAPT_IDENTITY_CACHE moves it.
+IDENTITY_CACHE_ENV = "ADAPT_IDENTITY_CACHE"
 
 
-def target_identity(target_dir: str | Path) -> dict[str, Any]:
-    """Name plus sha256 of the target's config.json and weights (cached per file stat)."""
+def identity_cache_dir() -> Path:
+    explicit = os.environ.get(IDENTITY_CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("DRAFTER_ADAPT_HOME") or str(Path.home() / ".cache" / "drafter-adapt")
+    return Path(home).expanduser() / "target-identity"
+
+
+def _cache_file(d: Path, cache_dir: Path) -> Path:
+    return cache_dir / (hashlib.sha256(str(d).encode()).hexdigest()[:32] + ".json")
+
+
+def _file_shas(d: Path, files: list[Path], cache_dir: Path | None) -> dict[str, str]:
+    """sha256 of each of ``files`` (in ``d``), reusing the on-disk cache for files whose size and mtime are
+    unchanged; the cache is rewritten when anything was hashed. A cache that cannot be read or written only
+    costs the hashing."""
+    cached: dict[str, Any] = {}
+    path = _cache_file(d, cache_dir) if cache_dir is not None else None
+    if path is not None:
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("dir") == str(d) and isinstance(raw.get("files"), dict):
+                cached = raw["files"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    out: dict[str, str] = {}
+    entries: dict[str, Any] = {}
+    hashed = False
+    for f in files:
+        st = f.stat()
+        hit = cached.get(f.name)
+        if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns \
+                and isinstance(hit.get("sha256"), str):
+            sha = hit["sha256"]
+        else:
+            sha, hashed = sha256_file(f), True
+        out[f.name] = sha
+        entries[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+    if hashed and path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"dir": str(d), "files": entries}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return out
+
+
+def target_identity(target_dir: str | Path, cache_dir: str | Path | None = "") -> dict[str, Any]:
+    """Name plus sha256 of the target's config.json and weights.
+
+    Each file is hashed once per (path, size, mtime): in memory for this process, and on disk in
+    ``cache_dir`` (default :func:`identity_cache_dir`; None: no disk cache) for the next one."""
     d = Path(target_dir).resolve()
     weights = sorted(d.glob("*.safetensors"))
-    key = (str(d),) + tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in [d / "config.json", *weights])
+    files = [d / "config.json", *weights]
+    key = (str(d),) + tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
     if key in _IDENTITY_CACHE:
         return dict(_IDENTITY_CACHE[key])
     cfg = json.loads((d / "config.json").read_text())
@@ -65,16 +122,18 @@ def target_identity(target_dir: str | Path) -> dict[str, Any]:
     ready = d / ".ready.json"
     if ready.is_file():
         name = json.loads(ready.read_text()).get("name", name)
+    shas = _file_shas(d, files, identity_cache_dir() if cache_dir == "" else
+                      (Path(cache_dir) if cache_dir is not None else None))
     if len(weights) == 1:
-        wsha = sha256_file(weights[0])
+        wsha = shas[weights[0].name]
     else:  # sharded: digest over (file name, file sha) pairs
         h = hashlib.sha256()
         for p in weights:
-            h.update(f"{p.name}:{sha256_file(p)}\n".encode())
+            h.update(f"{p.name}:{shas[p.name]}\n".encode())
         wsha = h.hexdigest()
     ident = {
         "name": name,
-        "config_sha256": sha256_file(d / "config.json"),
+        "config_sha256": shas["config.json"],
         "weights_sha256": wsha,
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "hidden_size": cfg.get("hidden_size"),

@@ -29,12 +29,11 @@ from typing import Any, Callable
 from loop import gate as gate_mod
 from rollout import registry as reg_mod
 from loop import tracking
+from loop.steps import STEPS
 from loop.store import CycleStore, relative_paths
 from settings.config import Config
 
 log = logging.getLogger("loop.cycle")
-
-STEPS = ("ingest", "snapshot", "base", "train", "evaluate", "bench", "gate", "log_run", "register", "promote")
 
 # fault(point) is called at named points; tests use it to kill the process mid-cycle.
 Fault = Callable[[str], None]
@@ -443,6 +442,8 @@ def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
             "bench_plot": here((s.get("bench") or {}).get("plot_path")),
             "model_uri": r.get("uri"),
         },
+        # Tasks that failed for good in Airflow (loop.airflow_tasks.on_task_failure), oldest first.
+        "failures": state.get("failures", []),
         "steps": s,
         "timings": state.get("timings", {}),
     }

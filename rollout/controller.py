@@ -2,16 +2,19 @@
 
 Each poll (``[controller].poll_seconds``):
 
-1. reconcile  Production version (alias ``champion`` kept in step) → if any
-              healthy replica serves another head sha256, ask the router to swap
-              (``POST /admin/swap``: validate, canary, one by one, roll back on
-              failure — the serving issue's swap protocol).
+1. reconcile  the registry's champion (``Registry.sync`` first brings the alias
+              ``champion`` and the stage Production together, whichever a person
+              moved) → if any healthy replica serves another head sha256, ask the
+              router to swap (``POST /admin/swap``: validate, canary, one by one,
+              roll back on failure).
 2. watch      live mean acceptance length over the pool (``/admin/status``,
               pooled over replicas by drafts) against the version's benchmarked
               value (its run's ``replay.candidate.mean_acceptance_length``):
-              below ``rollback_fraction`` of it → move the previous Production
-              version back to Production (once per version); below
-              ``drift_fraction`` → trigger the nightly DAG early (with a cooldown).
+              below ``rollback_fraction`` of it → make the previous champion the
+              champion again (once per version); below ``drift_fraction`` →
+              trigger the nightly DAG early (with a cooldown) through Airflow's
+              REST API, retried ``[airflow] trigger_attempts`` times; a trigger that
+              failed them all stays in the health report until one succeeds.
 
 Every decision is one JSON log line (``event`` + fields) and kept in a ring the
 health endpoint serves. Failures of MLflow or the router never end the loop: the
@@ -33,13 +36,14 @@ from typing import Any, Callable
 import httpx
 
 from rollout import registry as reg_mod
+from rollout.airflow import NIGHTLY_DAG, AirflowClient, dag_ids, endpoint_from_config
 from serving.admin import check_exposure
 from settings.config import Config
 
 log = logging.getLogger("adapt.controller")
 
 BENCH_METRIC = "replay.candidate.mean_acceptance_length"
-NIGHTLY_DAG = "drafter_nightly_adaptation"
+__all__ = ["BENCH_METRIC", "NIGHTLY_DAG", "Controller", "ControllerError", "airflow_trigger"]
 
 
 class Controller:
@@ -65,8 +69,13 @@ class Controller:
         self.drift_fraction = cfg.controller.drift_fraction
         self.min_live_drafts = cfg.controller.min_live_drafts if min_live_drafts is None else min_live_drafts
         self.max_backoff = max_backoff
-        self.trigger = trigger if trigger is not None else airflow_trigger_from_env()
+        self.trigger = trigger if trigger is not None else airflow_trigger(cfg)
         self.trigger_cooldown_s = cfg.controller.drift_cooldown_s
+        self.trigger_attempts = cfg.airflow.trigger_attempts
+        self.trigger_retry_s = cfg.airflow.trigger_retry_s
+        # The early trigger in flight or last tried: {"state": "retrying"|"failed"|"ok", "attempts", ...}.
+        self.trigger_state: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
         self.request_timeout = request_timeout
         self.registry = reg_mod.Registry(cfg)
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
@@ -108,14 +117,11 @@ class Controller:
     # -- one pass ----------------------------------------------------------------------
 
     def desired(self) -> Any | None:
-        """The Production version (alias synced to it), or None when nothing is in Production."""
-        prod = self.registry.production()
-        if prod is not None:
-            alias = self.registry.alias_version()
-            if alias != prod.version:
-                self.registry.sync_alias()
-                self.event("alias_synced", version=prod.version, previous_alias=alias)
-        return prod
+        """The champion (alias and stage brought together first), or None when nothing serves."""
+        moved = self.registry.sync()
+        if moved:
+            self.event("registry_synced", **moved)
+        return self.registry.champion()
 
     def reconcile(self) -> dict[str, Any]:
         """Make every healthy replica serve the Production version's head; returns the decision event."""
@@ -124,9 +130,6 @@ class Controller:
             return self.event("no_production", model=self.registry.name)
         version = prod.version
         want = prod.tags.get(reg_mod.T_SHA)
-        if self.serving_version not in (None, version) and not prod.tags.get(reg_mod.T_PREVIOUS):
-            # Moved by hand (UI/API): remember what it replaced so an automatic rollback knows where to go.
-            self.registry.set_tags(version, {reg_mod.T_PREVIOUS: self.serving_version})
         st = self.pool_status()
         healthy = [r for r in st.get("replicas", []) if r.get("healthy")]
         if not healthy:
@@ -197,15 +200,50 @@ class Controller:
             ev = {"version": version, "live": live, "bench": bench, "ratio": ratio}
             result = None
             if self.trigger is not None:
-                try:
-                    result = self.trigger(ev)
-                except Exception as exc:  # noqa: BLE001 - a failed trigger is reported, not fatal
-                    result = f"trigger failed: {exc}"
+                self._pending = {"ev": ev, "attempts": 0, "first_at": time.time()}
+                result = self._attempt_trigger()
             return self.event("drift_trigger", **ev, result=result)
         return None
 
+    def _attempt_trigger(self) -> Any:
+        """One try of the pending early trigger; a failure is an event and, while tries remain, a retry
+        ``trigger_retry_s`` later. Returns the DAG run id, or "trigger failed: ..."."""
+        p = self._pending
+        assert p is not None and self.trigger is not None
+        p["attempts"] += 1
+        try:
+            run_id = self.trigger(p["ev"])
+        except Exception as exc:  # noqa: BLE001 - a failed trigger is reported and retried, never fatal
+            error = f"{type(exc).__name__}: {str(exc)[:500]}"
+            left = self.trigger_attempts - p["attempts"]
+            state = "retrying" if left > 0 else "failed"
+            p["next_at"] = time.time() + self.trigger_retry_s
+            self.trigger_state = {"state": state, "attempts": p["attempts"], "of": self.trigger_attempts,
+                                  "last_error": error, "ts": round(time.time(), 3), "version": p["ev"]["version"]}
+            if left > 0:
+                self.event("drift_trigger_failed", level="warning", attempt=p["attempts"], of=self.trigger_attempts,
+                           error=error, retry_in_s=self.trigger_retry_s)
+            else:
+                self._pending = None
+                self.event("drift_trigger_gave_up", level="error", attempts=p["attempts"], error=error,
+                           version=p["ev"]["version"])
+            return (f"trigger failed: {error} (attempt {p['attempts']} of {self.trigger_attempts}"
+                    + (f"; again in {self.trigger_retry_s:g} s)" if left > 0 else "; giving up)"))
+        self._pending = None
+        self.trigger_state = {"state": "ok", "attempts": p["attempts"], "dag_run_id": run_id,
+                              "ts": round(time.time(), 3), "version": p["ev"]["version"]}
+        if p["attempts"] > 1:
+            self.event("drift_trigger_retried", attempt=p["attempts"], result=run_id)
+        return run_id
+
+    def retry_trigger(self) -> None:
+        """Try a failed early trigger again once its retry is due (never raises)."""
+        if self._pending is not None and time.time() >= self._pending.get("next_at", 0.0):
+            self._attempt_trigger()
+
     def step(self) -> None:
         """One poll; raises on MLflow/router failures (the loop catches them)."""
+        self.retry_trigger()
         self.reconcile()
         self.watch()
 
@@ -237,9 +275,16 @@ class Controller:
     def health(self) -> dict[str, Any]:
         stale_after = max(3 * self.poll, self.max_backoff * 2)
         ok = self.failures == 0 and self.last_ok is not None and time.time() - self.last_ok < stale_after
+        warnings = []
+        if self.trigger_state and self.trigger_state["state"] != "ok":
+            t = self.trigger_state
+            warnings.append(f"the early Airflow trigger for version {t['version']} {t['state']} after "
+                            f"{t['attempts']} of {t['of']} attempts: {t['last_error']}")
+        # A failed trigger is a warning, not "degraded": the pool is still kept on the champion.
         return {"status": "ok" if ok else "degraded", "serving_version": self.serving_version,
                 "failures": self.failures, "last_ok": self.last_ok, "last_error": self.last_error,
                 "polls": self.polls, "router": self.router_url, "model": self.registry.name,
+                "drift_trigger": self.trigger_state, "warnings": warnings,
                 "last_event": self.events[-1] if self.events else None}
 
     def start(self) -> "Controller":
@@ -288,24 +333,17 @@ def _health_server(ctl: Controller, host: str, port: int) -> ThreadingHTTPServer
     return ThreadingHTTPServer((host, port), Handler)
 
 
-def airflow_trigger_from_env() -> Callable[[dict[str, Any]], Any] | None:
-    """Trigger the nightly DAG through Airflow's REST API when ``ADAPT_AIRFLOW_URL`` is set.
-
-    ``ADAPT_AIRFLOW_TOKEN`` is a bearer token for Airflow 3's ``/api/v2`` (from its ``/auth/token``).
-    """
-    url = os.environ.get("ADAPT_AIRFLOW_URL")
-    if not url:
+def airflow_trigger(cfg: Config) -> Callable[[dict[str, Any]], Any] | None:
+    """Trigger this endpoint's nightly DAG through Airflow's REST API, when ``[airflow]`` names a server
+    (or ``ADAPT_AIRFLOW_URL`` does); None otherwise. The client keeps its JWT fresh from the credentials."""
+    endpoint = endpoint_from_config(cfg.airflow)
+    if endpoint is None:
         return None
-    token = os.environ.get("ADAPT_AIRFLOW_TOKEN", "")
+    client = AirflowClient(endpoint)
+    dag_id = dag_ids(cfg.airflow.name)[0]
 
     def trigger(ev: dict[str, Any]) -> Any:
-        import datetime as _dt
+        return client.trigger_dag(dag_id, {"reason": "live acceptance drift", **ev})
 
-        r = httpx.post(f"{url.rstrip('/')}/api/v2/dags/{NIGHTLY_DAG}/dagRuns",
-                       headers={"Authorization": f"Bearer {token}"} if token else {},
-                       json={"logical_date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-                             "conf": {"reason": "live acceptance drift", **ev}}, timeout=30)
-        r.raise_for_status()
-        return r.json().get("dag_run_id")
-
+    trigger.client = client  # type: ignore[attr-defined] - for status and tests
     return trigger

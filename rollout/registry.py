@@ -1,12 +1,18 @@
 """MLflow model registry for drafter heads: one registered model per target and endpoint.
 
-The registry is the source of truth for what serves: the version in stage
-``Production`` (alias ``champion`` kept in step). Every candidate is one run
-tagged with its cycle id, and at most one model version per run, so looking
-them up by tag makes registration idempotent.
+The registry is the source of truth for what serves: the version the alias
+``champion`` points at. The version it replaced keeps the alias ``previous``, and
+the stage ``Production`` is kept on the champion for tools that still read stages
+(MLflow 3 deprecates stages in favour of aliases, and still supports them).
 
-MLflow stages are deprecated (still supported in 3.x); we use them because the
-stock UI can move a version between stages, and mirror them in the alias.
+A person may move either one, in the MLflow UI or through the API: moving
+``champion`` back to an older version, or that version to ``Production``, is a
+rollback. :meth:`Registry.sync` decides which one moved against the version it last
+synced (a tag on the registered model) and moves the other to match; when both
+moved since, the alias wins.
+
+Every candidate is one run tagged with its cycle id, and at most one model version
+per run, so looking them up by tag makes registration idempotent.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ log = logging.getLogger(__name__)
 
 PRODUCTION = "Production"
 ALIAS = "champion"
+PREVIOUS_ALIAS = "previous"
+# Registered-model tag: the champion version the alias and the stage last agreed on (see Registry.sync).
+T_SYNCED = "adapt.champion_synced"
 HEAD_ARTIFACT = "head"
 
 # Tag keys (runs and model versions).
@@ -128,7 +137,16 @@ class Registry:
             self.client.set_model_version_tag(self.name, str(version), k, str(v))
 
     def get(self, version: str | int):
-        return self.client.get_model_version(self.name, str(version))
+        """The model version ``version``; :class:`RegistryError` naming the model and the registry if none."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version(self.name, str(version))
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
+                raise RegistryError(
+                    f"no version {version} of {self.name} in the registry at {self.tracking_uri}") from None
+            raise
 
     def versions(self) -> list[Any]:
         from mlflow.exceptions import MlflowException
@@ -139,8 +157,21 @@ class Registry:
             return []
         return sorted(vs, key=lambda v: int(v.version))
 
-    def production(self):
-        """The version in stage Production, or None (at most one: promotion archives the rest)."""
+    # -- what serves: the champion alias, the Production stage kept with it -----------
+
+    def _model(self):
+        """The registered model, or None before its first version."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_registered_model(self.name)
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
+                return None
+            raise
+
+    def stage_version(self) -> str | None:
+        """The version in stage Production (at most one: promotion archives the rest)."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -151,47 +182,113 @@ class Registry:
             if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
                 return None
             raise
-        return vs[0] if vs else None
+        return str(vs[0].version) if vs else None
 
-    def alias_version(self) -> str | None:
-        try:
-            return self.client.get_model_version_by_alias(self.name, ALIAS).version
-        except Exception:  # noqa: BLE001 - no alias yet
+    def aliases(self) -> dict[str, str]:
+        """Every alias of the registered model and its version ({} before the first version)."""
+        model = self._model()
+        return {k: str(v) for k, v in (getattr(model, "aliases", None) or {}).items()} if model is not None else {}
+
+    def alias_version(self, alias: str = ALIAS) -> str | None:
+        return self.aliases().get(alias)
+
+    def _resolve(self) -> tuple[str | None, str]:
+        """The champion version and which side decided it: "alias", "stage" or "agreed" (read-only)."""
+        model = self._model()
+        if model is None:
+            return None, "agreed"
+        alias = {k: str(v) for k, v in (getattr(model, "aliases", None) or {}).items()}.get(ALIAS)
+        stage = self.stage_version()
+        synced = (getattr(model, "tags", None) or {}).get(T_SYNCED)
+        if alias == stage:
+            return alias, "agreed"
+        if alias is None:
+            return stage, "stage"
+        if stage is None:
+            return alias, "alias"
+        # They disagree: the one still on the last synced version did not move.
+        if alias == synced:
+            return stage, "stage"
+        return alias, "alias"  # the alias moved, or both did: MLflow 3's mechanism wins
+
+    def champion(self):
+        """The model version that serves (``champion``, or the Production stage where a person moved it since
+        the last :meth:`sync`), or None. Read-only."""
+        version, _ = self._resolve()
+        return self.get(version) if version is not None else None
+
+    def production(self):
+        """The serving version, as :meth:`champion` (the name predates the alias)."""
+        return self.champion()
+
+    def sync(self) -> dict[str, Any] | None:
+        """Bring the alias and the stage together on the champion; returns what moved, or None if nothing did.
+
+        A moved alias moves the stage (archiving the rest), a moved stage moves the alias; either way the
+        version they left keeps the ``previous`` alias and is recorded on the new one (``T_PREVIOUS``), so an
+        automatic rollback knows where to go."""
+        version, side = self._resolve()
+        if version is None:
             return None
-
-    def promote(self, version: str | int, reason: str = "") -> dict[str, Any]:
-        """Move ``version`` to Production (archiving the previous one) and point ``champion`` at it."""
-        version = str(version)
-        prev = self.production()
-        prev_v = prev.version if prev is not None else None
-        if prev_v != version:
-            if prev_v is not None:
-                self.client.set_model_version_tag(self.name, version, T_PREVIOUS, prev_v)
+        model = self._model()
+        synced = (getattr(model, "tags", None) or {}).get(T_SYNCED)
+        alias, stage = self.alias_version(), self.stage_version()
+        moved: dict[str, Any] = {}
+        if stage != version:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 self.client.transition_model_version_stage(self.name, version, PRODUCTION,
                                                            archive_existing_versions=True)
+            moved["stage"] = {"from": stage, "to": version}
+        if alias != version:
+            self.client.set_registered_model_alias(self.name, ALIAS, version)
+            moved["alias"] = {"from": alias, "to": version}
+        # Where the champion came from: the last synced version (what served), else what the other side held.
+        before = synced if synced not in (None, version) else (alias if side == "stage" else stage)
+        if before not in (None, version):
+            self.client.set_registered_model_alias(self.name, PREVIOUS_ALIAS, before)
+            self.client.set_model_version_tag(self.name, version, T_PREVIOUS, before)
+            moved["previous"] = before
+        if synced != version:
+            self.client.set_registered_model_tag(self.name, T_SYNCED, version)
+        if moved:
+            moved.update(version=version, decided_by=side)
+            return moved
+        return None
+
+    def promote(self, version: str | int, reason: str = "") -> dict[str, Any]:
+        """Make ``version`` the champion: alias ``champion`` and stage Production (archiving the rest); the
+        version it replaces keeps the alias ``previous``."""
+        version = str(version)
+        self.get(version)  # RegistryError for an unknown version
+        self.sync()  # a person's move since the last sync counts as what it replaces
+        prev_v, _ = self._resolve()
+        if prev_v != version:
+            if prev_v is not None:
+                self.client.set_model_version_tag(self.name, version, T_PREVIOUS, prev_v)
+                self.client.set_registered_model_alias(self.name, PREVIOUS_ALIAS, prev_v)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                self.client.transition_model_version_stage(self.name, version, PRODUCTION,
+                                                           archive_existing_versions=True)
+            self.client.set_registered_model_alias(self.name, ALIAS, version)
+            self.client.set_registered_model_tag(self.name, T_SYNCED, version)
         if reason:
             self.client.set_model_version_tag(self.name, version, "adapt.promotion_reason", reason)
-        self.sync_alias()
         return {"version": version, "previous": prev_v}
 
     def sync_alias(self) -> str | None:
-        """Point ``champion`` at the Production version (stages can move in the UI; the alias follows)."""
-        prod = self.production()
-        current = self.alias_version()
-        if prod is None:
-            if current is not None:
-                self.client.delete_registered_model_alias(self.name, ALIAS)
-            return None
-        if current != prod.version:
-            self.client.set_registered_model_alias(self.name, ALIAS, prod.version)
-        return prod.version
+        """:meth:`sync`, returning the champion version."""
+        self.sync()
+        return self._resolve()[0]
 
     def previous_production(self, version: str | int) -> str | None:
-        """The version that was Production before ``version`` (recorded at promotion or by the controller)."""
+        """The version that served before ``version`` (recorded at promotion or sync), else the ``previous`` alias."""
         prev = self.get(version).tags.get(T_PREVIOUS)
-        return prev or None
+        if prev:
+            return prev
+        alias = self.alias_version(PREVIOUS_ALIAS)
+        return alias if alias != str(version) else None
 
     def head_uri(self, version: str | int) -> str:
         return f"models:/{self.name}/{version}"
@@ -206,20 +303,21 @@ class Registry:
             raise RegistryError(f"version {version} has no head directory (looked in {path})")
         return path
 
-    def describe(self, mv: Any, champion: str | None) -> dict[str, Any]:
-        """A version as a plain dict. Searched versions carry no aliases in MLflow, so the
-        caller passes the ``champion`` alias's version (:meth:`alias_version`)."""
-        aliases = set(getattr(mv, "aliases", []) or [])
+    def describe(self, mv: Any, champion: str | None = None, aliases: dict[str, str] | None = None) -> dict[str, Any]:
+        """A version as a plain dict. Searched versions carry no aliases in MLflow, so the caller passes the
+        model's aliases (:meth:`aliases`) or the ``champion`` alias's version."""
+        names = set(getattr(mv, "aliases", []) or [])
         if champion is not None and str(champion) == str(mv.version):
-            aliases.add(ALIAS)
+            names.add(ALIAS)
+        names |= {a for a, v in (aliases or {}).items() if str(v) == str(mv.version)}
         return {"version": mv.version, "stage": mv.current_stage, "run_id": mv.run_id,
-                "aliases": sorted(aliases), "tags": dict(mv.tags or {}),
+                "aliases": sorted(names), "tags": dict(mv.tags or {}),
                 "source": mv.source, "created": mv.creation_timestamp}
 
     def describe_all(self) -> list[dict[str, Any]]:
         """Every version, described (one alias lookup for all)."""
-        champion = self.alias_version()
-        return [self.describe(mv, champion) for mv in self.versions()]
+        aliases = self.aliases()
+        return [self.describe(mv, aliases=aliases) for mv in self.versions()]
 
 
 def speedups(tags: dict[str, str]) -> dict[int, float]:

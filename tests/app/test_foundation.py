@@ -100,14 +100,21 @@ def test_doctor_reports_every_component_ok(tmp_path, smollm2_model, s3_server):
     assert s3_server.bucket in report["components"]["s3"]["info"]["buckets"]
 
 
-def test_doctor_fails_clearly_when_model_cache_missing(tmp_path):
+def test_doctor_fails_clearly_when_model_cache_missing_and_changes_nothing(tmp_path):
+    from app.supported import VLLM_INTERNALS
+
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'state_dir = "{tmp_path}/state"\n[target]\nmodel_cache = "{tmp_path}/nothing"\n')
-    res = run_cli("doctor", "--config", str(cfg), "--json")
+    res = run_cli("doctor", "--config", str(cfg), "--json", env={"AIRFLOW_HOME": str(tmp_path / "airflow-home")})
     assert res.returncode == 1
     report = json.loads(res.stdout)
     assert report["ok"] is False
     assert "adapt models prepare" in report["components"]["model_cache"]["detail"]
+    # The installed vLLM has every internal the hot-swap uses; no GPU here, so nothing of CUDA is checked.
+    assert report["components"]["vllm"]["info"]["internals"] == {it.what: "ok" for it in VLLM_INTERNALS}
+    assert report["components"]["vllm"]["ok"] and report["components"]["gpu"]["detail"].startswith("no NVIDIA GPU")
+    # Read-only: no state directory (no MLflow database), no Airflow home.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.toml"]
 
 
 def test_s3_server_roundtrip(s3_server):

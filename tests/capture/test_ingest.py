@@ -354,7 +354,7 @@ def test_cli_ingest_stats_export(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["rows"] == 3
     assert len(dest.read_text().splitlines()) == 3
     r = runner.invoke(app, ["dataset", "export", "--split", "nope", "--config", str(cfg_file)])
-    assert r.exit_code != 0
+    assert r.exit_code == 2 and "'nope' is not one of 'train', 'heldout'" in r.output  # a usage error
 
 
 def test_second_concurrent_ingest_is_refused(tmp_path):

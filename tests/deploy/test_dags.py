@@ -1,5 +1,6 @@
-"""The DAG files import cleanly and wire exactly the cycle's steps (no services; a subprocess keeps
-Airflow's home and config out of the test process)."""
+"""The DAG files import cleanly and wire exactly the cycle's steps, one pair of DAGs per configured endpoint
+with each task's timeout, queue and pool from its config, and a failed task is announced (no services; a
+subprocess keeps Airflow's home and config out of the test process)."""
 
 from __future__ import annotations
 
@@ -12,29 +13,48 @@ from pathlib import Path
 from tests.paths import REPO_ROOT
 
 PROBE = r"""
-import json
+import json, os, sys
 from airflow.dag_processing.dagbag import DagBag
-b = DagBag("dags")
-out = {"errors": {k: str(v) for k, v in b.import_errors.items()}, "dags": {}}
-for dag_id, d in b.dags.items():
+def bag():
+  b = DagBag("dags")
+  out = {"errors": {k: str(v) for k, v in b.import_errors.items()}, "dags": {}}
+  for dag_id, d in b.dags.items():
     out["dags"][dag_id] = {
         "tasks": [t.task_id for t in d.topological_sort()] if hasattr(d, "topological_sort") else sorted(d.task_ids),
         "upstream": {t.task_id: sorted(t.upstream_task_ids) for t in d.tasks},
         "catchup": d.catchup, "max_active_runs": d.max_active_runs,
         "schedule": str(d.schedule), "retries": {t.task_id: t.retries for t in d.tasks},
         "params": sorted(d.params.keys()),
+        "config_param": d.params.get_param("config").value if "config" in d.params else None,
+        "queues": {t.task_id: t.queue for t in d.tasks}, "pools": {t.task_id: t.pool for t in d.tasks},
+        "callbacks": {t.task_id: bool(t.on_failure_callback) for t in d.tasks},
         "timeouts": {t.task_id: t.execution_timeout.total_seconds() if t.execution_timeout else None
                      for t in d.tasks},
         "outlets": {t.task_id: [getattr(o, "uri", str(o)) for o in (t.outlets or [])] for t in d.tasks},
     }
-print("JSON" + json.dumps(out))
+  return out
+outs = []
+for config in json.loads(sys.argv[1]):  # one DagBag per ADAPT_CONFIG: the DAG files read it when parsed
+  if config:
+    os.environ["ADAPT_CONFIG"] = config
+  outs.append(bag())
+print("JSON" + json.dumps(outs))
 """
 
 
-def probe(tmp_path: Path) -> dict:
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path / 'airflow.db'}", "PYTHONPATH": str(REPO_ROOT)}
-    p = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+def airflow_env(home: Path, **extra: str) -> dict:
+    """The environment of an Airflow process with its home in ``home`` (and no ADAPT_CONFIG but ``extra``'s)."""
+    env = {k: v for k, v in os.environ.items() if k != "ADAPT_CONFIG"}
+    return {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}", "PYTHONPATH": str(REPO_ROOT),
+            **extra}
+
+
+def probe(tmp_path: Path, *configs: str | None, **extra: str) -> list[dict]:
+    """The DAGs (and import errors) the DAG folder yields under each ADAPT_CONFIG of ``configs``, in one process."""
+    env = airflow_env(tmp_path, **extra)
+    p = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(configs) or [None])], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("JSON")][-1]
     return json.loads(line[4:])
@@ -44,7 +64,7 @@ def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
     from loop.airflow_tasks import OPTION_KEYS
     from loop.cycle import STEPS
 
-    out = probe(tmp_path)
+    [out] = probe(tmp_path)
     assert out["errors"] == {}
     assert set(out["dags"]) == {"drafter_nightly_adaptation", "drafter_reconcile"}
     n = out["dags"]["drafter_nightly_adaptation"]
@@ -63,6 +83,43 @@ def test_dags_import_and_wire_the_cycle_steps(tmp_path: Path):
     assert all(t is not None and t > 0 for d in out["dags"].values() for t in d["timeouts"].values())
     assert n["timeouts"]["train"] > n["timeouts"]["gate"]
     assert n["outlets"]["snapshot"] == ["x-drafter-adapt://training-snapshot"] and not n["outlets"]["train"]
+    # Every task announces its failure; nothing routed away from Airflow's default queue and pool unless asked.
+    assert all(c for d in out["dags"].values() for c in d["callbacks"].values())
+    assert set(n["queues"].values()) == {"default"} and set(n["pools"].values()) == {"default_pool"}
+
+
+def test_one_pair_of_dags_per_endpoint_with_its_own_timeouts_queues_and_pools(tmp_path: Path):
+    """And a bad endpoint list is an import error naming the file at fault."""
+    from loop.cycle import STEPS
+
+    gpu = ('[airflow]\nname = "{name}"\nretries = 1\nschedule = "0 3 * * *"\nqueue = "cpu"\n'
+           'step_queue = {{train = "gpu", evaluate = "gpu", bench = "gpu"}}\n'
+           'step_pool = {{train = "gpu_slots", bench = "gpu_slots"}}\n'
+           'step_timeout_minutes = {{train = 900}}\n')
+    for name in ("chat", "code"):
+        (tmp_path / f"{name}.toml").write_text(f'state_dir = "{tmp_path}/{name}"\n' + gpu.format(name=name))
+    main = tmp_path / "main.toml"
+    main.write_text(f'[airflow]\nendpoints = ["{tmp_path}/chat.toml", "{tmp_path}/code.toml"]\n')
+    (tmp_path / "a.toml").write_text('[airflow]\nname = "same"\nstep_queue = {trian = "gpu"}\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[airflow]\nendpoints = ["{tmp_path}/a.toml"]\n')
+    out, broken = probe(tmp_path, str(main), str(bad), ADAPT__AIRFLOW__STEP_POOL='{bench = "big_gpu_slots"}')
+    assert broken["errors"] and all(f"{tmp_path}/a.toml: [airflow] step_queue names no task: trian" in e
+                                    for e in broken["errors"].values())
+    assert out["errors"] == {}
+    assert set(out["dags"]) == {f"drafter_{kind}_{name}" for kind in ("nightly_adaptation", "reconcile")
+                                for name in ("chat", "code")}
+    for name in ("chat", "code"):
+        n = out["dags"][f"drafter_nightly_adaptation_{name}"]
+        assert n["config_param"] == str(tmp_path / f"{name}.toml") and n["schedule"] == "0 3 * * *"
+        assert n["queues"] == {t: "gpu" if t in ("train", "evaluate", "bench") else "cpu"
+                               for t in ["begin", *STEPS, "report"]}
+        # ADAPT__AIRFLOW__STEP_POOL wins over every endpoint's file, key by key, as a file over the default.
+        assert n["pools"]["train"] == "gpu_slots" and n["pools"]["bench"] == "big_gpu_slots"
+        assert n["pools"]["gate"] == "default_pool"
+        assert n["timeouts"]["train"] == 900 * 60 and n["timeouts"]["bench"] == 240 * 60  # the rest keep defaults
+        assert set(n["retries"].values()) == {1}
+        assert out["dags"][f"drafter_reconcile_{name}"]["queues"] == {"reconcile": "cpu"}
 
 
 def test_dag_files_only_wire_library_calls():
@@ -106,3 +163,63 @@ def test_a_scheduled_run_ingests_its_data_interval_plus_the_late_hours(tmp_path,
     at.step("ingest", cid, {"config": str(cfg_file)})
     assert seen == {"since": datetime(2025, 2, 28, 21, tzinfo=timezone.utc), "until": end}
     assert at.snapshot_event(cid, {"config": str(cfg_file)}) == {"cycle_id": cid}
+
+
+class Webhook:
+    """A chat webhook on loopback that records what it is sent."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.posts: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                outer.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_failed_step_under_dag_test_is_announced_and_recorded_in_the_cycle(tmp_path: Path, airflow_home: Path):
+    """dag.test() runs an endpoint's nightly DAG for real; its ingest fails (the capture source does not exist), and
+    the failure callback posts to the webhook and records the failure in the cycle's state. Nothing heavy runs."""
+    from loop.airflow_tasks import cycle_id_for
+    from loop.cycle import summary
+    from settings.config import load_config
+
+    hook = Webhook()
+    cfg = tmp_path / "fail.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\n[capture]\nsource = "{tmp_path}/no-capture"\n'
+                   '[airflow]\nname = "fail"\nretries = 0\n')
+    code = ("import sys; from dags.drafter_nightly_adaptation import drafter_nightly_adaptation_fail as dag; "
+            "dr = dag.test(); print('DAGRUN', dr.run_id, dr.state)")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                           env=airflow_env(airflow_home, ADAPT_CONFIG=str(cfg), ADAPT_FAILURE_WEBHOOK=hook.url,
+                                           AIRFLOW__CORE__DAGS_FOLDER=str(REPO_ROOT / "dags")))
+    finally:
+        hook.close()
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("DAGRUN")]
+    assert line, p.stdout[-3000:] + p.stderr[-3000:]
+    _, run_id, state = line[-1].split(" ", 2)
+    assert state.endswith("failed")
+    [post] = hook.posts
+    assert post["text"].startswith(f"drafter-adapt: drafter_nightly_adaptation_fail.ingest failed (run {run_id}")
+    assert f"FileNotFoundError: capture source {tmp_path}/no-capture does not exist" in post["text"]
+    out = summary(load_config(cfg), cycle_id_for({}, run_id))
+    assert [(f["task_id"], f["error"].split(":")[0]) for f in out["failures"]] == [("ingest", "FileNotFoundError")]
+    assert list(out["steps"]) == []  # the cycle resumes at ingest once the capture is there

@@ -302,22 +302,20 @@ def test_controller_survives_mlflow_outage(loop, s3_server, tmp_path):
         ml.stop()
 
 
-def test_nightly_dag_runs_end_to_end_with_dag_test(loop, tmp_path):
+def test_nightly_dag_runs_end_to_end_with_dag_test(loop, airflow_home):
     from rollout.registry import Registry
 
     cfg = cfg_for(loop, "drafter-nightly")
     cfg_path = loop.dir / "nightly.toml"
     cfg_path.write_text(dump_toml(cfg))
-    home = tmp_path / "airflow"
-    home.mkdir()
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    home = airflow_home
+    env = {**{k: v for k, v in os.environ.items() if k != "ADAPT_CONFIG"}, "AIRFLOW_HOME": str(home),
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"), "PYTHONPATH": str(REPO_ROOT)}
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True,
-                   timeout=300)
     conf = {"config": str(cfg_path), "live_head": str(loop.live), "bench_url": loop.pool.replicas[0].url,
             "cycle_id": "nightly-1"}
-    code = ("import json, sys; from dags.drafter_nightly_adaptation import dag; "
+    code = ("import json, sys; from dags.drafter_nightly_adaptation import drafter_nightly_adaptation as dag; "
             f"dr = dag.test(run_conf=json.loads({json.dumps(json.dumps(conf))})); "
             "print('DAGRUN_STATE', dr.state); sys.exit(0 if str(dr.state).endswith('success') else 1)")
     t0 = time.perf_counter()

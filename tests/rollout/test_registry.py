@@ -1,25 +1,102 @@
-"""The registry's record of a benchmark against no speculation, and what `adapt pool status` says of it."""
+"""The registry: the champion alias, the previous one and the Production stage kept together, rollback by
+alias, the record of a benchmark against no speculation, and what `adapt pool status` says of it."""
 
 from __future__ import annotations
 
 import json
+import warnings
 
-from settings.config import load_config
+import pytest
+
+from settings.config import dump_toml, load_config
 
 
-def test_pool_status_says_plainly_when_production_is_slower_than_no_speculation(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def registry_db(tiny_model, tmp_path_factory):
+    """One sqlite registry for the module (creating one costs seconds) and two heads; each test registers
+    its own model name in it."""
     from adapt.checkpoint import init_random_head
+
+    d = tmp_path_factory.mktemp("registry")
+    return d, [init_random_head(tiny_model, d / f"head{i}", k=3, seed=i, draft_vocab_size=256) for i in range(3)]
+
+
+@pytest.fixture()
+def cfg(registry_db, tiny_model, tmp_path, request):
+    db, _ = registry_db
+    name = "drafter-" + request.node.name[5:45].replace("_", "-")
+    return load_config(overrides={"state_dir": str(tmp_path), "target": {"model": str(tiny_model)},
+                                  "mlflow": {"tracking_uri": f"sqlite:///{db / 'mlflow.db'}",
+                                             "artifact_location": str(db / "artifacts"), "registered_model": name}})
+
+
+def versions(cfg, heads) -> list[str]:
+    from rollout.registry import import_head
+
+    return [str(import_head(cfg, h).version) for h in heads]
+
+
+def test_promotion_moves_alias_and_stage_and_keeps_the_previous_champion(cfg, registry_db):
+    from rollout.registry import PREVIOUS_ALIAS, T_PREVIOUS, Registry
+
+    v1, v2, v3 = versions(cfg, registry_db[1])
+    reg = Registry(cfg)
+    assert reg.champion() is None and reg.sync() is None and reg.aliases() == {}
+    assert reg.promote(v1) == {"version": v1, "previous": None}
+    assert reg.aliases() == {"champion": v1} and reg.stage_version() == v1
+    assert reg.promote(v2) == {"version": v2, "previous": v1}
+    assert reg.aliases() == {"champion": v2, PREVIOUS_ALIAS: v1} and reg.stage_version() == v2
+    assert reg.get(v1).current_stage == "Archived" and reg.get(v2).tags[T_PREVIOUS] == v1
+    assert str(reg.champion().version) == v2 and reg.previous_production(v2) == v1
+    listed = {d["version"]: d["aliases"] for d in reg.describe_all()}
+    assert {str(k): v for k, v in listed.items()} == {v1: [PREVIOUS_ALIAS], v2: ["champion"], v3: []}
+    # Both moved by hand since the last sync, to different versions: the alias (MLflow 3's way) wins.
+    reg.client.set_registered_model_alias(reg.name, "champion", v3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        reg.client.transition_model_version_stage(reg.name, v1, "Production", archive_existing_versions=True)
+    assert str(reg.champion().version) == v3  # read-only: nothing moved yet
+    assert reg.stage_version() == v1
+    moved = reg.sync()
+    assert moved["decided_by"] == "alias" and moved["version"] == v3 and moved["previous"] == v2
+    assert reg.stage_version() == v3 and reg.aliases() == {"champion": v3, PREVIOUS_ALIAS: v2}
+    assert reg.sync() is None
+
+
+def test_adapt_rollback_moves_the_champion_back_to_the_previous_one_or_to_n(cfg, registry_db, tmp_path):
+    from typer.testing import CliRunner
+
+    from app.cli import app
+    from rollout.registry import Registry
+
+    v1, v2 = versions(cfg, registry_db[1][:2])
+    f = tmp_path / "c.toml"
+    f.write_text(dump_toml(cfg))
+    runner = CliRunner()
+    r = runner.invoke(app, ["rollback", "--config", str(f), "--json"])
+    assert r.exit_code == 1 and "has no 'previous' version to roll back to" in json.loads(r.stdout)["error"]
+    reg = Registry(cfg)
+    reg.promote(v1)
+    reg.promote(v2)
+    r = runner.invoke(app, ["rollback", "--config", str(f), "--json"])
+    out = json.loads(r.stdout)
+    assert r.exit_code == 0 and (out["production"], out["previous"], out["alias"]) == (v1, v2, v1), r.output
+    assert reg.aliases() == {"champion": v1, "previous": v2} and reg.stage_version() == v1
+    r = runner.invoke(app, ["rollback", "--to", "99", "--config", str(f), "--json"])
+    err = json.loads(r.stdout)["error"]
+    assert r.exit_code == 1 and err == f"no version 99 of {reg.name} in the registry at {cfg.mlflow.tracking_uri}"
+    r = runner.invoke(app, ["registry", "list", "--config", str(f), "--json"])
+    listed = json.loads(r.stdout)
+    assert (listed["champion"], listed["previous"], str(listed["production"])) == (v1, v2, v1)
+
+
+def test_pool_status_says_plainly_when_production_is_slower_than_no_speculation(cfg, registry_db):
     from app.commands.serving import _production_warnings
     from rollout.registry import T_SPEEDUP, Registry, import_head, slower_than_nospec, speedups
 
-    cfg = load_config(overrides={"state_dir": str(tmp_path), "target": {"model": str(tiny_model)},
-                                 "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
-                                            "artifact_location": str(tmp_path / "artifacts"),
-                                            "registered_model": "drafter-units"}})
     assert _production_warnings(cfg) == []  # nothing in Production: nothing to say
-    head = init_random_head(tiny_model, tmp_path / "head", k=3, seed=0, draft_vocab_size=256)
     reg = Registry(cfg)
-    v = import_head(cfg, head)
+    v = import_head(cfg, registry_db[1][0])
     reg.promote(v.version)
     assert _production_warnings(cfg) == []  # never benchmarked against no speculation
     reg.client.set_model_version_tag(reg.name, v.version, T_SPEEDUP, json.dumps({"1": 1.31, "4": 0.93}))

@@ -1,0 +1,99 @@
+"""`adapt doctor`: the supported-versions table it checks (vLLM and its hot-swap internals, torch, the GPU
+driver and CUDA where a GPU exists, MLflow, Airflow), and that it changes nothing it looks at."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from settings.config import load_config
+
+
+def test_a_missing_internal_is_named_with_what_was_looked_for(monkeypatch):
+    """The table's mechanics, on stdlib stand-ins (importing vLLM costs tens of seconds here): the real table
+    against the installed vLLM is checked by tests/app/test_foundation.py's doctor run."""
+    from app import supported
+    from app.commands import doctor
+
+    table = (supported.Internal("present", "json.decoder", "JSONDecoder.decode"),
+             supported.Internal("present, mentioning", "json.decoder", "JSONDecoder.__init__", "self.strict"),
+             supported.Internal("a renamed entry point", "json.decoder", "JSONDecoder.decode_v2"),
+             supported.Internal("a dropped attribute", "json.decoder", "JSONDecoder.__init__", "self.no_such"),
+             supported.Internal("a moved module", "json.no_such_module", "x"))
+    monkeypatch.setattr(supported, "VLLM_INTERNALS", table)
+    got = doctor.vllm_internals()
+    assert got["present"] == got["present, mentioning"] == "ok"
+    assert got["a renamed entry point"].startswith("missing: AttributeError")
+    assert got["a dropped attribute"] == ("missing: LookupError: json.decoder.JSONDecoder.__init__ no longer "
+                                          "mentions self.no_such")
+    assert got["a moved module"].startswith("missing: ModuleNotFoundError")
+
+
+@pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.3.post1", True), ("0.31.2", False),
+                                        ("0.33.0rc1", False), ("2.13.0+cpu", False)])
+def test_versions_outside_the_table_are_refused(version, ok):
+    from app import supported
+
+    vllm = next(s for s in supported.VERSIONS if s.name == "vllm")
+    assert supported.in_range(version, vllm) is ok
+
+
+def test_the_gpu_check_wants_a_driver_for_cuda_13_and_skips_hosts_without_a_gpu():
+    from app.commands import doctor
+
+    cfg = load_config()
+    c = doctor.check_gpu(cfg)  # this machine: no NVIDIA GPU, for real
+    assert c.ok and not c.required and "no NVIDIA GPU" in c.detail
+    old = doctor.check_gpu(cfg, driver=lambda: "570.124.06")
+    assert not old.ok and "NVIDIA driver 570.124.06 is older than 580, the oldest that runs CUDA 13.0" in old.detail
+    new = doctor.check_gpu(cfg, driver=lambda: "580.65.06")
+    assert "older than" not in new.detail and new.info["driver"] == "580.65.06"
+    # The CPU torch of this environment on a GPU host is a mistake the check names.
+    assert not new.ok and "is a CPU build on a GPU host: install with DRAFTER_ADAPT_EXTRA=gpu" in new.detail
+
+
+def test_the_mlflow_check_reads_a_local_store_without_changing_it(tmp_path):
+    from app.commands import doctor
+
+    cfg = load_config(overrides={"state_dir": str(tmp_path / "state")})
+    c = doctor.check_mlflow(cfg)
+    assert c.ok and "no local store yet" in c.detail and not (tmp_path / "state").exists()
+    db = tmp_path / "mlflow.db"
+    con = sqlite3.connect(db)
+    con.executescript("CREATE TABLE experiments (id INTEGER); INSERT INTO experiments VALUES (0);"
+                      "CREATE TABLE registered_models (name TEXT); CREATE TABLE alembic_version (version_num TEXT);"
+                      "INSERT INTO alembic_version VALUES ('abc123');")
+    con.close()
+    before = (db.stat().st_mtime_ns, db.read_bytes())
+    cfg = load_config(overrides={"state_dir": str(tmp_path / "state"), "mlflow": {"tracking_uri": f"sqlite:///{db}"}})
+    c = doctor.check_mlflow(cfg)
+    assert c.ok and c.info | {"tracking_uri": ""} == {"tracking_uri": "", "experiments": 1, "registered_models": 0,
+                                                       "schema": "abc123"}
+    assert (db.stat().st_mtime_ns, db.read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_the_report_says_where_the_configuration_came_from(tmp_path, monkeypatch):
+    from app.commands import doctor
+
+    f = tmp_path / "adapt.toml"
+    f.write_text('[serving]\nreplicas = 2\n')
+    monkeypatch.setenv("ADAPT__GATE__MAX_ATTEMPTS", "3")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    c = doctor.check_config(load_config(f))
+    assert c.ok and c.info == {"file": str(f), "environment": ["ADAPT__GATE__MAX_ATTEMPTS", "MLFLOW_TRACKING_URI"]}
+    f.write_text('[mlflow]\ntracking_uri = "https://from-the-file"\n')
+    assert doctor.check_config(load_config(f)).info["environment"] == ["ADAPT__GATE__MAX_ATTEMPTS"]  # the file won
+
+
+@pytest.mark.parametrize("text,version", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:40 UTC 2025\n", "580.65.06"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  (dvs-builder@U16)\n",
+     "570.133.20"),
+    ("something else\n", None),
+])
+def test_the_driver_version_is_read_from_the_kernel_modules_proc_entry(text, version):
+    from app.commands.doctor import driver_from_proc
+
+    assert driver_from_proc(text) == version
