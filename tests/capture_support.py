@@ -35,6 +35,17 @@ def make_cfg(tmp_path: Path, **capture) -> Config:
     return load_config(overrides={"state_dir": str(tmp_path / "state"), "capture": capture})
 
 
+def catalog_rows(cfg: Config, sql: str, params: list | None = None) -> list[tuple]:
+    """The rows of one query on the warehouse's catalog (its tables by their plain names)."""
+    from capture.warehouse import Warehouse
+
+    wh = Warehouse(cfg)
+    try:
+        return wh.sql(sql, params)
+    finally:
+        wh.close()
+
+
 def reconciles(res) -> bool:
     """Every line read is accounted for (rows superseded by the run were read by earlier runs: no part of it)."""
     return res.read == res.normalized + res.duplicates + res.stitched + res.quarantined + res.skipped

@@ -31,12 +31,13 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Turn new Data Capture files into deduplicated ShareGPT conversations in the warehouse."""
         from capture.ingest import ingest
-        from capture.warehouse import IngestLocked
+        from capture.catalog import CatalogError
+        from capture.warehouse import WriterLost
 
         cfg = get_config(config, json_)
         try:
             res = ingest(cfg, source=source, since=since, until=until, endpoint=endpoint)
-        except (IngestLocked, FileNotFoundError, ValueError) as exc:
+        except (WriterLost, CatalogError, FileNotFoundError, ValueError) as exc:
             fail(str(exc))
             return
         s = res.summary()
