@@ -164,11 +164,17 @@ class Catalog:
     def _attach(self, db: duckdb.DuckDBPyConnection) -> None:
         opts = f"DATA_PATH {_quote(self.data_path)}"
         if self.shared:
-            try:
-                db.execute(f"ATTACH {_quote('ducklake:postgres:' + self._conn)} AS {NAME} ({opts})")
-            except duckdb.Error as exc:
-                raise CatalogError(f"cannot attach the catalog in PostgreSQL ({self._conn}): {exc}") from exc
-            return
+            for attempt in range(8):
+                try:
+                    db.execute(f"ATTACH {_quote('ducklake:postgres:' + self._conn)} AS {NAME} ({opts})")
+                    return
+                except duckdb.Error as exc:
+                    # Writers attaching an empty database at once all create DuckLake's tables: the
+                    # ones that lose the race find them made on their next attempt.
+                    racing = "already exists" in str(exc) or "duplicate key" in str(exc)
+                    if not racing or attempt == 7:
+                        raise CatalogError(f"cannot attach the catalog in PostgreSQL ({self._conn}): {exc}") from exc
+                time.sleep(0.1 + random.random() * 0.4)
         private_dirs(self.path.parent)
         # One process at a time opens the file: another one's commit is waited out.
         deadline = time.monotonic() + 300

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -180,6 +181,8 @@ def _staged(**tables: pa.Table) -> Iterator[dict[str, str]]:
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
+
+log = logging.getLogger("capture.warehouse")
 
 _SUPERSEDED = pa.schema([("content_hash", pa.string()), ("by_hash", pa.string())])
 _PART = re.compile(r"^part-(\d{8}T\d{6}Z-[0-9a-f]{8})-")
@@ -504,14 +507,13 @@ class Warehouse:
         attempt = 0
         while True:
             try:
-                out = self._transaction(lambda con, seq: self._commit(con, seq, run_id, cp, dropped))
+                return self._transaction(lambda con, seq: self._commit(con, seq, run_id, cp, dropped, corrections))
             except _Rewrite as rw:
                 attempt += 1
+                log.info("run %s: %d rows another writer stored meanwhile (%d of them as longer conversations) "
+                         "taken out before the commit", run_id, len(rw.duplicates) + len(rw.stitched), len(rw.stitched))
                 self._take_out(run_id, cp, rw, corrections, attempt)
                 dropped |= rw.duplicates | rw.stitched
-                continue
-            out.corrections.update(corrections)
-            return out
 
     def _take_out(self, run_id: str, cp: Checkpoint, rw: _Rewrite, corrections: Counter, attempt: int) -> None:
         """Take the rows other writers made duplicates or stitched prefixes out of the checkpoint: its
@@ -530,17 +532,21 @@ class Warehouse:
         if cp.prefixes is not None:
             cp.prefixes = cp.prefixes.filter(pc.invert(pc.is_in(cp.prefixes.column("content_hash"), value_set=drop)))
 
-    def _commit(self, con: duckdb.DuckDBPyConnection, seq: int, run_id: str, cp: Checkpoint,
-                dropped: set[str]) -> Committed:
+    def _commit(self, con: duckdb.DuckDBPyConnection, seq: int, run_id: str, cp: Checkpoint, dropped: set[str],
+                taken_out: Counter) -> Committed:
+        """One attempt at the commit (``dropped``: rows already taken out, which changed the counts by ``taken_out``)."""
         now = datetime.now(timezone.utc)
         self._check_writer(con, run_id, cp, now)
-        since, corrections = int(cp.known_seq), Counter()
+        since, corrections = int(cp.known_seq), Counter(taken_out)
         others = f"seq > {since} AND run_id <> {_lit(run_id)}"
         tables = {"h": pa.Table.from_arrays([_chunked(cp.hashes)], names=["content_hash"])}
         if cp.prefixes is not None and cp.prefixes.num_rows:
             tables["p"] = cp.prefixes
+        # Most commits follow none of another writer's: nothing to reconcile with.
+        (others_wrote,), = con.execute(f"SELECT EXISTS (SELECT 1 FROM content_hashes WHERE {others}) "
+                                       f"OR EXISTS (SELECT 1 FROM prefix_hashes WHERE {others})").fetchall()
         with _staged(**tables) as t:
-            if len(cp.hashes):
+            if len(cp.hashes) and others_wrote:
                 dup = {r[0] for r in con.execute(
                     f"SELECT DISTINCT h.content_hash FROM {t['h']} h JOIN (SELECT content_hash FROM content_hashes "
                     f"WHERE {others}) o USING (content_hash)").fetchall()} - dropped
@@ -550,7 +556,7 @@ class Warehouse:
                 if dup or st:
                     raise _Rewrite(dup - st, st)  # a prefix is stitched, not a duplicate (as in capture.stitch)
             proposed = [cp.superseded] if cp.superseded is not None and cp.superseded.num_rows else []
-            if "p" in t:
+            if "p" in t and others_wrote:
                 # Rows others stored meanwhile that are prefixes of this checkpoint's rows: superseded by them.
                 theirs = con.execute(
                     f"SELECT p.prefix_hash AS content_hash, min(p.content_hash) AS by_hash FROM {t['p']} p JOIN "

@@ -57,6 +57,30 @@ def chat(i: int, t: datetime, text: str | None = None, **kw) -> str:
     return make_capture_record(req, resp, event_id=f"e{i}", inference_time=t, **kw)
 
 
+def record(history: list[tuple[str, str]], answer: str, t: datetime, event: str) -> str:
+    """One capture record of an OpenAI chat request with ``history`` ((role, content) pairs) answered by ``answer``."""
+    req = {"model": "m", "messages": [{"role": r, "content": c} for r, c in history], "temperature": 0.2}
+    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
+    return make_capture_record(req, resp, event_id=event, inference_time=t)
+
+
+def chain(conv: str, n: int, t0: datetime = T0, step: timedelta = timedelta(minutes=1),
+          system: str | None = "Be brief.", edit: dict[int, str] | None = None) -> list[str]:
+    """The records of the first ``n`` turns of one conversation: record k holds turns 1..k.
+
+    ``edit`` replaces the user text of some turns (``{turn index: text}``), as a client that
+    edits history would send.
+    """
+    history = [("system", system)] if system else []
+    out = []
+    for k in range(n):
+        history.append(("user", (edit or {}).get(k, f"{conv} question {k}")))
+        answer = f"{conv} answer {k}"
+        out.append(record(history, answer, t0 + k * step, f"{conv}-{k}"))
+        history.append(("assistant", answer))
+    return out
+
+
 def write(path: Path, lines: list[str | bytes], newline: bytes = b"\n") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"".join((ln.encode() if isinstance(ln, str) else ln) + newline for ln in lines))

@@ -123,6 +123,23 @@ def check_s3(cfg: Config) -> Check:
     return Check("s3", True, True, _version("boto3"), f"reachable at {where}", {"buckets": buckets})
 
 
+def check_catalog(cfg: Config) -> Check:
+    """The warehouse's DuckLake catalog: its extensions load from their wheels, and it attaches (read only as
+    far as the tables go: a catalog not made yet is made, as the first ingest would)."""
+    from capture.catalog import Catalog, is_shared
+
+    cat = Catalog(cfg.warehouse, cfg.s3)
+    try:
+        with cat.session() as con:
+            (n,), = con.execute("SELECT count(*) FROM information_schema.tables "
+                                "WHERE table_catalog = current_database()").fetchall()
+    finally:
+        cat.close()
+    where = "PostgreSQL (shared by workers)" if is_shared(cfg.warehouse.catalog) else "a local file"
+    return Check("catalog", True, True, _version("duckdb-extension-ducklake"), f"DuckLake in {where}",
+                 {"catalog": cfg.warehouse.catalog if not is_shared(cfg.warehouse.catalog) else "postgres", "tables": n})
+
+
 def check_mlflow(cfg: Config) -> Check:
     uri = cfg.mlflow.tracking_uri
     if uri.startswith(("http://", "https://")):
@@ -160,7 +177,7 @@ def check_seaweedfs(_: Config) -> Check:
 
 
 CHECKS: list[Callable[[Config], Check]] = [
-    check_python_stack, check_vllm, check_model_cache, check_s3, check_mlflow, check_airflow, check_seaweedfs,
+    check_python_stack, check_vllm, check_model_cache, check_s3, check_catalog, check_mlflow, check_airflow, check_seaweedfs,
 ]
 
 

@@ -14,7 +14,7 @@ import json
 import random
 import subprocess
 import sys
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import pyarrow as pa
 import pytest
@@ -22,35 +22,11 @@ import pytest
 from capture import backend, stitch
 from capture import ingest as ingest_mod
 from capture.ingest import content_hash, ingest, process_file
-from capture.records import make_capture_record
 from capture.split import export, load_split, split_table, stats
 from capture.warehouse import TURN
-from tests.capture_support import T0, catalog_rows, layout_file, make_cfg, obj_of, reconciles, same_file_result, write
+from tests.capture_support import (T0, catalog_rows, chain, layout_file, make_cfg, obj_of, reconciles, record,
+                                   same_file_result, write)
 from tests.paths import DATACAPTURE
-
-
-def record(history: list[tuple[str, str]], answer: str, t: datetime, event: str) -> str:
-    """One capture record of an OpenAI chat request with ``history`` ((role, content) pairs) answered by ``answer``."""
-    req = {"model": "m", "messages": [{"role": r, "content": c} for r, c in history], "temperature": 0.2}
-    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
-    return make_capture_record(req, resp, event_id=event, inference_time=t)
-
-
-def chain(conv: str, n: int, t0: datetime = T0, step: timedelta = timedelta(minutes=1),
-          system: str | None = "Be brief.", edit: dict[int, str] | None = None) -> list[str]:
-    """The records of the first ``n`` turns of one conversation: record k holds turns 1..k.
-
-    ``edit`` replaces the user text of some turns (``{turn index: text}``), as a client that
-    edits history would send.
-    """
-    history = [("system", system)] if system else []
-    out = []
-    for k in range(n):
-        history.append(("user", (edit or {}).get(k, f"{conv} question {k}")))
-        answer = f"{conv} answer {k}"
-        out.append(record(history, answer, t0 + k * step, f"{conv}-{k}"))
-        history.append(("assistant", answer))
-    return out
 
 
 def rows(cfg) -> list[dict]:
