@@ -46,7 +46,11 @@ def cutoff(table: pa.Table, heldout_hours: float) -> datetime | None:
 def split_table(cfg: Config, heldout_hours: float | None = None) -> pa.Table:
     """All conversations with a ``split`` column (``train``/``heldout``), oldest first."""
     hours = cfg.capture.heldout_hours if heldout_hours is None else heldout_hours
-    t = Warehouse(cfg).read_conversations()
+    wh = Warehouse(cfg)
+    try:
+        t = wh.read_conversations()
+    finally:
+        wh.close()
     cut = cutoff(t, hours)
     if cut is None:
         return t.append_column("split", pa.array([], pa.string()))
