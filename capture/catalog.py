@@ -23,6 +23,7 @@ version); nothing is downloaded at run time.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import re
@@ -46,10 +47,38 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-NAME = "lake"  # the catalog's name inside DuckDB
 POSTGRES = "postgres:"
 _EXTENSIONS = {"ducklake": duckdb_extension_ducklake, "httpfs": duckdb_extension_httpfs,
                "postgres_scanner": duckdb_extension_postgres_scanner}
+
+
+# One DuckDB database per process, its extensions loaded once (loading them costs ~0.4 s of CPU);
+# each Catalog attaches its DuckLake there under a name of its own.
+_DB: duckdb.DuckDBPyConnection | None = None
+_DB_LOCK = threading.Lock()
+_LOADED: set[str] = set()
+_ALIASES = itertools.count()
+
+
+def _database(extensions: list[str]) -> duckdb.DuckDBPyConnection:
+    global _DB
+    with _DB_LOCK:
+        if _DB is None:
+            _DB = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
+        for name in extensions:
+            if name not in _LOADED:
+                _run(_DB, f"LOAD {_quote(str(extension_path(name)))}")
+                _LOADED.add(name)
+        return _DB
+
+
+def _run(db: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """One statement on a connection of its own (the process's database is shared by threads)."""
+    con = db.cursor()
+    try:
+        con.execute(sql)
+    finally:
+        con.close()
 
 
 # One lock per local catalog file for the whole process: DuckDB's file lock keeps other processes
@@ -106,7 +135,7 @@ def _check_postgres(conn: str) -> str:
 
 
 class Catalog:
-    """One process's handle on the catalog: a DuckDB database with the DuckLake attached as ``lake``.
+    """One handle on the catalog: the DuckLake attached, under a name of its own, to the process's DuckDB.
 
     :meth:`session` yields a connection of its own to each caller (threads may use the
     catalog at once); with a local file the catalog is attached only while a session is open.
@@ -118,8 +147,9 @@ class Catalog:
         self.data_path = wcfg.uri.rstrip("/") + "/_lake/"
         self.is_s3 = wcfg.uri.startswith("s3://")
         self._s3 = s3
+        self.name = f"lake{next(_ALIASES)}"
         self._db: duckdb.DuckDBPyConnection | None = None
-        self._lock = threading.RLock()  # making the database; a local file's attach (shared by its handles)
+        self._lock = threading.RLock()  # getting the database; a local file's attach (shared by its handles)
         self._depth = 0  # sessions open on a local file
         self._attached = False  # a shared catalog stays attached once it was
         if self.shared:
@@ -132,19 +162,17 @@ class Catalog:
 
     def _database(self) -> duckdb.DuckDBPyConnection:
         if self._db is None:
-            db = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
             names = ["ducklake"] + (["httpfs"] if self.is_s3 else []) + (["postgres_scanner"] if self.shared else [])
-            for name in names:
-                db.execute(f"LOAD {_quote(str(extension_path(name)))}")
+            db = _database(names)
             if self.is_s3:
-                db.execute(self._s3_secret())
+                _run(db, self._s3_secret())  # credentials as the AWS chain resolves them now
             else:
                 private_dirs(self.data_path)
             self._db = db
         return self._db
 
     def _s3_secret(self) -> str:
-        """A DuckDB secret for the bucket, from the credentials the AWS chain resolves now."""
+        """A DuckDB secret for the warehouse's prefix, from the credentials the AWS chain resolves now."""
         import boto3
 
         creds = boto3.Session().get_credentials()
@@ -152,21 +180,21 @@ class Catalog:
             raise CatalogError("no AWS credentials found for the S3 warehouse (environment, profile or role)")
         c = creds.get_frozen_credentials()
         parts = ["TYPE s3", f"KEY_ID {_quote(c.access_key)}", f"SECRET {_quote(c.secret_key)}",
-                 f"REGION {_quote(self._s3.region)}"]
+                 f"REGION {_quote(self._s3.region)}", f"SCOPE {_quote(self.data_path)}"]
         if c.token:
             parts.append(f"SESSION_TOKEN {_quote(c.token)}")
         if self._s3.endpoint_url:
             u = urlparse(self._s3.endpoint_url)
             parts += [f"ENDPOINT {_quote(u.netloc or u.path)}", "URL_STYLE 'path'",
                       f"USE_SSL {'false' if u.scheme == 'http' else 'true'}"]
-        return f"CREATE OR REPLACE SECRET adapt_warehouse ({', '.join(parts)})"
+        return f"CREATE OR REPLACE SECRET {self.name}_s3 ({', '.join(parts)})"
 
     def _attach(self, db: duckdb.DuckDBPyConnection) -> None:
         opts = f"DATA_PATH {_quote(self.data_path)}"
         if self.shared:
             for attempt in range(8):
                 try:
-                    db.execute(f"ATTACH {_quote('ducklake:postgres:' + self._conn)} AS {NAME} ({opts})")
+                    _run(db, f"ATTACH {_quote('ducklake:postgres:' + self._conn)} AS {self.name} ({opts})")
                     return
                 except duckdb.Error as exc:
                     # Writers attaching an empty database at once all create DuckLake's tables: the
@@ -181,7 +209,7 @@ class Catalog:
         while True:
             try:
                 with owner_only_umask():  # DuckDB creates the file with no mode of ours
-                    db.execute(f"ATTACH {_quote('ducklake:' + str(self.path))} AS {NAME} ({opts})")
+                    _run(db, f"ATTACH {_quote('ducklake:' + str(self.path))} AS {self.name} ({opts})")
                 _tighten(self.path)  # a catalog made before files were created owner-only
                 return
             except duckdb.IOException as exc:
@@ -200,7 +228,7 @@ class Catalog:
                     self._attached = True
                 con = db.cursor()  # a connection of its own: threads may hold sessions at once
             try:
-                con.execute(f"USE {NAME}")
+                con.execute(f"USE {self.name}")
                 yield con
             finally:
                 con.close()
@@ -215,13 +243,13 @@ class Catalog:
             self._depth += 1
             con = db.cursor()
             try:
-                con.execute(f"USE {NAME}")
+                con.execute(f"USE {self.name}")
                 yield con
             finally:
                 con.close()
                 self._depth -= 1
                 if outer:
-                    db.execute(f"DETACH {NAME}")
+                    _run(db, f"DETACH {self.name}")
 
     def transaction(self, body: Callable[[duckdb.DuckDBPyConnection], T], attempts: int = 50) -> T:
         """Run ``body`` in one transaction, again from the start when it conflicts with another writer's.
@@ -249,9 +277,14 @@ class Catalog:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        """Detach the catalog (a shared one; a local one is attached only during sessions)."""
         with self._lock:
             if self._db is not None:
-                self._db.close()
+                if self._attached:
+                    with contextlib.suppress(duckdb.Error):
+                        _run(self._db, f"DETACH {self.name}")
+                if self.is_s3:
+                    with contextlib.suppress(duckdb.Error):
+                        _run(self._db, f"DROP SECRET IF EXISTS {self.name}_s3")
                 self._db = None
                 self._depth, self._attached = 0, False
-

@@ -833,17 +833,19 @@ def ingest(
     result = IngestResult(run_id=run_id)
     begun = False
     try:
-        orphans = wh.clean_orphans()
-        if orphans:
-            log.warning("removed %d Parquet parts that no catalog will name (of runs that failed or died)", len(orphans))
         client = s3_client(cfg.s3) if source.startswith("s3://") else None
         listed = list(list_objects(source, endpoint=endpoint, variant=cfg.capture.variant if endpoint else "",
                                    since=t_since, until=t_until, client=client))
-        objs = wh.begin_run(run_id, source, t_since, t_until, listed)
-        begun = True
-        with _Lease(wh, run_id):
-            known = Known()
+        known = Known()
+        with wh.session():  # one attach of a local catalog for the whole start
+            orphans = wh.clean_orphans()
+            if orphans:
+                log.warning("removed %d Parquet parts that no catalog will name (of runs that failed or died)",
+                            len(orphans))
+            objs = wh.begin_run(run_id, source, t_since, t_until, listed)
+            begun = True
             known_seq = wh.read_known(known.load)
+        with _Lease(wh, run_id):
             sink = _Sink()
             run = _Run(wh, run_id, known, known_seq, result, sink)
             try:

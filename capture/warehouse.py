@@ -184,6 +184,9 @@ def _staged(**tables: pa.Table) -> Iterator[dict[str, str]]:
 
 log = logging.getLogger("capture.warehouse")
 
+_READY: set[str] = set()  # catalogs whose tables this process made or found (checked once per process)
+
+_EMPTY = pa.nulls(0, pa.string())
 _SUPERSEDED = pa.schema([("content_hash", pa.string()), ("by_hash", pa.string())])
 _PART = re.compile(r"^part-(\d{8}T\d{6}Z-[0-9a-f]{8})-")
 
@@ -285,7 +288,8 @@ class Warehouse:
         self._s3_cfg = cfg.s3
         self._boto = None
         self._boto_lock = threading.Lock()  # ingest writes parts from several threads
-        self._ready = False
+        # A local catalog deleted since (a state directory wiped) is made again.
+        self._ready = cfg.warehouse.catalog in _READY and (self.catalog.shared or self.catalog.path.exists())
 
     def _client(self) -> Any:
         with self._boto_lock:
@@ -316,6 +320,7 @@ class Warehouse:
 
         self.catalog.transaction(create)
         self._ready = True
+        _READY.add(self.catalog.spec)
 
     @contextmanager
     def session(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -542,9 +547,10 @@ class Warehouse:
         tables = {"h": pa.Table.from_arrays([_chunked(cp.hashes)], names=["content_hash"])}
         if cp.prefixes is not None and cp.prefixes.num_rows:
             tables["p"] = cp.prefixes
-        # Most commits follow none of another writer's: nothing to reconcile with.
-        (others_wrote,), = con.execute(f"SELECT EXISTS (SELECT 1 FROM content_hashes WHERE {others}) "
-                                       f"OR EXISTS (SELECT 1 FROM prefix_hashes WHERE {others})").fetchall()
+        # Most commits follow none of another writer's: nothing to reconcile with, nothing to hand back.
+        (others_wrote,), = con.execute(
+            f"SELECT EXISTS (SELECT 1 FROM content_hashes WHERE {others}) OR EXISTS (SELECT 1 FROM prefix_hashes "
+            f"WHERE {others}) OR EXISTS (SELECT 1 FROM superseded WHERE {others})").fetchall()
         with _staged(**tables) as t:
             if len(cp.hashes) and others_wrote:
                 dup = {r[0] for r in con.execute(
@@ -575,6 +581,8 @@ class Warehouse:
                         f"(SELECT content_hash FROM superseded WHERE seq > {since}) GROUP BY 1").to_arrow_table()
                 corrections["superseded"] -= table.num_rows - superseded.num_rows
             self._write(con, seq, run_id, cp, t, superseded, corrections, now)
+        if not others_wrote:
+            return Committed(seq, corrections, _EMPTY, _EMPTY, _EMPTY)
         return Committed(
             seq=seq, corrections=corrections,
             others_hashes=_column(con, f"SELECT content_hash FROM content_hashes WHERE {others}"),

@@ -17,7 +17,7 @@ from capture.ingest import ingest
 from capture.sources import SourceObject, list_objects
 from capture.split import export, load_split, stats
 from capture.synth import write_layout
-from capture.warehouse import Warehouse
+from capture.warehouse import SCHEMA, Warehouse
 from settings.config import dump_toml
 from tests.capture_support import T0, catalog_rows, chat, layout_file, make_cfg, reconciles, write
 from tests.paths import DATACAPTURE
@@ -339,24 +339,27 @@ def test_cli_ingest_stats_export(tmp_path):
     assert r.exit_code != 0
 
 
-def test_a_file_claimed_by_a_live_run_is_left_to_it_until_that_run_fails(tmp_path):
+def test_a_live_writers_files_and_parts_are_left_to_it_until_that_writer_fails(tmp_path):
     cfg = make_cfg(tmp_path)
     src = tmp_path / "cap"
     a = layout_file(src, T0, "a.jsonl", [chat(1, T0)])
     layout_file(src, T0, "b.jsonl", [chat(2, T0)])
-    # Another writer (its lease running) claimed a.jsonl and is reading it.
+    # Another writer (its lease running) claimed a.jsonl, and wrote a part it has not committed yet.
     wh = Warehouse(cfg)
     other = "20250501T000000Z-0000beef"
     claimed = wh.begin_run(other, str(src), None, None, [o for o in list_objects(str(src)) if o.uri == str(a)])
     assert [o.uri for o in claimed] == [str(a)]
+    part, _ = wh.write_part(SCHEMA.empty_table(), T0.date(), other, 1)
     first = ingest(cfg, source=str(src))
     assert (first.objects, first.normalized) == (1, 1)
     assert catalog_rows(cfg, "SELECT source_uri FROM manifest") == [(str(src / "ep/AllTraffic/2025/05/01/10/b.jsonl"),)]
-    # That writer stops on an error: its claim lapses, and the next run reads the file.
+    assert Path(part).exists()  # orphan clean-up leaves a live writer's part alone
+    # That writer stops on an error: its claim lapses and its part is an orphan; the next run reads the file.
     wh.fail_run(other)
     wh.close()
     second = ingest(cfg, source=str(src))
     assert (second.objects, second.normalized) == (1, 1)
+    assert not Path(part).exists()
     assert ingest(cfg, source=str(src)).objects == 0
 
 
