@@ -857,6 +857,11 @@ def ingest(
                 raise
             sink.close()
             run.finish()
+        try:
+            if wh.compact():
+                log.info("merged the catalog tables' small Parquet files")
+        except Exception as exc:  # upkeep: the next run tries again
+            log.warning("could not merge the catalog's files: %s", exc)
     except BaseException:
         if begun:
             try:

@@ -187,6 +187,8 @@ log = logging.getLogger("capture.warehouse")
 _READY: set[str] = set()  # catalogs whose tables this process made or found (checked once per process)
 
 _EMPTY = pa.nulls(0, pa.string())
+# The catalog tables' Parquet files (one per table per commit) are merged past this many.
+COMPACT_FILES = 32
 _SUPERSEDED = pa.schema([("content_hash", pa.string()), ("by_hash", pa.string())])
 _PART = re.compile(r"^part-(\d{8}T\d{6}Z-[0-9a-f]{8})-")
 
@@ -640,6 +642,23 @@ class Warehouse:
         status = "complete" if cp.final else "running"
         con.execute(f"UPDATE runs SET {sets}, redactions = {_lit(json.dumps(dict(sorted(redactions.items()))))}, "
                     f"status = {_lit(status)}, finished_at = {_lit(now if cp.final else None)} WHERE run_id = {run}")
+
+    # -- upkeep ------------------------------------------------------------------------
+
+    def compact(self, min_files: int | None = None) -> bool:
+        """Merge the catalog tables' Parquet files once ``content_hashes`` has ``min_files`` of them (each
+        commit adds one per table, and a run start reads them all), then delete the files merges replaced
+        over a day ago. Returns whether it merged. Appends of other writers meanwhile do not conflict."""
+        with self.session() as con:
+            n = self.catalog.name
+            (files,), = con.execute(f"SELECT count(*) FROM ducklake_list_files('{n}', 'content_hashes')").fetchall()
+            if files < (COMPACT_FILES if min_files is None else min_files):
+                return False
+            # Results are not fetched: they hold timestamps, which DuckDB returns through pytz.
+            con.execute(f"CALL ducklake_merge_adjacent_files('{n}')")
+            con.execute(f"CALL ducklake_expire_snapshots('{n}', older_than => now() - INTERVAL 1 DAY)")
+            con.execute(f"CALL ducklake_cleanup_old_files('{n}', older_than => now() - INTERVAL 1 DAY)")
+        return True
 
     # -- reading -----------------------------------------------------------------------
 

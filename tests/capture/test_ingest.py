@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from capture import ingest as ingest_mod
+from capture import warehouse as warehouse_mod
 from capture.ingest import ingest
 from capture.sources import SourceObject, list_objects
 from capture.split import export, load_split, stats
@@ -337,6 +338,23 @@ def test_cli_ingest_stats_export(tmp_path):
     assert len(dest.read_text().splitlines()) == 3
     r = runner.invoke(app, ["dataset", "export", "--split", "nope", "--config", str(cfg_file)])
     assert r.exit_code != 0
+
+
+def test_the_catalog_tables_files_are_merged_past_a_threshold(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path)
+    monkeypatch.setattr(warehouse_mod, "COMPACT_FILES", 3)
+    files = []
+    for k in range(4):  # each run commits more rows than DuckLake keeps inline: one file per run
+        layout_file(tmp_path / "cap", T0, f"{k}.jsonl", [chat(100 * k + i, T0) for i in range(20)])
+        assert ingest(cfg, source=str(tmp_path / "cap")).normalized == 20
+        wh = Warehouse(cfg)
+        with wh.session() as con:
+            files.append(con.execute(f"SELECT count(*) FROM ducklake_list_files('{wh.catalog.name}', "
+                                     "'content_hashes')").fetchall()[0][0])
+        wh.close()
+    assert files == [1, 2, 1, 2]  # the third run's commit made three, and the run merged them
+    assert catalog_rows(cfg, "SELECT count(*), count(DISTINCT content_hash) FROM content_hashes") == [(80, 80)]
+    assert len(load_split(cfg, "train", heldout_hours=0)) == 80
 
 
 def test_a_live_writers_files_and_parts_are_left_to_it_until_that_writer_fails(tmp_path):
