@@ -27,6 +27,9 @@ catalog, may write at the same time:
   failed, or has not renewed its lease for ``2 * lease_s`` (one lease for it to lapse, one of
   grace); a part another writer is about to commit is never touched.
 
+The catalog tables' own Parquet (one small file per table per commit) is merged by the run
+that finds ``content_hashes`` in :data:`COMPACT_FILES` files or more (:meth:`Warehouse.compact`).
+
 Catalog tables: ``head``, ``runs``, ``leases``, ``claims``, ``manifest``, ``quarantine``,
 ``skipped``, ``parquet_files``, ``content_hashes``, ``prefix_hashes`` and ``superseded``
 (conversation stitching, see :mod:`capture.stitch`). A row named in ``superseded`` stays in
