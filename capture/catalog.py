@@ -260,7 +260,9 @@ class Catalog:
             with self.session() as con:
                 con.execute("BEGIN TRANSACTION")
                 try:
-                    with owner_only_umask():  # Parquet of the catalog's tables, on a local path
+                    # Files created here (the catalog's WAL, its tables' Parquet on a local path) are owner-only.
+                    local = not (self.shared and self.is_s3)
+                    with owner_only_umask() if local else contextlib.nullcontext():
                         out = body(con)
                         con.execute("COMMIT")
                     return out
