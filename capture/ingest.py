@@ -40,7 +40,7 @@ from capture.redact import redact_array, redact_values
 from capture.sources import (BLOCK_BYTES, LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when,
                              s3_client)
 from capture.stitch import Known, Prefixes, stitch_file
-from capture.warehouse import RUN_COUNTS, SCHEMA, TURN, Checkpoint, Committed, Warehouse
+from capture.warehouse import COMPACT_FILES, RUN_COUNTS, SCHEMA, TURN, Checkpoint, Committed, Warehouse
 
 if TYPE_CHECKING:
     from settings.config import CaptureConfig, Config, S3Config
@@ -601,6 +601,7 @@ class _Run:
         self._commits_lock = threading.Lock()
         self._commits: list[Committed] = []  # commits done on the sink's thread, not yet merged here
         self.corrections: Counter = Counter()  # what reconciling with other writers changed in the counts
+        self.catalog_files = 0  # the catalog's content_hashes files, as the final commit found them
         self._at_last: dict[str, Any] = {"redactions": {}}  # the totals at the last checkpoint
         self.buffers: dict[date, list[pa.Table]] = {}
         self.seq = 0
@@ -627,6 +628,7 @@ class _Run:
             self.known.gone.add_new(c.others_superseded)
             self.merged_seq = max(self.merged_seq, c.seq)
             self.corrections.update(c.corrections)
+            self.catalog_files = max(self.catalog_files, c.catalog_files)
 
     def add(self, fr: FileResult) -> None:
         self._merge()
@@ -857,11 +859,12 @@ def ingest(
                 raise
             sink.close()
             run.finish()
-        try:
-            if wh.compact():
-                log.info("merged the catalog tables' small Parquet files")
-        except Exception as exc:  # upkeep: the next run tries again
-            log.warning("could not merge the catalog's files: %s", exc)
+        if run.catalog_files >= COMPACT_FILES:
+            try:
+                wh.compact()
+                log.info("merged the catalog tables' %d small Parquet files", run.catalog_files)
+            except Exception as exc:  # upkeep: the next run tries again
+                log.warning("could not merge the catalog's files: %s", exc)
     except BaseException:
         if begun:
             try:

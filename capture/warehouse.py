@@ -238,6 +238,7 @@ class Committed:
     others_hashes: pa.Array
     others_prefixes: pa.Array
     others_superseded: pa.Array
+    catalog_files: int = 0  # with the final checkpoint: the Parquet files of content_hashes (see compact)
 
 
 class _Rewrite(Exception):
@@ -586,13 +587,18 @@ class Warehouse:
                         f"(SELECT content_hash FROM superseded WHERE seq > {since}) GROUP BY 1").to_arrow_table()
                 corrections["superseded"] -= table.num_rows - superseded.num_rows
             self._write(con, seq, run_id, cp, t, superseded, corrections, now)
+        files = 0
+        if cp.final:
+            (files,), = con.execute(f"SELECT count(*) FROM ducklake_list_files('{self.catalog.name}', "
+                                    "'content_hashes')").fetchall()
         if not others_wrote:
-            return Committed(seq, corrections, _EMPTY, _EMPTY, _EMPTY)
+            return Committed(seq, corrections, _EMPTY, _EMPTY, _EMPTY, files)
         return Committed(
             seq=seq, corrections=corrections,
             others_hashes=_column(con, f"SELECT content_hash FROM content_hashes WHERE {others}"),
             others_prefixes=_column(con, f"SELECT prefix_hash FROM prefix_hashes WHERE {others}"),
-            others_superseded=_column(con, f"SELECT content_hash FROM superseded WHERE {others}"))
+            others_superseded=_column(con, f"SELECT content_hash FROM superseded WHERE {others}"),
+            catalog_files=files)
 
     def _check_writer(self, con: duckdb.DuckDBPyConnection, run_id: str, cp: Checkpoint, now: datetime) -> None:
         # Times come back as epoch seconds: DuckDB returns TIMESTAMPTZ values through pytz.
@@ -648,20 +654,16 @@ class Warehouse:
 
     # -- upkeep ------------------------------------------------------------------------
 
-    def compact(self, min_files: int | None = None) -> bool:
-        """Merge the catalog tables' Parquet files once ``content_hashes`` has ``min_files`` of them (each
-        commit adds one per table, and a run start reads them all), then delete the files merges replaced
-        over a day ago. Returns whether it merged. Appends of other writers meanwhile do not conflict."""
+    def compact(self) -> None:
+        """Merge the catalog tables' Parquet files (each commit adds one per table, and a run start reads
+        them all), then delete the files merges replaced over a day ago. Appends of other writers meanwhile
+        do not conflict with it. Ingest calls it when its last commit found :data:`COMPACT_FILES` files."""
         with self.session() as con:
             n = self.catalog.name
-            (files,), = con.execute(f"SELECT count(*) FROM ducklake_list_files('{n}', 'content_hashes')").fetchall()
-            if files < (COMPACT_FILES if min_files is None else min_files):
-                return False
             # Results are not fetched: they hold timestamps, which DuckDB returns through pytz.
             con.execute(f"CALL ducklake_merge_adjacent_files('{n}')")
             con.execute(f"CALL ducklake_expire_snapshots('{n}', older_than => now() - INTERVAL 1 DAY)")
             con.execute(f"CALL ducklake_cleanup_old_files('{n}', older_than => now() - INTERVAL 1 DAY)")
-        return True
 
     # -- reading -----------------------------------------------------------------------
 

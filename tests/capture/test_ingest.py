@@ -13,7 +13,6 @@ import pytest
 from typer.testing import CliRunner
 
 from capture import ingest as ingest_mod
-from capture import warehouse as warehouse_mod
 from capture.ingest import ingest
 from capture.sources import SourceObject, list_objects
 from capture.split import export, load_split, stats
@@ -342,7 +341,7 @@ def test_cli_ingest_stats_export(tmp_path):
 
 def test_the_catalog_tables_files_are_merged_past_a_threshold(tmp_path, monkeypatch):
     cfg = make_cfg(tmp_path)
-    monkeypatch.setattr(warehouse_mod, "COMPACT_FILES", 3)
+    monkeypatch.setattr(ingest_mod, "COMPACT_FILES", 3)
     files = []
     for k in range(4):  # each run commits more rows than DuckLake keeps inline: one file per run
         layout_file(tmp_path / "cap", T0, f"{k}.jsonl", [chat(100 * k + i, T0) for i in range(20)])
@@ -352,7 +351,8 @@ def test_the_catalog_tables_files_are_merged_past_a_threshold(tmp_path, monkeypa
             files.append(con.execute(f"SELECT count(*) FROM ducklake_list_files('{wh.catalog.name}', "
                                      "'content_hashes')").fetchall()[0][0])
         wh.close()
-    assert files == [1, 2, 1, 2]  # the third run's commit made three, and the run merged them
+    # A commit counts the files before its own: the fourth run finds three, and merges them with its own.
+    assert files == [1, 2, 3, 1]
     assert catalog_rows(cfg, "SELECT count(*), count(DISTINCT content_hash) FROM content_hashes") == [(80, 80)]
     assert len(load_split(cfg, "train", heldout_hours=0)) == 80
 
