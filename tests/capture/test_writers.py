@@ -170,7 +170,7 @@ def test_writers_at_once_store_every_conversation_once(shared):
     # The catalog's tables outgrew what DuckLake keeps inline: their Parquet went to the bucket too.
     assert Warehouse(reader).fs.get_file_info(pafs.FileSelector(f"{Warehouse(reader).base}/_lake", recursive=True))
     # A re-run reads nothing new.
-    assert finished(cli(worker("late")))["read"] == 0
+    assert ingest(load_config(path=worker("late"))).read == 0
 
 
 # The writer kills itself (SIGKILL: no clean-up of any kind) at one point of its commit: when
