@@ -290,3 +290,36 @@ class Catalog:
                         _run(self._db, f"DROP SECRET IF EXISTS {self.name}_s3")
                 self._db = None
                 self._depth, self._attached = 0, False
+
+
+def probe(wcfg: WarehouseConfig) -> str:
+    """Whether the catalog can be used, found without changing anything (``adapt doctor``): its extensions
+    load, and it attaches read-only (one not made yet is reported so: the first ingest makes it)."""
+    shared = is_shared(wcfg.catalog)
+    db = _database(["ducklake"] + (["postgres_scanner"] if shared else []))
+    if shared:
+        where = "PostgreSQL"
+        target = "ducklake:postgres:" + _check_postgres(wcfg.catalog[len(POSTGRES):])
+    else:
+        path = Path(wcfg.catalog).expanduser()
+        where = str(path)
+        if not path.exists():
+            return f"DuckLake in {where}: not made yet (the first ingest makes it)"
+        target = f"ducklake:{path}"
+    alias = f"probe{next(_ALIASES)}"
+    try:
+        _run(db, f"ATTACH {_quote(target)} AS {alias} (READ_ONLY)")
+    except duckdb.Error as exc:
+        if "creating a new DuckLake is explicitly disabled" in str(exc):
+            return f"DuckLake in {where}: reachable, not made yet (the first ingest makes it)"
+        raise CatalogError(f"cannot attach the catalog in {where}: {exc}") from exc
+    try:
+        con = db.cursor()
+        try:
+            (n,), = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_catalog = ?",
+                                [alias]).fetchall()
+        finally:
+            con.close()
+    finally:
+        _run(db, f"DETACH {alias}")
+    return f"DuckLake in {where}: {n} tables"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from capture.catalog import CatalogError
+from capture.catalog import CatalogError, probe
 from capture.ingest import ingest
 from capture.warehouse import Warehouse
 from settings.config import dump_toml, load_config
@@ -152,6 +152,8 @@ def finished(p: subprocess.Popen) -> dict:
 
 def test_writers_at_once_store_every_conversation_once(shared):
     worker, n_lines, want = shared
+    first = load_config(path=worker("w0"))
+    assert "not made yet" in probe(first.warehouse)  # looking (adapt doctor) makes nothing
     # Three workers started together on overlapping windows: hours 3 and 6 are in two windows each.
     hours = [(0, 4), (3, 7), (6, 9)]
     procs = [cli(worker(f"w{i}"), "--since", (T0 + timedelta(hours=a)).isoformat(),
@@ -167,6 +169,7 @@ def test_writers_at_once_store_every_conversation_once(shared):
     assert t["normalized"] - t["superseded"] == len(want)
     assert catalog_rows(reader, "SELECT count(*), count(DISTINCT source_uri) FROM manifest") == [(9, 9)]
     assert catalog_rows(reader, "SELECT count(*) FROM runs WHERE status = 'complete'") == [(3,)]
+    assert probe(reader.warehouse).endswith("11 tables")
     # The catalog's tables outgrew what DuckLake keeps inline: their Parquet went to the bucket too.
     assert Warehouse(reader).fs.get_file_info(pafs.FileSelector(f"{Warehouse(reader).base}/_lake", recursive=True))
     # A re-run reads nothing new.
