@@ -339,6 +339,20 @@ def test_cli_ingest_stats_export(tmp_path):
     assert r.exit_code != 0
 
 
+def test_names_and_text_with_quotes_go_into_the_catalog_as_they_are(tmp_path):
+    """Values reach the catalog as SQL literals (capture.warehouse._lit): quotes in a file name or a
+    quarantined line are data, never SQL."""
+    cfg = make_cfg(tmp_path)
+    name = "it's'; DROP TABLE manifest; --.jsonl"
+    f = layout_file(tmp_path / "cap", T0, name, [chat(1, T0, text="what's 'this'?"), "{'bad': 'json'} \\ '"])
+    res = ingest(cfg, source=str(tmp_path / "cap"))
+    assert (res.normalized, res.quarantined) == (1, 1)
+    assert catalog_rows(cfg, "SELECT source_uri FROM manifest") == [(str(f),)]
+    assert catalog_rows(cfg, "SELECT excerpt FROM quarantine") == [("{'bad': 'json'} \\ '",)]
+    assert load_split(cfg, "train", heldout_hours=0)[0]["conversations"][0]["value"] == "what's 'this'?"
+    assert ingest(cfg, source=str(tmp_path / "cap")).read == 0
+
+
 def test_the_catalog_tables_files_are_merged_past_a_threshold(tmp_path, monkeypatch):
     cfg = make_cfg(tmp_path)
     monkeypatch.setattr(ingest_mod, "COMPACT_FILES", 3)
