@@ -132,8 +132,7 @@ def run_writers(data: Path, counts: list[int], catalog: str, workers: int | None
             if catalog.startswith("postgres:"):  # one database per count: each starts empty
                 cat = _new_database(catalog, f"bench_{n}_{os.getpid()}")
             # Contiguous windows of hours, each one hour into the next one's.
-            cuts = [hours[0] + timedelta(hours=round(k * len(hours) / n)) for k in range(n)] + [
-                hours[-1] + timedelta(hours=1)]
+            cuts = [hours[round(k * len(hours) / n)] for k in range(n)] + [hours[-1] + timedelta(hours=1)]
             procs = []
             t = time.perf_counter()
             for k in range(n):

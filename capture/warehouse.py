@@ -445,29 +445,62 @@ class Warehouse:
     def _rewrite(self, files: list[dict], rw: _Rewrite, run_id: str, attempt: int) -> tuple[list[dict], Counter]:
         """``files`` (uncommitted parts of this run) without the rows ``rw`` takes out: parts that hold
         some are written anew (or not at all when none is left) and the old ones deleted. Returns the
-        new entries, and how many rows left each source file as what (``(source_uri, "duplicates")``...)."""
+        new entries, and how many rows left each source file as what (``(source_uri, "duplicates")``...).
+
+        A part is read and written a batch of rows at a time: parts hold up to ``PART_ROWS`` rows."""
         drop = _strings(rw.duplicates | rw.stitched)
         stitched = _strings(rw.stitched)
         out, gone = [], Counter()
         for f in files:
             with self.fs.open_input_file(f["path"]) as fh:
-                t = pq.read_table(fh, schema=SCHEMA)
-            hit = pc.is_in(t.column("content_hash"), value_set=drop)
-            if not pc.any(hit).as_py():
+                hashes = pq.read_table(fh, columns=["content_hash"]).column("content_hash")
+            if not pc.any(pc.is_in(hashes, value_set=drop)).as_py():
                 out.append(f)
                 continue
-            left = t.filter(hit)
-            is_st = pc.is_in(left.column("content_hash"), value_set=stitched).to_pylist()
-            for uri, st in zip(left.column("source_uri").to_pylist(), is_st):
-                gone[(uri, "stitched" if st else "duplicates")] += 1
-            kept = t.filter(pc.invert(hit))
-            if kept.num_rows:
-                m = re.search(r"-(\d{5})(?:-r\d+)?\.parquet$", f["path"])
-                seq = int(m.group(1)) if m else 0
-                path, size = self.write_part(kept, f["dt"], run_id, seq, suffix=f"-r{attempt}")
-                out.append({**f, "path": path, "rows": kept.num_rows, "bytes": size})
+            m = re.search(r"-(\d{5})(?:-r\d+)?\.parquet$", f["path"])
+            path = self.part_path(f["dt"], run_id, int(m.group(1)) if m else 0, suffix=f"-r{attempt}")
+            kept, size = self._copy_part(f["path"], path, drop, stitched, gone)
+            if kept:
+                out.append({**f, "path": path, "rows": kept, "bytes": size})
             self._delete(f["path"])
         return out, gone
+
+    def _copy_part(self, src: str, dest: str, drop: pa.Array, stitched: pa.Array, gone: Counter) -> tuple[int, int]:
+        """Copy part ``src`` to ``dest`` without the rows whose hash is in ``drop``, counting them in ``gone``;
+        returns (rows kept, bytes). Nothing is written when no row is kept."""
+        if self.is_s3:
+            fd, tmp = tempfile.mkstemp(prefix="drafter-part-", suffix=".parquet")  # owner-only
+            os.close(fd)
+        else:
+            private_dirs(Path(dest).parent)
+            tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
+            os.close(create_private(tmp))
+        kept = 0
+        try:
+            with self.fs.open_input_file(src) as fh, pq.ParquetWriter(tmp, SCHEMA, **PARQUET_OPTIONS) as w:
+                for batch in pq.ParquetFile(fh).iter_batches(batch_size=65_536):
+                    t = pa.Table.from_batches([batch], schema=SCHEMA)
+                    hit = pc.is_in(t.column("content_hash"), value_set=drop)
+                    left = t.filter(hit)
+                    is_st = pc.is_in(left.column("content_hash"), value_set=stitched).to_pylist()
+                    for uri, st in zip(left.column("source_uri").to_pylist(), is_st):
+                        gone[(uri, "stitched" if st else "duplicates")] += 1
+                    t = t.filter(pc.invert(hit))
+                    if t.num_rows:
+                        w.write_table(t)
+                        kept += t.num_rows
+            if not kept:
+                return 0, 0
+            size = os.path.getsize(tmp)
+            if self.is_s3:
+                bucket, key = dest.split("/", 1)
+                self._client().upload_file(tmp, bucket, key)  # visible whole or not at all, as write_part's
+            else:
+                os.replace(tmp, dest)
+            return kept, size
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def clean_orphans(self) -> list[str]:
         """Delete the parts (and temp files) no catalog will ever name: those of runs that finished or

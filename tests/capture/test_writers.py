@@ -46,14 +46,14 @@ def totals(results: list[dict]) -> dict[str, int]:
                                                    "skipped", "superseded")}
 
 
-def test_a_commit_reconciles_with_what_another_writer_committed_meanwhile(tmp_path, monkeypatch):
+def reconciling(cfg, tmp_path: Path, monkeypatch) -> list[str]:
     """Writer A decided its rows before writer B committed overlapping ones; A's commit comes second.
 
     B stores D (which A holds too), the 3-turn S (A holds its 2-turn prefix) and the 1-turn U
     (A holds its 3-turn extension). A's commit drops D as a duplicate and its S prefix as
-    stitched (its part is rewritten without them) and supersedes B's U.
+    stitched (its part is rewritten without them) and supersedes B's U. Returns the names of
+    the parts left.
     """
-    cfg = make_cfg(tmp_path)
     mine, theirs = tmp_path / "a", tmp_path / "b"
     s, u = chain("s", 3), chain("u", 3)
     layout_file(mine, T0, "a.jsonl", [chat(1, T0), chat(2, T0), s[1], u[2]])
@@ -70,6 +70,7 @@ def test_a_commit_reconciles_with_what_another_writer_committed_meanwhile(tmp_pa
 
     monkeypatch.setattr(Warehouse, "commit", commit_after_the_other_writer)
     a = ingest(cfg, source=str(mine))
+    monkeypatch.setattr(Warehouse, "commit", real)
     (b,) = interleaved
     assert (b["normalized"], b["duplicates"], b["superseded"]) == (4, 0, 0)
     assert (a.read, a.normalized, a.duplicates, a.stitched, a.superseded) == (4, 2, 1, 1, 1) and reconciles(a)
@@ -82,12 +83,31 @@ def test_a_commit_reconciles_with_what_another_writer_committed_meanwhile(tmp_pa
     assert catalog_rows(cfg, "SELECT normalized, duplicates, stitched, superseded FROM runs WHERE run_id = ?",
                         [a.run_id]) == [(2, 1, 1, 1)]
     assert catalog_rows(cfg, 'SELECT sum("rows") FROM parquet_files WHERE run_id = ?', [a.run_id]) == [(2,)]
-    # A's part holds only its two rows: the part written before reconciling is gone.
-    parts = sorted(p.name for p in Path(cfg.warehouse.uri).rglob("part-*.parquet"))
-    assert len(parts) == 2 and any(a.run_id in p and "-r1." in p for p in parts)
     assert a.normalized + b["normalized"] - a.superseded == len(want)
     again = ingest(cfg, source=str(mine))
     assert (again.read, again.objects) == (0, 0)
+    wh = Warehouse(cfg)
+    try:
+        infos = wh.fs.get_file_info(pafs.FileSelector(wh.base, recursive=True))
+    finally:
+        wh.close()
+    # A's part holds only its two rows: the part written before reconciling is gone.
+    parts = sorted(i.base_name for i in infos if i.base_name.startswith("part-"))
+    assert len(parts) == 2 and any(a.run_id in p and "-r1." in p for p in parts)
+    return parts
+
+
+def test_a_commit_reconciles_with_what_another_writer_committed_meanwhile(tmp_path, monkeypatch):
+    reconciling(make_cfg(tmp_path), tmp_path, monkeypatch)
+
+
+def test_the_same_on_s3_and_the_shared_catalog(s3_server, shared_catalog, tmp_path, monkeypatch):
+    cfg = load_config(overrides={
+        "state_dir": str(tmp_path / "state"),
+        "s3": {"endpoint_url": s3_server.endpoint_url, "region": s3_server.region},
+        "warehouse": {"uri": f"s3://{s3_server.bucket}/r-{uuid.uuid4().hex[:8]}/warehouse", "catalog": shared_catalog},
+    })
+    reconciling(cfg, tmp_path, monkeypatch)
 
 
 def test_a_shared_catalog_never_holds_its_password_in_the_config(tmp_path):
