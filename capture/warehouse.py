@@ -23,9 +23,10 @@ catalog, may write at the same time:
   prefix of a row stored meanwhile (stitched), is taken out of this run's parts (rewritten
   before the commit names them) and counted so; a stored row that is a prefix of one of this
   run's rows is superseded. The run then merges what others committed into its own sets;
-* a part is deleted as an orphan only when no catalog can ever name it: its run finished,
-  failed, or has not renewed its lease for ``2 * lease_s`` (one lease for it to lapse, one of
-  grace); a part another writer is about to commit is never touched.
+* a part is deleted as an orphan only when no catalog can ever name it: its run (of this
+  catalog) finished, failed, or has not renewed its lease for ``2 * lease_s`` (one lease for it
+  to lapse, one of grace); a part another writer is about to commit is never touched, nor one
+  no run of this catalog wrote.
 
 The catalog tables' own Parquet (one small file per table per commit) is merged by the run
 that finds ``content_hashes`` in :data:`COMPACT_FILES` files or more (:meth:`Warehouse.compact`).
@@ -503,8 +504,9 @@ class Warehouse:
                 os.unlink(tmp)
 
     def clean_orphans(self) -> list[str]:
-        """Delete the parts (and temp files) no catalog will ever name: those of runs that finished or
-        failed, or whose lease lapsed more than ``lease_s`` ago. Another writer's parts are left alone."""
+        """Delete the parts (and temp files) no catalog will ever name: this catalog's runs' that it does
+        not name, once their run finished, failed, or let its lease lapse more than ``lease_s`` ago.
+        Another writer's parts in flight, and parts no run of this catalog wrote, are left alone."""
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(self.base, recursive=True, allow_not_found=True))
         except FileNotFoundError:
@@ -530,9 +532,8 @@ class Warehouse:
                 dead = True
             elif status == "running":
                 dead = until is None or until < (now - grace).timestamp()
-            else:  # no run of this catalog wrote it
-                mtime = info.mtime if info.mtime is not None else now
-                dead = mtime.replace(tzinfo=mtime.tzinfo or timezone.utc) < now - 2 * grace
+            else:  # no run of this catalog wrote it (another catalog's, a warehouse from before): not ours
+                dead = False
             if dead:
                 try:
                     self._delete(info.path)

@@ -382,6 +382,9 @@ def test_a_live_writers_files_and_parts_are_left_to_it_until_that_writer_fails(t
     claimed = wh.begin_run(other, str(src), None, None, [o for o in list_objects(str(src)) if o.uri == str(a)])
     assert [o.uri for o in claimed] == [str(a)]
     part, _ = wh.write_part(SCHEMA.empty_table(), T0.date(), other, 1)
+    # A part no run of this catalog wrote (a warehouse from before it, another catalog's), however old.
+    stranger, _ = wh.write_part(SCHEMA.empty_table(), T0.date(), "20240101T000000Z-00000000", 1)
+    os.utime(stranger, (0, 0))
     first = ingest(cfg, source=str(src))
     assert (first.objects, first.normalized) == (1, 1)
     assert catalog_rows(cfg, "SELECT source_uri FROM manifest") == [(str(src / "ep/AllTraffic/2025/05/01/10/b.jsonl"),)]
@@ -393,6 +396,7 @@ def test_a_live_writers_files_and_parts_are_left_to_it_until_that_writer_fails(t
     assert (second.objects, second.normalized) == (1, 1)
     assert not Path(part).exists()
     assert ingest(cfg, source=str(src)).objects == 0
+    assert Path(stranger).exists()
 
 
 def test_read_failing_mid_file_drops_that_file_and_retries_it(tmp_path, monkeypatch):
