@@ -207,7 +207,8 @@ KILLED_AT = {
 @pytest.mark.parametrize("where", sorted(KILLED_AT))
 def test_a_writer_killed_at_any_point_loses_nothing_and_counts_nothing_twice(shared, where):
     worker, n_lines, want = shared
-    config = worker("doomed", lease_s=1.0)
+    # A lease of a few seconds: short, and still renewed in time on a loaded machine.
+    config = worker("doomed", lease_s=3.0)
     target = KILLED_AT[where]
     code = (
         "import os, signal, sys\n"
@@ -227,13 +228,13 @@ def test_a_writer_killed_at_any_point_loses_nothing_and_counts_nothing_twice(sha
     (dead,), = catalog_rows(cfg, "SELECT run_id FROM runs WHERE status = 'running'")
     assert part_names(cfg, dead), "the writer must die with its parts written"
     # Its lease lapses: the next writer reads every file, and stores every conversation once.
-    time.sleep(1.2)
+    time.sleep(3.2)
     survivor = load_config(path=worker("survivor", lease_s=1.0))
     first = ingest(survivor)
     assert first.read == n_lines and first.normalized - first.superseded == len(want) and reconciles(first)
     assert stored(survivor) == want
-    # The dead writer's parts are deleted by the first run a lease after its lease lapsed.
-    time.sleep(2.2)
+    # The dead writer's parts are deleted by the first run a lease (the cleaner's) after its lease lapsed.
+    time.sleep(1.2)
     again = ingest(survivor)
     assert again.read == 0 and stored(survivor) == want
     assert not part_names(cfg, dead)
