@@ -121,7 +121,11 @@ def heldout_hours_for(cfg: Config, gap_mid: dt.datetime) -> tuple[float, dict[st
     from capture.warehouse import Warehouse
 
     summary = ingest(cfg).summary()
-    t = Warehouse(cfg).read_conversations(columns=["inference_time"])
+    wh = Warehouse(cfg)
+    try:
+        t = wh.read_conversations(columns=["inference_time"])
+    finally:
+        wh.close()
     latest = pc.max(t.column("inference_time")).as_py()
     return max((latest - gap_mid).total_seconds(), 1.0) / 3600, summary
 

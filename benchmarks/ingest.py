@@ -14,6 +14,19 @@ RSS (resource.getrusage, self and children) is its own:
   outer capture JSON only, no payload decoding, redaction or dedupe.
 * ``duckdb-floor``: DuckDB's multi-threaded C++ JSON reader over the outer documents,
   nothing else — a floor for any vectorized rewrite, printed beside the two.
+
+Several writers at once (``--writers 1 2 4``): for each count, that many ``ingest`` processes
+start together on one warehouse and one catalog, each on a window of the capture hours
+overlapping its neighbours' by an hour (those files go to whichever claims them first). It
+prints records/s over the wall time of all of them, then checks what a fresh reader sees:
+no conversation lost (as many as one writer stores), none twice, and the counts of every
+writer reconciling (``read = normalized + duplicates + stitched + quarantined + skipped``,
+the records read summing to N). ``--catalog postgres:host=... user=...`` puts the catalog in
+that PostgreSQL server, as workers share it (a new database per writer count, made there;
+the password from ``PGPASSWORD``); without it the catalog is a local file the writers take
+turns on.
+
+    python benchmarks/ingest.py --n 1000000 --writers 1 2 4 --catalog "postgres:host=127.0.0.1 user=drafter"
 """
 
 from __future__ import annotations
@@ -85,6 +98,100 @@ def run_capture(data: Path, state: Path, workers: int | None) -> dict:
     return {"seconds": dt, "records": res.read, "summary": res.summary(), **_rss_mb()}
 
 
+def run_writer(data: Path, state: Path, warehouse: str, catalog: str, since: str, until: str,
+               workers: int | None) -> dict:
+    """One of several writers: ingest a window of the capture hours into the shared warehouse."""
+    from capture.ingest import ingest
+    from settings.config import load_config
+
+    cfg = load_config(overrides={"state_dir": str(state), "warehouse": {"uri": warehouse, "catalog": catalog}})
+    t = time.perf_counter()
+    res = ingest(cfg, source=str(data), since=since, until=until, endpoint="", workers=workers)
+    return {"seconds": time.perf_counter() - t, "objects": res.objects, **res.summary(), **_rss_mb()}
+
+
+def _hours(data: Path) -> list[datetime]:
+    """The layout hours that hold capture files, in order."""
+    hours = {datetime(*map(int, p.parent.relative_to(data).parts[-4:]), tzinfo=timezone.utc)
+             for p in data.rglob("*.jsonl")}
+    return sorted(hours)
+
+
+def run_writers(data: Path, counts: list[int], catalog: str, workers: int | None) -> list[dict]:
+    """For each writer count: that many writers at once on one fresh warehouse; their rate and what they stored."""
+    from capture.warehouse import Warehouse
+    from settings.config import load_config
+
+    hours = _hours(data)
+    out = []
+    for n in counts:
+        root = Path(tempfile.mkdtemp(prefix=f"bench-writers-{n}-"))
+        try:
+            warehouse = str(root / "warehouse")
+            cat = catalog or str(root / "catalog.ducklake")
+            if catalog.startswith("postgres:"):  # one database per count: each starts empty
+                cat = _new_database(catalog, f"bench_{n}_{os.getpid()}")
+            # Contiguous windows of hours, each one hour into the next one's.
+            cuts = [hours[round(k * len(hours) / n)] for k in range(n)] + [hours[-1] + timedelta(hours=1)]
+            procs = []
+            t = time.perf_counter()
+            for k in range(n):
+                until = min(cuts[k + 1] + timedelta(hours=1), cuts[-1])
+                cmd = [sys.executable, __file__, "--child", "writer", "--data", str(data), "--warehouse", warehouse,
+                       "--catalog", cat, "--since", cuts[k].isoformat(), "--until", until.isoformat(),
+                       "--state", str(root / f"w{k}")] + (["--workers", str(workers)] if workers else [])
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              env={**os.environ, "PYTHONPATH": str(REPO)}))
+            results = []
+            for p in procs:
+                so, se = p.communicate()
+                if p.returncode != 0:
+                    sys.exit(f"a writer failed:\n{se[-3000:]}")
+                results.append(json.loads(so.strip().splitlines()[-1]))
+            wall = time.perf_counter() - t
+            cfg = load_config(overrides={"state_dir": str(root / "reader"),
+                                         "warehouse": {"uri": warehouse, "catalog": cat}})
+            wh = Warehouse(cfg)
+            try:
+                hashes = wh.read_conversations(columns=["content_hash"]).column("content_hash")
+                files = wh.sql("SELECT count(*), count(DISTINCT source_uri) FROM manifest")[0]
+            finally:
+                wh.close()
+            tot = {k: sum(r[k] for r in results) for k in ("read", "normalized", "duplicates", "stitched",
+                                                            "quarantined", "skipped", "superseded", "objects")}
+            visible, distinct = len(hashes), len(set(hashes.to_pylist()))
+            out.append({
+                "writers": n, "seconds": round(wall, 2), "records": tot["read"],
+                "records_per_s": round(tot["read"] / wall), "visible": visible, "duplicated": visible - distinct,
+                "objects": tot["objects"], "manifest_files": files[0], "manifest_distinct": files[1],
+                "reconciles": all(r["read"] == r["normalized"] + r["duplicates"] + r["stitched"] + r["quarantined"]
+                                  + r["skipped"] for r in results) and tot["normalized"] - tot["superseded"] == visible,
+                "per_writer": [{k: r[k] for k in ("seconds", "objects", "read", "normalized", "duplicates",
+                                                  "peak_rss_mb")} for r in results],
+            })
+            print(f"[writers {n}] {json.dumps(out[-1])}", file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _new_database(catalog: str, name: str) -> str:
+    """Create database ``name`` on the server of a ``postgres:`` catalog setting; the setting naming it."""
+    import re
+
+    import duckdb
+
+    from capture.catalog import extension_path
+
+    conn = re.sub(r"(^|\s)dbname=\S+", " ", catalog[len("postgres:"):]).strip()
+    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
+    con.execute(f"LOAD '{extension_path('postgres_scanner')}'")
+    con.execute(f"ATTACH '{conn} dbname=postgres' AS pg (TYPE postgres)")
+    con.execute(f"CALL postgres_execute('pg', 'CREATE DATABASE {name}', use_transaction := false)")
+    con.close()
+    return f"postgres:{conn} dbname={name}"
+
+
 def run_naive(data: Path, state: Path, limit: int | None) -> dict:
     import pandas as pd
 
@@ -144,7 +251,10 @@ def _median_by(key, rows: list[dict]) -> dict:
     return sorted(rows, key=key)[(len(rows) - 1) // 2]
 
 
-def child(which: str, data: Path, workers: int | None, limit: int | None) -> None:
+def child(which: str, data: Path, workers: int | None, limit: int | None, args: argparse.Namespace) -> None:
+    if which == "writer":
+        print(json.dumps(run_writer(data, args.state, args.warehouse, args.catalog, args.since, args.until, workers)))
+        return
     state = Path(tempfile.mkdtemp(prefix=f"bench-{which}-"))
     try:
         if which == "duckdb-floor":
@@ -170,14 +280,25 @@ def main() -> None:
     ap.add_argument("--no-floor", action="store_true", help="skip the DuckDB outer-parse floor")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the contenders this many times, back to back per round; report medians (README: 3)")
-    ap.add_argument("--child", choices=("capture", "naive", "duckdb-floor"), help=argparse.SUPPRESS)
+    ap.add_argument("--writers", type=int, nargs="+", default=None,
+                    help="measure this many writers at once on one warehouse, for each count given (e.g. 1 2 4)")
+    ap.add_argument("--catalog", default="",
+                    help="with --writers: a postgres:... setting (a database is made there per count) "
+                         "(default: a local catalog file per count)")
+    ap.add_argument("--child", choices=("capture", "naive", "duckdb-floor", "writer"), help=argparse.SUPPRESS)
+    for hidden in ("--warehouse", "--since", "--until"):
+        ap.add_argument(hidden, default="", help=argparse.SUPPRESS)
+    ap.add_argument("--state", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     data = args.data or Path(tempfile.gettempdir()) / "drafter-adapt-bench" / f"ingest-{args.n}-{args.per_file}"
     if args.child:
-        child(args.child, data, args.workers, args.naive_n)
+        child(args.child, data, args.workers, args.naive_n, args)
         return
 
     generate(data, args.n, args.per_file)
+    if args.writers:
+        writers_main(args, data)
+        return
     size = sum(p.stat().st_size for p in data.rglob("*.jsonl"))
     naive_n = args.naive_n or min(args.n, int(available_bytes(8 << 30) * 0.5 / 8192))
     contenders = ("capture",) + (() if args.no_baseline else ("naive",)) + (() if args.no_floor else ("duckdb-floor",))
@@ -231,6 +352,25 @@ def main() -> None:
               f"{out['floor_speedup_vs_naive']}x the naive baseline: the ceiling of a vectorized rewrite here")
     if "summary" in results["capture"]:
         print("  capture counts:", json.dumps(results["capture"]["summary"]))
+
+
+def writers_main(args: argparse.Namespace, data: Path) -> None:
+    catalog = args.catalog
+    warm_page_cache(data)
+    rows = run_writers(data, args.writers, catalog, args.workers)
+    where = "PostgreSQL" if catalog.startswith("postgres:") else "a local file"
+    out = {"n": args.n, "cpus": os.cpu_count(), "catalog": where, "writers": rows}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{args.n} records, {out['cpus']} CPUs, catalog in {where}")
+    for r in rows:
+        ok = r["duplicated"] == 0 and r["visible"] == rows[0]["visible"] and r["reconciles"] and r["records"] == args.n
+        print(f"  {r['writers']} writer(s): {r['seconds']:7.2f} s  {r['records_per_s']:>9,d} records/s  "
+              f"{r['visible']:,d} conversations visible, {r['visible'] - rows[0]['visible']:+d} vs one writer, "
+              f"{r['duplicated']} duplicated, counts {'reconcile' if r['reconciles'] else 'DO NOT reconcile'}, "
+              f"{r['manifest_files']} files committed once each: {r['manifest_files'] == r['manifest_distinct']}"
+              f"  {'OK' if ok else 'FAILED'}")
 
 
 if __name__ == "__main__":

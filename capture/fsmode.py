@@ -1,6 +1,6 @@
 """Owner-only files and directories for what holds user traffic or run state.
 
-Captures, the warehouse (Parquet and its DuckDB catalog) and state files hold prompts,
+Captures, the warehouse (Parquet and its catalog) and state files hold prompts,
 answers and quarantined raw lines, so they are created readable by their owner only
 (files 0600, directories 0700) whatever the process umask: a mode passed to open or
 mkdir is filtered by the umask, so each is set explicitly. Directories that exist

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -38,8 +39,8 @@ from capture.records import Reject, decode_line
 from capture.redact import redact_array, redact_values
 from capture.sources import (BLOCK_BYTES, LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when,
                              s3_client)
-from capture.stitch import Known, Prefixes, adopt, stitch_file
-from capture.warehouse import RUN_COUNTS, SCHEMA, TURN, Warehouse
+from capture.stitch import Known, Prefixes, stitch_file
+from capture.warehouse import COMPACT_FILES, RUN_COUNTS, SCHEMA, TURN, Checkpoint, Committed, Warehouse
 
 if TYPE_CHECKING:
     from settings.config import CaptureConfig, Config, S3Config
@@ -591,8 +592,17 @@ class _Sink:
 class _Run:
     """Parent-side state of a run: dedupe and stitching, Parquet buffers, checkpoints (written by a :class:`_Sink`)."""
 
-    def __init__(self, wh: Warehouse, run_id: str, known: Known, result: IngestResult, sink: _Sink) -> None:
+    def __init__(self, wh: Warehouse, run_id: str, known: Known, known_seq: int, result: IngestResult,
+                 sink: _Sink) -> None:
         self.wh, self.run_id, self.known, self.result, self.sink = wh, run_id, known, result, sink
+        # Other writers: ``known`` holds what they committed up to ``merged_seq``; the rows of the
+        # checkpoint being gathered were decided with at least what it held at ``batch_seq``.
+        self.merged_seq = self.batch_seq = known_seq
+        self._commits_lock = threading.Lock()
+        self._commits: list[Committed] = []  # commits done on the sink's thread, not yet merged here
+        self.corrections: Counter = Counter()  # what reconciling with other writers changed in the counts
+        self.catalog_files = 0  # the catalog's content_hashes files, as the final commit found them
+        self._at_last: dict[str, Any] = {"redactions": {}}  # the totals at the last checkpoint
         self.buffers: dict[date, list[pa.Table]] = {}
         self.seq = 0
         self.pending_manifest: list[dict] = []
@@ -608,7 +618,20 @@ class _Run:
         self.pruned: list[pa.Array] = []
         self.pending_bytes = 0
 
+    def _merge(self) -> None:
+        """Take what other writers committed (as the last commits found) into the dedupe sets."""
+        with self._commits_lock:
+            got, self._commits = self._commits, []
+        for c in got:
+            self.known.stored.add_new(c.others_hashes)
+            self.known.prefixes.add_new(c.others_prefixes)
+            self.known.gone.add_new(c.others_superseded)
+            self.merged_seq = max(self.merged_seq, c.seq)
+            self.corrections.update(c.corrections)
+            self.catalog_files = max(self.catalog_files, c.catalog_files)
+
     def add(self, fr: FileResult) -> None:
+        self._merge()
         r = self.result
         if fr.missing:
             if fr.error:
@@ -742,25 +765,35 @@ class _Run:
             self._flush_day(d)
         self._settle_doomed()
         r = self.result
-        totals = {k: getattr(r, k) for k in RUN_COUNTS}
-        totals["redactions"] = dict(r.redactions)
-        pending = {"manifest": self.pending_manifest, "quarantine": self.pending_quarantine,
-                   "skipped": self.pending_skips, "hashes": pa.chunked_array(self.pending_hashes, pa.string()),
-                   "prefixes": _pairs(self.pending_prefixes, ("prefix_hash", "content_hash")),
-                   "superseded": _pairs(self.pending_superseded, ("content_hash", "by_hash"))}
+        counts = {k: getattr(r, k) - self._at_last.get(k, 0) for k in RUN_COUNTS}
+        redactions = {k: v - self._at_last["redactions"].get(k, 0) for k, v in r.redactions.items()}
+        self._at_last = {**{k: getattr(r, k) for k in RUN_COUNTS}, "redactions": dict(r.redactions)}
+        cp = Checkpoint(manifest=self.pending_manifest, quarantine=self.pending_quarantine,
+                        skipped=self.pending_skips, hashes=pa.chunked_array(self.pending_hashes, pa.string()),
+                        prefixes=_pairs(self.pending_prefixes, ("prefix_hash", "content_hash")),
+                        superseded=_pairs(self.pending_superseded, ("content_hash", "by_hash")),
+                        counts=counts, redactions={k: v for k, v in redactions.items() if v}, known_seq=self.batch_seq,
+                        final=final)
+        self._merge()
+        self.batch_seq = self.merged_seq  # the next checkpoint's rows are decided with at least this
 
         def commit(files: list[dict]) -> None:
-            con = self.wh.connect()
-            try:
-                self.wh.commit(con, self.run_id, **pending, files=files, totals=totals, final=final)
-            finally:
-                con.close()
-            self.wh.push_catalog()  # an S3 warehouse's catalog is shared: other workers read this commit
+            cp.files = files
+            done = self.wh.commit(self.run_id, cp)
+            with self._commits_lock:
+                self._commits.append(done)
 
         self.sink.commit(commit)
         self.pending_manifest, self.pending_quarantine, self.pending_skips = [], [], []
         self.pending_hashes, self.pending_prefixes, self.pending_superseded = [], [], []
         self.pending_bytes = 0
+
+    def finish(self) -> None:
+        """After the last commit: the run's counts as committed (reconciled with other writers)."""
+        self._merge()
+        r = self.result
+        for k, v in self.corrections.items():
+            setattr(r, k, getattr(r, k) + v)
 
 
 def _pairs(pairs: list[tuple[pa.Array, pa.Array]], names: tuple[str, str]) -> pa.Table | None:
@@ -800,38 +833,72 @@ def ingest(
     wh = Warehouse(cfg)
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
     result = IngestResult(run_id=run_id)
-    with wh.lock():
-        con = wh.connect()
-        try:
-            orphans = wh.clean_orphans(con)
+    begun = False
+    try:
+        client = s3_client(cfg.s3) if source.startswith("s3://") else None
+        listed = list(list_objects(source, endpoint=endpoint, variant=cfg.capture.variant if endpoint else "",
+                                   since=t_since, until=t_until, client=client))
+        known = Known()
+        with wh.session():  # one attach of a local catalog for the whole start
+            orphans = wh.clean_orphans()
             if orphans:
-                log.warning("removed %d uncommitted Parquet files from an interrupted run", len(orphans))
-            result.superseded += adopt(wh, con, run_id)
-            if result.superseded:
-                log.info("stitched the rows stored before conversation stitching: %d prefixes superseded",
-                         result.superseded)
-            done = wh.processed(con)
-            known = Known()
-            known.load(wh.known_hashes(con), wh.known_prefixes(con), wh.superseded_hashes(con))
-            client = s3_client(cfg.s3) if source.startswith("s3://") else None
-            objs = [
-                o for o in list_objects(source, endpoint=endpoint, variant=cfg.capture.variant if endpoint else "",
-                                        since=t_since, until=t_until, client=client)
-                if (o.uri, o.etag) not in done
-            ]
-            wh.start_run(con, run_id, source, t_since, t_until)
-        finally:
-            con.close()
-        sink = _Sink()
-        try:
-            opts = FileOptions.of(cfg.capture, cfg.s3, client)
-            n = workers if workers is not None else _workers(cfg.capture, objs)
-            _run_files(opts, _Run(wh, run_id, known, result, sink), objs, n, on_worker_start)
-        except BaseException:
-            sink.abort()
-            raise
-        sink.close()
+                log.warning("removed %d Parquet parts that no catalog will name (of runs that failed or died)",
+                            len(orphans))
+            objs = wh.begin_run(run_id, source, t_since, t_until, listed)
+            begun = True
+            known_seq = wh.read_known(known.load)
+        with _Lease(wh, run_id):
+            sink = _Sink()
+            run = _Run(wh, run_id, known, known_seq, result, sink)
+            try:
+                opts = FileOptions.of(cfg.capture, cfg.s3, client)
+                n = workers if workers is not None else _workers(cfg.capture, objs)
+                _run_files(opts, run, objs, n, on_worker_start)
+            except BaseException:
+                sink.abort()
+                raise
+            sink.close()
+            run.finish()
+        if run.catalog_files >= COMPACT_FILES:
+            try:
+                wh.compact()
+                log.info("merged the catalog tables' %d small Parquet files", run.catalog_files)
+            except Exception as exc:  # upkeep: the next run tries again
+                log.warning("could not merge the catalog's files: %s", exc)
+    except BaseException:
+        if begun:
+            try:
+                wh.fail_run(run_id)  # its claims lapse and its parts are orphans now, not a lease later
+            except Exception as exc:  # the catalog unreachable: the lease lapses instead
+                log.warning("could not mark run %s failed: %s", run_id, exc)
+        raise
+    finally:
+        wh.close()
     return result
+
+
+class _Lease:
+    """Renews a run's lease (:meth:`Warehouse.renew_lease`) every quarter of it, on a thread, while open."""
+
+    def __init__(self, wh: Warehouse, run_id: str) -> None:
+        self.wh, self.run_id = wh, run_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="ingest-lease", daemon=True)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.wh.lease_s / 4):
+            try:
+                self.wh.renew_lease(self.run_id)
+            except Exception as exc:  # the next commit finds out whether the lease lapsed
+                log.warning("could not renew the lease of run %s: %s", self.run_id, exc)
+
+    def __enter__(self) -> _Lease:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 # Environment of the pool's workers (a variable already set is left as it is):

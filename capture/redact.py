@@ -99,6 +99,7 @@ _PHONE = re.compile(
 _AWS_KEY_GATE = re.compile(r"A(?:KIA|SIA|GPA|IDA|ROA|IPA|NPA|NVA|BIA|CCA)")
 _GH_GATE = re.compile(r"gh[pousr]_")
 _LONG_WORD = re.compile(r"[A-Za-z0-9/+]{40}")
+_WORD_CHAR = re.compile(r"\w", _A)
 _CARD_GATE = re.compile(r"\d(?:[ \-]?\d){12}", _A)
 _PHONE_GATE = re.compile(r"\d{3}[ .\-)]{1,2}\d{3}|\+\d", _A)
 _IBAN_GATE = re.compile(r"[A-Z]{2}\d{2}", _A)
@@ -282,6 +283,11 @@ class Redactor:
 
     def _card(self, m: re.Match[str]) -> str:
         s = m.group(0)
+        # A card number stands alone: digits glued to letters belong to a longer token (a hex id
+        # such as a UUID without dashes, a hash, base64), even where they pass Luhn.
+        text, a, b = m.string, m.start(), m.end()
+        if (a and _WORD_CHAR.match(text, a - 1)) or _WORD_CHAR.match(text, b):
+            return s
         digits = s.replace(" ", "").replace("-", "")
         if 13 <= len(digits) <= 19 and luhn_ok(digits):
             self._bump("CARD")

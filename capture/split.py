@@ -46,7 +46,11 @@ def cutoff(table: pa.Table, heldout_hours: float) -> datetime | None:
 def split_table(cfg: Config, heldout_hours: float | None = None) -> pa.Table:
     """All conversations with a ``split`` column (``train``/``heldout``), oldest first."""
     hours = cfg.capture.heldout_hours if heldout_hours is None else heldout_hours
-    t = Warehouse(cfg).read_conversations()
+    wh = Warehouse(cfg)
+    try:
+        t = wh.read_conversations()
+    finally:
+        wh.close()
     cut = cutoff(t, hours)
     if cut is None:
         return t.append_column("split", pa.array([], pa.string()))
@@ -119,8 +123,7 @@ def stats(cfg: Config, heldout_hours: float | None = None) -> dict[str, Any]:
     finally:
         con.close()
     wh = Warehouse(cfg)
-    cat = wh.connect(read_only=True)
-    try:
+    with wh.session() as cat:
         out["quarantined"] = cat.execute("SELECT count(*) FROM quarantine").fetchone()[0]
         out["quarantine_reasons"] = dict(cat.execute(
             "SELECT reason, count(*) FROM quarantine GROUP BY 1 ORDER BY 1").fetchall())
@@ -128,9 +131,8 @@ def stats(cfg: Config, heldout_hours: float | None = None) -> dict[str, Any]:
         out["skip_reasons"] = dict(cat.execute(
             "SELECT reason, sum(count) FROM skipped GROUP BY 1 ORDER BY 1").fetchall())
         out["stitched"] = cat.execute("SELECT coalesce(sum(stitched), 0) FROM runs").fetchone()[0]
-        out["superseded"] = cat.execute("SELECT count(*) FROM superseded").fetchone()[0]
+        out["superseded"] = cat.execute("SELECT count(DISTINCT content_hash) FROM superseded").fetchone()[0]
         out["runs"] = cat.execute("SELECT count(*) FROM runs").fetchone()[0]
         out["objects"] = cat.execute("SELECT count(*) FROM manifest").fetchone()[0]
-    finally:
-        cat.close()
+    wh.close()
     return out

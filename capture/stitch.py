@@ -37,10 +37,10 @@ every reader of the warehouse leaves out. A row of the same run that is supersed
 dropped from its buffer before it is written, or, if it was written already, recorded in
 ``superseded`` too.
 
-**Catalogs made before stitching** hold chains already. The first run on such a catalog
-(:func:`adopt`, once per catalog, noted in ``catalog_state``) reads every stored row once,
-records its prefix hashes and supersedes the stored rows that are prefixes of stored rows;
-they count in that run's *superseded*.
+**Several writers.** Each run stitches against what the catalog held when it last looked;
+its commit reconciles its rows with what other runs committed since, by the same rules
+(:class:`capture.warehouse.Warehouse`), so the result does not depend on which writer read
+which record either.
 
 **Counts.** Each line that becomes a conversation ends as exactly one of: *normalized*
 (stored, and the longest version known at the end of the run), *duplicate* (an exact
@@ -64,9 +64,8 @@ may fall on different sides, and their shared prefix with them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -75,11 +74,6 @@ import pyarrow.compute as pc
 from capture import backend, native
 from capture.dedupe import HashSet
 from capture.rules import GPT
-
-if TYPE_CHECKING:
-    import duckdb
-
-    from capture.warehouse import Warehouse
 
 
 def _strings(values: list[str]) -> pa.Array:
@@ -259,24 +253,6 @@ def stitch_file(table: pa.Table, row_redactions: list[tuple[int, dict[str, int]]
     table = table.filter(_mask(keep))
     row_redactions = [(int(new_index[i]), c) for i, c in row_redactions if keep[i]]
     return table, row_redactions, n_drop, Prefixes(pre.hashes, new_index[pre.rows].astype(np.int32))
-
-
-def adopt(wh: Warehouse, con: duckdb.DuckDBPyConnection, run_id: str) -> int:
-    """Stitch a catalog's stored rows once, if that was never done (a catalog made before stitching):
-    record their prefix hashes and supersede the rows that are prefixes of others. Reads every stored
-    row once. Returns how many rows it superseded (0 when it was done before)."""
-    if wh.stitching_adopted(con):
-        return 0
-
-    def prefixes() -> Iterator[pa.Table]:
-        for batch in wh.stored_batches(con, ["conversations", "content_hash"]):
-            t = pa.Table.from_batches([batch])
-            pre = table_prefixes(t)
-            if len(pre):
-                of = t.column("content_hash").combine_chunks().take(_index(pre.rows))
-                yield pa.Table.from_arrays([pre.hashes, of], names=["prefix_hash", "content_hash"])
-
-    return wh.adopt_stitching(con, run_id, prefixes())
 
 
 @dataclass

@@ -72,7 +72,11 @@ class CaptureConfig(_Section):
 
 class WarehouseConfig(_Section):
     uri: str
+    # A local file (one machine) or "postgres:<libpq keywords>" (shared by workers); see capture.catalog.
     catalog: str
+    # A writer that has not renewed its lease for this long is taken for dead: its claimed capture
+    # files go to the next run, and its uncommitted parts are deleted one lease later.
+    lease_s: float = Field(300.0, ge=1.0)
 
 
 class MlflowConfig(_Section):

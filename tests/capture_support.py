@@ -35,6 +35,17 @@ def make_cfg(tmp_path: Path, **capture) -> Config:
     return load_config(overrides={"state_dir": str(tmp_path / "state"), "capture": capture})
 
 
+def catalog_rows(cfg: Config, sql: str, params: list | None = None) -> list[tuple]:
+    """The rows of one query on the warehouse's catalog (its tables by their plain names)."""
+    from capture.warehouse import Warehouse
+
+    wh = Warehouse(cfg)
+    try:
+        return wh.sql(sql, params)
+    finally:
+        wh.close()
+
+
 def reconciles(res) -> bool:
     """Every line read is accounted for (rows superseded by the run were read by earlier runs: no part of it)."""
     return res.read == res.normalized + res.duplicates + res.stitched + res.quarantined + res.skipped
@@ -44,6 +55,30 @@ def chat(i: int, t: datetime, text: str | None = None, **kw) -> str:
     req = {"model": "m", "messages": [{"role": "user", "content": text or f"question {i}"}], "temperature": 0.2}
     resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer {i}"}}]}
     return make_capture_record(req, resp, event_id=f"e{i}", inference_time=t, **kw)
+
+
+def record(history: list[tuple[str, str]], answer: str, t: datetime, event: str) -> str:
+    """One capture record of an OpenAI chat request with ``history`` ((role, content) pairs) answered by ``answer``."""
+    req = {"model": "m", "messages": [{"role": r, "content": c} for r, c in history], "temperature": 0.2}
+    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
+    return make_capture_record(req, resp, event_id=event, inference_time=t)
+
+
+def chain(conv: str, n: int, t0: datetime = T0, step: timedelta = timedelta(minutes=1),
+          system: str | None = "Be brief.", edit: dict[int, str] | None = None) -> list[str]:
+    """The records of the first ``n`` turns of one conversation: record k holds turns 1..k.
+
+    ``edit`` replaces the user text of some turns (``{turn index: text}``), as a client that
+    edits history would send.
+    """
+    history = [("system", system)] if system else []
+    out = []
+    for k in range(n):
+        history.append(("user", (edit or {}).get(k, f"{conv} question {k}")))
+        answer = f"{conv} answer {k}"
+        out.append(record(history, answer, t0 + k * step, f"{conv}-{k}"))
+        history.append(("assistant", answer))
+    return out
 
 
 def write(path: Path, lines: list[str | bytes], newline: bytes = b"\n") -> Path:

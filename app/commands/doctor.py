@@ -233,6 +233,13 @@ def check_s3(cfg: Config) -> Check:
     return Check("s3", True, True, _version("boto3"), f"reachable at {where}", {"buckets": buckets})
 
 
+def check_catalog(cfg: Config) -> Check:
+    """The warehouse's DuckLake catalog: its extensions load from their wheels and it attaches read-only."""
+    from capture.catalog import probe
+
+    return Check("catalog", True, True, _version("duckdb-extension-ducklake"), probe(cfg.warehouse))
+
+
 def _sqlite_store(path: Path) -> dict[str, Any]:
     """What a local MLflow sqlite store holds, opened read-only (no migration, no default experiment)."""
     import sqlite3
@@ -327,8 +334,8 @@ def check_seaweedfs(_: Config) -> Check:
 
 
 CHECKS: list[Callable[[Config], Check]] = [
-    check_config, check_python_stack, check_vllm, check_gpu, check_model_cache, check_s3, check_mlflow, check_airflow,
-    check_seaweedfs,
+    check_config, check_python_stack, check_vllm, check_gpu, check_model_cache, check_s3, check_catalog, check_mlflow,
+    check_airflow, check_seaweedfs,
 ]
 
 

@@ -94,7 +94,7 @@ def test_doctor_reports_every_component_ok(tmp_path, smollm2_model, s3_server):
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
     assert report["ok"] is True
-    for name in ("python", "vllm", "model_cache", "s3", "mlflow", "airflow"):
+    for name in ("python", "vllm", "model_cache", "s3", "catalog", "mlflow", "airflow"):
         assert report["components"][name]["ok"], (name, report["components"][name])
     assert report["components"]["vllm"]["info"]["parallel_drafting"] is True
     assert s3_server.bucket in report["components"]["s3"]["info"]["buckets"]

@@ -9,18 +9,17 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import duckdb
 import pytest
 from typer.testing import CliRunner
 
 from capture import ingest as ingest_mod
 from capture.ingest import ingest
-from capture.sources import SourceObject
+from capture.sources import SourceObject, list_objects
 from capture.split import export, load_split, stats
 from capture.synth import write_layout
-from capture.warehouse import Warehouse
+from capture.warehouse import SCHEMA, Warehouse
 from settings.config import dump_toml
-from tests.capture_support import T0, chat, layout_file, make_cfg, reconciles, write
+from tests.capture_support import T0, catalog_rows, chat, layout_file, make_cfg, reconciles, write
 from tests.paths import DATACAPTURE
 
 
@@ -51,9 +50,7 @@ def test_real_tabular_fixtures_are_skipped_with_reason(tmp_path, name):
     assert res.read == n_lines > 0
     assert (res.normalized, res.quarantined, res.duplicates) == (0, 0, 0)
     assert res.skipped == res.read and res.skip_reasons == {"not_llm_traffic": res.read}
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT reason, sum(count) FROM skipped GROUP BY 1").fetchall() == [("not_llm_traffic", res.read)]
-    con.close()
+    assert catalog_rows(cfg, "SELECT reason, sum(count) FROM skipped GROUP BY 1") == [("not_llm_traffic", res.read)]
 
 
 def test_incremental_new_file_picked_up_once_and_dedupe_across_runs(tmp_path):
@@ -72,13 +69,12 @@ def test_incremental_new_file_picked_up_once_and_dedupe_across_runs(tmp_path):
     rows = load_split(cfg, "train", heldout_hours=0)
     hashes = [r["content_hash"] for r in rows]
     assert len(rows) == 7 and len(set(hashes)) == 7
-    # Partitioned by day, catalogued, and the view agrees with the library.
+    # Partitioned by day, catalogued.
     assert list((Path(cfg.warehouse.uri)).glob("dt=2025-05-01/part-*.parquet"))
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT count(*), count(DISTINCT content_hash) FROM conversations").fetchone() == (7, 7)
-    assert con.execute("SELECT count(*) FROM manifest").fetchone()[0] == 2
-    assert con.execute("SELECT count(*) FROM runs WHERE status = 'complete'").fetchone()[0] == 3
-    con.close()
+    assert catalog_rows(cfg, 'SELECT sum("rows"), count(*) FROM parquet_files') == [(7, 2)]
+    assert catalog_rows(cfg, "SELECT count(*), count(DISTINCT content_hash) FROM content_hashes") == [(7, 7)]
+    assert catalog_rows(cfg, "SELECT count(*) FROM manifest") == [(2,)]
+    assert catalog_rows(cfg, "SELECT count(*) FROM runs WHERE status = 'complete'") == [(3,)]
 
 
 def test_changed_object_is_reread_and_old_rows_count_as_duplicates(tmp_path):
@@ -134,9 +130,7 @@ def test_bad_input_file_quarantines_each_line_and_keeps_the_valid_ones(tmp_path)
     assert res.quarantine_reasons == {"invalid_json": 1, "invalid_base64": 1, "invalid_utf8": 1, "nul_bytes": 1,
                                       "line_too_large": 1, "wrong_type": 1, "too_deeply_nested": 1}
     assert res.skip_reasons == {"empty_line": 1}
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    q = con.execute("SELECT line_no, reason, source_uri, length(excerpt) FROM quarantine ORDER BY line_no").fetchall()
-    con.close()
+    q = catalog_rows(cfg, "SELECT line_no, reason, source_uri, length(excerpt) FROM quarantine ORDER BY line_no")
     assert [r[0] for r in q] == [2, 4, 6, 7, 8, 9, 10]
     assert all(r[2] == str(f) and 0 < r[3] <= 1025 for r in q)
     values = {r["conversations"][0]["value"] for r in load_split(cfg, "train", heldout_hours=0)}
@@ -169,10 +163,9 @@ def test_crash_before_commit_leaves_nothing_visible_and_next_run_completes(tmp_p
     orphans = list(Path(cfg.warehouse.uri).rglob("part-*.parquet"))
     assert orphans, "the test must crash after Parquet was written"
     assert load_split(cfg, "train", heldout_hours=0) == []
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT count(*) FROM manifest").fetchone()[0] == 0
-    assert con.execute("SELECT status FROM runs").fetchall() == [("running",)]
-    con.close()
+    assert catalog_rows(cfg, "SELECT count(*) FROM manifest") == [(0,)]
+    # The run that stopped says so: its claims lapse and its parts are orphans at once.
+    assert catalog_rows(cfg, "SELECT status FROM runs") == [("failed",)]
 
     monkeypatch.setattr(Warehouse, "commit", real_commit)
     res = ingest(cfg, source=str(src))
@@ -212,9 +205,7 @@ def test_a_day_is_written_once_files_move_past_it_and_commits_name_only_written_
     assert events == [("add", days[0]), ("add", days[1]), ("flush", days[0]), ("add", days[2]), ("flush", days[1]),
                       ("flush", days[2])]
     assert (res.read, res.normalized) == (12, 12)
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    files = con.execute('SELECT dt, "rows" FROM parquet_files ORDER BY dt').fetchall()
-    con.close()
+    files = catalog_rows(cfg, 'SELECT dt, "rows" FROM parquet_files ORDER BY dt')
     assert files == [(d, 4) for d in days]
     assert len(load_split(cfg, "train", heldout_hours=0)) == 12
 
@@ -236,10 +227,7 @@ def test_a_failed_part_write_fails_the_run_commits_nothing_and_the_next_run_comp
     with pytest.raises(OSError, match="No space left"):
         ingest(cfg, source=str(src), workers=1)
     assert written, "a part must have been written before the failure"
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT count(*) FROM manifest").fetchone()[0] == 0
-    assert con.execute("SELECT count(*) FROM parquet_files").fetchone()[0] == 0
-    con.close()
+    assert catalog_rows(cfg, "SELECT (SELECT count(*) FROM manifest), (SELECT count(*) FROM parquet_files)") == [(0, 0)]
     assert load_split(cfg, "train", heldout_hours=0) == []
 
     monkeypatch.setattr(Warehouse, "write_part", real_write)
@@ -263,9 +251,7 @@ def test_vanished_object_is_reported_and_the_run_completes(tmp_path, monkeypatch
     monkeypatch.setattr(ingest_mod, "list_objects", listing)
     res = ingest(cfg, source=str(src))
     assert (res.read, res.normalized, res.missing_objects, res.objects) == (1, 1, 1, 1)
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT source_uri FROM manifest").fetchall() == [(str(real),)]
-    con.close()
+    assert catalog_rows(cfg, "SELECT source_uri FROM manifest") == [(str(real),)]
 
 
 def test_redaction_on_by_default_and_switchable(tmp_path):
@@ -306,10 +292,6 @@ def test_heldout_split_by_time_export_and_stats(tmp_path):
     assert st["formats"] == {"openai_chat": 18} and st["endpoints"] == {"ep": 18}
     assert sum(st["days"].values()) == 18
     assert st["tokens"]["p50"] == 4  # "question N" + "answer N": 2 + 2 words
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT split, count(*) FROM conversations_split GROUP BY 1 ORDER BY 1").fetchall() == [
-        ("heldout", 6), ("train", 12)]
-    con.close()
     # Fractions of an hour: the last 30 minutes hold only hour 15's three conversations.
     assert len(load_split(cfg, "heldout", heldout_hours=0.5)) == 3
 
@@ -357,15 +339,64 @@ def test_cli_ingest_stats_export(tmp_path):
     assert r.exit_code == 2 and "'nope' is not one of 'train', 'heldout'" in r.output  # a usage error
 
 
-def test_second_concurrent_ingest_is_refused(tmp_path):
-    from capture.warehouse import IngestLocked
-
+def test_names_and_text_with_quotes_go_into_the_catalog_as_they_are(tmp_path):
+    """Values reach the catalog as SQL literals (capture.warehouse._lit): quotes in a file name or a
+    quarantined line are data, never SQL."""
     cfg = make_cfg(tmp_path)
-    layout_file(tmp_path / "cap", T0, "a.jsonl", [chat(1, T0)])
-    with Warehouse(cfg).lock():
-        with pytest.raises(IngestLocked):
-            ingest(cfg, source=str(tmp_path / "cap"))
-    assert ingest(cfg, source=str(tmp_path / "cap")).normalized == 1
+    name = "it's'; DROP TABLE manifest; --.jsonl"
+    f = layout_file(tmp_path / "cap", T0, name, [chat(1, T0, text="what's 'this'?"), "{'bad': 'json'} \\ '"])
+    res = ingest(cfg, source=str(tmp_path / "cap"))
+    assert (res.normalized, res.quarantined) == (1, 1)
+    assert catalog_rows(cfg, "SELECT source_uri FROM manifest") == [(str(f),)]
+    assert catalog_rows(cfg, "SELECT excerpt FROM quarantine") == [("{'bad': 'json'} \\ '",)]
+    assert load_split(cfg, "train", heldout_hours=0)[0]["conversations"][0]["value"] == "what's 'this'?"
+    assert ingest(cfg, source=str(tmp_path / "cap")).read == 0
+
+
+def test_the_catalog_tables_files_are_merged_past_a_threshold(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path)
+    monkeypatch.setattr(ingest_mod, "COMPACT_FILES", 3)
+    files = []
+    for k in range(4):  # each run commits more rows than DuckLake keeps inline: one file per run
+        layout_file(tmp_path / "cap", T0, f"{k}.jsonl", [chat(100 * k + i, T0) for i in range(20)])
+        assert ingest(cfg, source=str(tmp_path / "cap")).normalized == 20
+        wh = Warehouse(cfg)
+        with wh.session() as con:
+            files.append(con.execute(f"SELECT count(*) FROM ducklake_list_files('{wh.catalog.name}', "
+                                     "'content_hashes')").fetchall()[0][0])
+        wh.close()
+    # A commit counts the files before its own: the fourth run finds three, and merges them with its own.
+    assert files == [1, 2, 3, 1]
+    assert catalog_rows(cfg, "SELECT count(*), count(DISTINCT content_hash) FROM content_hashes") == [(80, 80)]
+    assert len(load_split(cfg, "train", heldout_hours=0)) == 80
+
+
+def test_a_live_writers_files_and_parts_are_left_to_it_until_that_writer_fails(tmp_path):
+    cfg = make_cfg(tmp_path)
+    src = tmp_path / "cap"
+    a = layout_file(src, T0, "a.jsonl", [chat(1, T0)])
+    layout_file(src, T0, "b.jsonl", [chat(2, T0)])
+    # Another writer (its lease running) claimed a.jsonl, and wrote a part it has not committed yet.
+    wh = Warehouse(cfg)
+    other = "20250501T000000Z-0000beef"
+    claimed = wh.begin_run(other, str(src), None, None, [o for o in list_objects(str(src)) if o.uri == str(a)])
+    assert [o.uri for o in claimed] == [str(a)]
+    part, _ = wh.write_part(SCHEMA.empty_table(), T0.date(), other, 1)
+    # A part no run of this catalog wrote (a warehouse from before it, another catalog's), however old.
+    stranger, _ = wh.write_part(SCHEMA.empty_table(), T0.date(), "20240101T000000Z-00000000", 1)
+    os.utime(stranger, (0, 0))
+    first = ingest(cfg, source=str(src))
+    assert (first.objects, first.normalized) == (1, 1)
+    assert catalog_rows(cfg, "SELECT source_uri FROM manifest") == [(str(src / "ep/AllTraffic/2025/05/01/10/b.jsonl"),)]
+    assert Path(part).exists()  # orphan clean-up leaves a live writer's part alone
+    # That writer stops on an error: its claim lapses and its part is an orphan; the next run reads the file.
+    wh.fail_run(other)
+    wh.close()
+    second = ingest(cfg, source=str(src))
+    assert (second.objects, second.normalized) == (1, 1)
+    assert not Path(part).exists()
+    assert ingest(cfg, source=str(src)).objects == 0
+    assert Path(stranger).exists()
 
 
 def test_read_failing_mid_file_drops_that_file_and_retries_it(tmp_path, monkeypatch):

@@ -258,6 +258,13 @@ KINDS = {
             ["eyJhbGciOiJIUzI1NiJ9 alone", "eyJhbGciOiJIUzI1NiJ9.notjson.x"]),
     "IBAN": ([("pay DE89 3704 0044 0532 0130 00 now", "3704 0044"), ("iban GB82WEST12345698765432.", "GB82WEST")],
              ["pay DE89 3704 0044 0532 0130 01 now", "model GPT4 1106 PREVIEW"]),
+    # A Luhn-valid digit run inside a hex id (a UUID without dashes, a trace id) is no card.
+    "CARD": ([("card 4111 1111 1111 1111 exp 12/29", "1111 1111"), ("amex 3782 822463 10005.", "822463"),
+              ("pay with 5555555555554444, thanks", "5555555555554444"), ("(4111-1111-1111-1111)", "4111-1111"),
+              ("card:4012888888881881", "4012888888881881")],
+             ["req 9f3c4111111111111111a2b7e0d5c6", "id 4111111111111111deadbeefcafe0000",
+              "trace_id=5555555555554444ffee00112233aabb", "550e8400e29b41d4a716446655440000",
+              "sha 0a4012888888881881b2c3d4e5f6a7b8", "x-4111111111111111", "number 4111 1111 1111 1112"]),
     "SSN": ([("ssn 123-45-6789 ok", "123-45-6789")], ["ssn 000-45-6789", "ssn 666-45-6789", "id 123-00-6789",
                                                       "isbn 978-3-16-148410-0", "tel 123-45-67890"]),
     "API_KEY": ([("stripe sk_live_4eC39HqLyjWDarjtT1zdp7dc", "4eC39Hq"), ("rk_live_4eC39HqLyjWDarjtT1zdp7dc", "4eC39Hq"),

@@ -11,13 +11,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-import duckdb
 import pytest
 
 from capture.ingest import EXCERPT_BYTES, ingest
 from capture.records import make_capture_record
 from capture.sources import LongLine, _blocks, iter_blocks, iter_lines
-from tests.capture_support import T0, chat, layout_file, make_cfg, reconciles
+from tests.capture_support import T0, catalog_rows, chat, layout_file, make_cfg, reconciles
 from tests.paths import REPO_ROOT
 
 GHP = "ghp_" + "A1b2C3d4E5" * 4
@@ -31,11 +30,7 @@ def with_role(role_json: str) -> str:
 
 
 def quarantine_rows(cfg) -> list[tuple]:
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    try:
-        return con.execute("SELECT line_no, reason, detail, excerpt FROM quarantine ORDER BY line_no").fetchall()
-    finally:
-        con.close()
+    return catalog_rows(cfg, "SELECT line_no, reason, detail, excerpt FROM quarantine ORDER BY line_no")
 
 
 # -- quarantine rows are redacted like the turns ----------------------------------------------
@@ -174,15 +169,15 @@ def mode(p: Path) -> int:
     return stat.S_IMODE(p.stat().st_mode)
 
 
-def test_warehouse_catalog_parquet_and_lock_are_owner_only(tmp_path, open_umask):
+def test_warehouse_catalog_and_parquet_are_owner_only(tmp_path, open_umask):
     cfg = make_cfg(tmp_path)
     layout_file(tmp_path / "cap", T0, "a.jsonl", [chat(i, T0) for i in range(5)] + ["{bad"])
     res = ingest(cfg, source=str(tmp_path / "cap"))
     assert res.normalized == 5 and res.quarantined == 1
     wh = Path(cfg.warehouse.uri)
     catalog = Path(cfg.warehouse.catalog)
-    assert mode(catalog) == 0o600 and mode(Path(str(catalog) + ".lock")) == 0o600
-    parts = list(wh.rglob("*.parquet"))
+    assert mode(catalog) == 0o600
+    parts = list(wh.rglob("*.parquet"))  # the conversations' parts and the catalog's own tables
     assert parts and all(mode(p) == 0o600 for p in parts)
     for d in [wh, *{p.parent for p in parts}]:
         assert mode(d) == 0o700, d

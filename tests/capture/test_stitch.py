@@ -14,45 +14,19 @@ import json
 import random
 import subprocess
 import sys
-from datetime import datetime, timedelta
+from datetime import timedelta
 
-import duckdb
-import numpy as np
 import pyarrow as pa
 import pytest
 
 from capture import backend, stitch
 from capture import ingest as ingest_mod
 from capture.ingest import content_hash, ingest, process_file
-from capture.records import make_capture_record
 from capture.split import export, load_split, split_table, stats
 from capture.warehouse import TURN
-from tests.capture_support import T0, layout_file, make_cfg, obj_of, reconciles, same_file_result, write
+from tests.capture_support import (T0, catalog_rows, chain, layout_file, make_cfg, obj_of, reconciles, record,
+                                   same_file_result, write)
 from tests.paths import DATACAPTURE
-
-
-def record(history: list[tuple[str, str]], answer: str, t: datetime, event: str) -> str:
-    """One capture record of an OpenAI chat request with ``history`` ((role, content) pairs) answered by ``answer``."""
-    req = {"model": "m", "messages": [{"role": r, "content": c} for r, c in history], "temperature": 0.2}
-    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
-    return make_capture_record(req, resp, event_id=event, inference_time=t)
-
-
-def chain(conv: str, n: int, t0: datetime = T0, step: timedelta = timedelta(minutes=1),
-          system: str | None = "Be brief.", edit: dict[int, str] | None = None) -> list[str]:
-    """The records of the first ``n`` turns of one conversation: record k holds turns 1..k.
-
-    ``edit`` replaces the user text of some turns (``{turn index: text}``), as a client that
-    edits history would send.
-    """
-    history = [("system", system)] if system else []
-    out = []
-    for k in range(n):
-        history.append(("user", (edit or {}).get(k, f"{conv} question {k}")))
-        answer = f"{conv} answer {k}"
-        out.append(record(history, answer, t0 + k * step, f"{conv}-{k}"))
-        history.append(("assistant", answer))
-    return out
 
 
 def rows(cfg) -> list[dict]:
@@ -65,11 +39,7 @@ def shapes(cfg) -> list[tuple[str, ...]]:
 
 
 def catalog(cfg, sql: str) -> list[tuple]:
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return catalog_rows(cfg, sql)
 
 
 def run(cfg, src, **kw):
@@ -139,9 +109,7 @@ def test_prefix_written_before_its_extension_arrives_in_the_same_run(tmp_path, m
     assert shapes(cfg) == [tuple(Q)]
     assert catalog(cfg, 'SELECT sum("rows") FROM parquet_files') == [(3,)]  # parts are never rewritten ...
     assert catalog(cfg, "SELECT count(*) FROM superseded") == [(2,)]  # ... the catalog hides the prefixes
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT count(*) FROM conversations").fetchone()[0] == 1
-    con.close()
+    assert len(rows(cfg)) == 1
     no_op_again(cfg, src)
 
 
@@ -158,15 +126,11 @@ def test_across_runs_prefix_first_then_extension(tmp_path):
     gone = catalog(cfg, "SELECT s.content_hash, s.by_hash, s.run_id FROM superseded s")
     assert len(gone) == 1 and gone[0][2] == second.run_id
     assert gone[0][1] == rows(cfg)[0]["content_hash"]
-    # Every reader leaves the superseded row out: split, export, stats, the views.
+    # Every reader leaves the superseded row out: split, export, stats.
     assert split_table(cfg).num_rows == 1
     assert export(cfg, "heldout", tmp_path / "h.jsonl") + export(cfg, "train", tmp_path / "t.jsonl") == 1
     st = stats(cfg)
     assert st["conversations"] == 1 and (st["stitched"], st["superseded"]) == (1, 1)
-    con = duckdb.connect(cfg.warehouse.catalog, read_only=True)
-    assert con.execute("SELECT count(*) FROM conversations").fetchone()[0] == 1
-    assert con.execute("SELECT count(*) FROM conversations_split").fetchone()[0] == 1
-    con.close()
     no_op_again(cfg, src)
 
 
@@ -443,32 +407,3 @@ def test_prefix_hashes_are_content_hashes_of_the_turns_up_to_each_inner_assistan
         assert stitch.table_prefixes(table).hashes.to_pylist() == want
     empty = stitch.table_prefixes(table.slice(0, 0))
     assert len(empty) == 0
-
-
-def test_a_catalog_made_before_stitching_is_read_then_stitched_once(tmp_path, monkeypatch):
-    cfg, src = make_cfg(tmp_path), tmp_path / "cap"
-    lines = chain("c", 3, step=timedelta(hours=1))
-    # Before stitching: every record of a chain was stored (the worker found no prefixes).
-    with monkeypatch.context() as m:
-        m.setattr(ingest_mod, "stitch_file", lambda t, rr: (t, rr, 0, stitch.Prefixes(stitch.EMPTY, np.zeros(0))))
-        layout_file(src, T0, "0.jsonl", lines[:2] + chain("d", 1))
-        assert counts(run(cfg, src)) == (3, 0, 0, 0)
-    con = duckdb.connect(cfg.warehouse.catalog)
-    con.execute("DROP TABLE prefix_hashes; DROP TABLE superseded; DROP TABLE catalog_state; "
-                "ALTER TABLE runs DROP COLUMN stitched; ALTER TABLE runs DROP COLUMN superseded; "
-                "ALTER TABLE manifest DROP COLUMN stitched")
-    files = [r[0] for r in con.execute("SELECT path FROM parquet_files").fetchall()]
-    con.execute(f"CREATE OR REPLACE VIEW conversations AS SELECT * FROM read_parquet({files!r})")
-    con.close()
-    assert shapes(cfg) == [tuple(Q[:1]), tuple(Q[:2]), ("d question 0",)]  # readers open it read-only, as it is
-    # The next run upgrades it and stitches what it holds (the 1-turn prefix), then the new record (turn 3).
-    layout_file(src, T0 + timedelta(hours=2), "1.jsonl", lines[2:])
-    res = run(cfg, src)
-    assert (res.read, *counts(res)) == (1, 1, 0, 0, 2)
-    assert shapes(cfg) == [tuple(Q), ("d question 0",)]
-    assert catalog(cfg, "SELECT count(*) FROM conversations") == [(2,)]
-    assert catalog(cfg, "SELECT count(*) FROM superseded") == [(2,)]
-    assert catalog(cfg, "SELECT key FROM catalog_state") == [("stitching",)]
-    again = run(cfg, src)  # once only
-    assert (again.read, again.superseded) == (0, 0)
-    assert shapes(cfg) == [tuple(Q), ("d question 0",)]

@@ -209,10 +209,28 @@ def test_gpu_profile_reserves_nvidia_and_pool_exposes_only_the_router():
         assert s[p]["ports"] == ["${ROUTER_BIND:-127.0.0.1}:8000:8000"]
         assert "pool" in s[p]["networks"]["default"]["aliases"]
     assert "http://pool:8000" in s["controller"]["command"]
-    # Postgres serves both MLflow and Airflow.
+    # Postgres serves MLflow, Airflow and the warehouse's catalog.
     assert "postgres:5432/mlflow" in " ".join(s["mlflow"]["command"])
     assert "postgres:5432/airflow" in s["airflow-scheduler"]["environment"]["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
-    assert "CREATE DATABASE mlflow" in (DOCKER / "postgres-init.sql").read_text()
+    init = (DOCKER / "postgres-init.sql").read_text()
+    assert "CREATE DATABASE mlflow" in init and "CREATE DATABASE catalog" in init
+
+
+def test_the_warehouse_catalog_is_in_the_stacks_postgres_its_password_from_the_environment():
+    from capture.catalog import is_shared
+
+    catalog = tomllib.loads((DOCKER / "adapt.compose.toml").read_text())["warehouse"]["catalog"]
+    assert is_shared(catalog) and "host=postgres" in catalog and "dbname=catalog" in catalog
+    assert "password" not in catalog
+    s = compose()["services"]
+    # What ingests (Airflow's tasks, the one-off worker) has the password, from docker/.env, and waits for Postgres.
+    for name in ("airflow-scheduler", "worker"):
+        assert s[name]["environment"]["PGPASSWORD"].startswith("${POSTGRES_PASSWORD:?"), name
+        assert dependencies(s[name]).get("postgres") == "service_healthy" or name == "airflow-scheduler"
+    assert dependencies(s["airflow-init"])["postgres"] == "service_healthy"
+    # What does not touch the warehouse does not get it.
+    for name in ("pool-cpu", "pool-gpu", "controller"):
+        assert "PGPASSWORD" not in s[name]["environment"], name
 
 
 def test_mlflow_answers_the_host_name_its_clients_use():

@@ -1,8 +1,8 @@
 """Two workers with separate local disks, sharing only S3 and MLflow, run one cycle's steps alternately.
 
 What a multi-worker Airflow does: each task of the nightly DAG may land on another worker.
-Worker A and worker B each have their own state directory (catalog copy, cycle directories,
-heads); the capture, the warehouse (Parquet and its shared catalog), the cycle store and
+Worker A and worker B each have their own state directory (cycle directories, heads); the
+capture, the warehouse (Parquet in the bucket, its catalog in PostgreSQL), the cycle store and
 MLflow (its artifacts in the same bucket) are all they share. Every step runs for real
 except the replay bench of cycle 2, which is simulated (``tests/bench_sim.py``; the real
 bench and gate are tested in tests/loop/test_gate_e2e.py): it writes its ``bench.json`` on one
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from capture.synth import write_layout
-from capture.warehouse import Warehouse
 from loop import cycle
 from rollout.registry import Registry
 from settings.config import load_config
 from tests.bench_sim import simulated_bench
+from tests.capture_support import catalog_rows
 
 pytestmark = pytest.mark.services
 T0 = datetime(2025, 3, 1, tzinfo=timezone.utc)
@@ -34,14 +34,14 @@ def upload(s3_server, local_root: Path, prefix: str) -> None:
             c.upload_file(str(p), s3_server.bucket, f"{prefix}/{p.relative_to(local_root).as_posix()}")
 
 
-def worker(name: str, tmp: Path, s3_server, mlflow_server, tiny_model: Path):
+def worker(name: str, tmp: Path, s3_server, mlflow_server, tiny_model: Path, catalog: str):
     b = s3_server.bucket
     return load_config(overrides={
         "state_dir": str(tmp / name),  # this worker's own disk
         "target": {"model": str(tiny_model)},
         "s3": {"endpoint_url": s3_server.endpoint_url, "region": s3_server.region},
         "capture": {"source": f"s3://{b}/mw-capture", "endpoint": "ep", "redact": False, "heldout_hours": 1},
-        "warehouse": {"uri": f"s3://{b}/mw-warehouse", "catalog": str(tmp / name / "catalog.duckdb")},
+        "warehouse": {"uri": f"s3://{b}/mw-warehouse", "catalog": catalog},
         "cycle": {"store": f"s3://{b}/mw-cycles"},
         "mlflow": {"tracking_uri": mlflow_server.tracking_uri, "artifact_location": "",
                    "registered_model": "drafter-multi-worker"},
@@ -58,11 +58,11 @@ def local_files(cfg, cid: str) -> set[str]:
 
 
 def test_two_workers_sharing_only_s3_and_mlflow_run_one_cycle_alternately(
-        s3_server, mlflow_server, tiny_model, tmp_path, monkeypatch):
+        s3_server, mlflow_server, shared_catalog, tiny_model, tmp_path, monkeypatch):
     import evaluation.bench
 
-    a = worker("a", tmp_path, s3_server, mlflow_server, tiny_model)
-    b = worker("b", tmp_path, s3_server, mlflow_server, tiny_model)
+    a = worker("a", tmp_path, s3_server, mlflow_server, tiny_model, shared_catalog)
+    b = worker("b", tmp_path, s3_server, mlflow_server, tiny_model, shared_catalog)
     write_layout(tmp_path / "cap1", 40, endpoint="ep", seed=1, start=T0)
     write_layout(tmp_path / "cap1", 12, endpoint="ep", seed=2, start=T0 + timedelta(hours=3))
     upload(s3_server, tmp_path / "cap1", "mw-capture")
@@ -74,7 +74,6 @@ def test_two_workers_sharing_only_s3_and_mlflow_run_one_cycle_alternately(
     # B made the snapshot from the catalog A's ingest committed: B never ingested anything.
     state = cycle.load_state(a, c1)
     assert state["steps"]["snapshot"]["train"]["rows"] > 0 and state["steps"]["snapshot"]["heldout"]["rows"] > 0
-    assert (Path(b.state_dir) / "catalog.duckdb").is_file()
     # B trained; A evaluated B's head, fetched from the store.
     assert "head/model.safetensors" in local_files(b, c1) and "head/model.safetensors" in local_files(a, c1)
     assert "train.parquet" not in local_files(a, c1)  # A never read the training snapshot
@@ -93,7 +92,7 @@ def test_two_workers_sharing_only_s3_and_mlflow_run_one_cycle_alternately(
         cycle.run_step(b if i % 2 == 0 else a, c2, step)
     state = cycle.load_state(b, c2)
     ing = state["steps"]["ingest"]
-    # B's ingest read only the new records: the manifest of A's run came with the shared catalog.
+    # B's ingest read only the new records: A's run is in the shared catalog.
     assert ing["read"] == 24 + 8, ing
     # B took the parent from MLflow (base), A trained from it, A's bench wrote what B's gate read.
     assert state["steps"]["base"]["parent_version"] == v1
@@ -103,8 +102,4 @@ def test_two_workers_sharing_only_s3_and_mlflow_run_one_cycle_alternately(
     assert int(v2) == int(v1) + 1 and Registry(b).production().version == v2
     # Both workers see the same catalog: one ingest run per cycle.
     for w in (a, b):
-        con = Warehouse(w).connect(read_only=True)
-        try:
-            assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
-        finally:
-            con.close()
+        assert catalog_rows(w, "SELECT count(*) FROM runs") == [(2,)]
