@@ -32,3 +32,82 @@ def constant_token_head(src: Path, dst: Path, token_id: int) -> Path:
     m["version"] = dst.name
     (dst / "manifest.json").write_text(json.dumps(m))
     return dst
+
+
+def mask_sensitive_head(src: Path, dst: Path, token_id: int = 1, flip_mask: bool = False) -> Path:
+    """Copy of ``src`` whose draft at every position is ``token_id`` or ``token_id + 1`` by the sign of
+    one feature of the drafter's last hidden state, so what it drafts at the parallel (masked)
+    positions depends on ``fc(mask_hidden)``. ``flip_mask`` negates ``mask_hidden``: the same head
+    but another mask state, which drafts otherwise at those positions only."""
+    t = load_file(str(src / "model.safetensors"))
+    lm = torch.zeros_like(t["lm_head.weight"])
+    lm[0, 0], lm[1, 0] = 8.0, -8.0
+    t["lm_head.weight"] = lm
+    n = t["d2t"].numel()
+    t["d2t"] = torch.full_like(t["d2t"], token_id)
+    t2d = torch.zeros_like(t["t2d"])
+    t2d[token_id:token_id + n] = True
+    t["t2d"] = t2d
+    if flip_mask:
+        t["mask_hidden"] = -t["mask_hidden"]
+    dst.mkdir(parents=True)
+    save_file(t, str(dst / "model.safetensors"))
+    shutil.copy(src / "config.json", dst / "config.json")
+    m = json.loads((src / "manifest.json").read_text())
+    m["sha256"] = hashlib.sha256((dst / "model.safetensors").read_bytes()).hexdigest()
+    m["version"] = dst.name
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def native_fake_replica(first_head: str, k: int = 3, metrics: str = "") -> "FastAPI":
+    """A stand-in for a dev-mode vLLM replica: the weight-update routes (recorded in ``state.calls``, head
+    paths loaded in ``state.loads``, the weight version in ``state.version``), /server_info, /health,
+    /metrics and /v1/completions (request headers in ``state.seen``)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    app = FastAPI()
+    app.state.version, app.state.loads, app.state.calls, app.state.seen = "default", [], [], []
+
+    def step(name: str):
+        async def record(req: Request):
+            app.state.calls.append(name)
+            body = await req.body()
+            if name == "update_weights":
+                app.state.loads.append(json.loads(body)["update_info"]["path"])
+            elif name == "finish_weight_update":
+                app.state.version = json.loads(body)["weight_version"]
+            return JSONResponse({"success": True} if name == "reset_prefix_cache" else {"ok": name})
+        app.post("/" + name)(record)
+
+    for name in ("pause", "start_draft_weight_update", "update_weights", "finish_weight_update", "resume",
+                 "reset_prefix_cache"):
+        step(name)
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": app.state.version}
+
+    @app.get("/server_info")
+    async def server_info():
+        return {"vllm_config": {"speculative_config": {"model": first_head, "num_speculative_tokens": k}}}
+
+    @app.post("/weight_checker")
+    async def checker():
+        return {"checksums": {"model.embed_tokens.weight": "1"}}
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/metrics")
+    async def prom():
+        return PlainTextResponse(metrics)
+
+    @app.post("/v1/completions")
+    async def comp(req: Request):
+        app.state.seen.append(dict(req.headers))
+        return JSONResponse({"choices": [{"text": "ok"}]})
+
+    return app
