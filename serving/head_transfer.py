@@ -37,6 +37,7 @@ import gc
 import json
 import time
 import types
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,20 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.last: dict[str, Any] = {}
+        # The proposers found for a draft model (a heap walk, paid by the first swap only).
+        self._caches: tuple[weakref.ref, list[weakref.ref]] | None = None
+
+    def _pd_caches(self, draft: torch.nn.Module) -> list[Any]:
+        if self._caches is not None and self._caches[0]() is draft:
+            found = [r() for r in self._caches[1]]
+            if all(c is not None for c in found):
+                return found
+        found = [c for c in find_pd_caches(draft) if getattr(c, PD_CACHE) is not None]
+        try:
+            self._caches = (weakref.ref(draft), [weakref.ref(c) for c in found])
+        except TypeError:  # not weakly referable: looked up again next time
+            self._caches = None
+        return found
 
     def init_transfer_engine(self, init_info: HeadInitInfo) -> None:
         return None
@@ -191,7 +206,7 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
         if parallel:
             if "mask_hidden" not in tensors:
                 raise HeadSwapError("head has no mask_hidden (not a parallel-drafting head)")
-            caches = [c for c in find_pd_caches(draft) if getattr(c, PD_CACHE) is not None]
+            caches = self._pd_caches(draft)
             if not caches:
                 # Found before anything is written: the running head stays as it is.
                 raise HeadSwapError(f"no proposer caching fc(mask_hidden) ({PD_CACHE}) was found for the "
@@ -249,3 +264,29 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
             torch.accelerator.synchronize()
         self.last = {"path": str(head), "sha256": sha, "ms": (time.perf_counter() - t0) * 1000.0,
                      "pd_cache_sha256": [_digest(getattr(c, PD_CACHE)) for c in caches]}
+
+
+def vllm_support() -> dict[str, bool]:
+    """What the in-place swap needs from the installed vLLM, each item True when present (for
+    ``adapt doctor``): the engine client's weight-update protocol, the weight-transfer engine
+    factory, the public layerwise reload, this plugin's entry point, and the proposer's cached
+    ``fc(mask_hidden)`` that the engine refreshes."""
+    import importlib
+    import importlib.util
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.engine.protocol import EngineClient
+
+    steps = ("pause_generation", "start_draft_weight_update", "update_weights", "finish_weight_update",
+             "resume_generation", "get_weight_version", "reset_prefix_cache")
+    reload = importlib.import_module("vllm.model_executor.model_loader.reload")
+    proposer = importlib.util.find_spec("vllm.v1.spec_decode.llm_base_proposer")
+    source = Path(proposer.origin).read_text() if proposer and proposer.origin else ""
+    return {
+        "weight_update_protocol": all(callable(getattr(EngineClient, m, None)) for m in steps),
+        "weight_transfer_engine_factory": callable(getattr(WeightTransferEngineFactory, "register_engine", None)),
+        "layerwise_reload": all(hasattr(reload, f) for f in ("initialize_layerwise_reload", "finalize_layerwise_reload")),
+        "plugin_entry_point": any(e.value == f"{__name__}:register" for e in entry_points(group="vllm.general_plugins")),
+        "proposer_pd_cache": PD_CACHE in source,
+    }

@@ -14,7 +14,8 @@
   non-blocking); streamed responses are captured as their SSE body.
 * ``/metrics``: router and capture counters (Prometheus).
 * ``/admin/*``: bearer-token protected (see ``serving.admin``); the router never
-  forwards any other path, so replicas' ``/collective_rpc`` is unreachable here.
+  forwards any other path, so replicas' dev-mode routes (weight updates, ``/collective_rpc``)
+  are unreachable here.
 
 Limits (a client must not hold resources for nothing, nor reach the replicas with more
 than a request): a body over ``max_body_bytes`` gets 413; headers must arrive within

@@ -1,7 +1,7 @@
 """Swap protocol: validate → canary → the rest one by one → roll back on any failure.
 
-In place when the new head has the running head's shapes (``serving.hotswap``
-worker RPC, no request is interrupted); otherwise a rolling restart where the
+In place when the new head has the running head's shapes (vLLM's weight-update
+protocol with ``serving.head_transfer``, requests paused and resumed, none interrupted); otherwise a rolling restart where the
 router drains each replica before it is restarted with the new head.
 
 Smoke check per replica after its swap: greedy outputs of a few fixed prompts

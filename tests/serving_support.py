@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
 from safetensors.torch import load_file, save_file
 
 
@@ -60,13 +62,10 @@ def mask_sensitive_head(src: Path, dst: Path, token_id: int = 1, flip_mask: bool
     return dst
 
 
-def native_fake_replica(first_head: str, k: int = 3, metrics: str = "") -> "FastAPI":
+def native_fake_replica(first_head: str, k: int = 3, metrics: str = "") -> FastAPI:
     """A stand-in for a dev-mode vLLM replica: the weight-update routes (recorded in ``state.calls``, head
     paths loaded in ``state.loads``, the weight version in ``state.version``), /server_info, /health,
     /metrics and /v1/completions (request headers in ``state.seen``)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
-
     app = FastAPI()
     app.state.version, app.state.loads, app.state.calls, app.state.seen = "default", [], [], []
 
