@@ -2,9 +2,10 @@
 
 One vLLM replica of the target on loopback (dev mode, as `adapt replica command --dev-mode` runs
 it), an agent in front of it (`adapt agent --replica`: bearer token, request limits, metrics), and
-a capturing router (`adapt serve` attaching that agent, capture on) in front of the agent. Each
-round sends the same chat requests to the replica directly, to the agent, and through the router
-(arms rotated every round), at each concurrency. Latency is one request's, sent to full answer.
+a capturing router (`adapt serve` attaching that agent, capture on) in front of the agent, each in
+its own process as deployed. Each round sends the same chat requests to the replica directly, to
+the agent, and through the router (arms rotated every round), at each concurrency. Latency is one
+request's, sent to full answer.
 
 Noise: the spread (max - min) of each arm's per-round p50; an added latency within the direct
 arm's own spread is not told apart from zero.
@@ -17,7 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,19 +66,22 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    import httpx
+
     from adapt.checkpoint import init_random_head
-    from serving.agent import Agent
-    from serving.replica import ReplicaProcess, ReplicaSpec, free_ports
-    from serving.serve import ServingStack, served_name
-    from settings.config import load_config
+    from serving.replica import REPO_ROOT, ReplicaProcess, ReplicaSpec, free_ports
+    from serving.serve import served_name
+    from settings.config import dump_toml, load_config
     from targets.model_zoo import ensure_target
 
     work = Path(tempfile.mkdtemp(prefix="attach-latency-"))
     replica_port, agent_port, router_port = free_ports(3)
+    agent_url = f"http://127.0.0.1:{agent_port}"
     cfg = load_config(overrides={
         "state_dir": str(work), "target": {"model": args.target},
         "capture": {"source": str(work / "capture"), "endpoint": ""},
-        "serving": {"replicas": 0, "router_port": router_port, "admin_token": "bench", "agent_token": TOKEN}})
+        "serving": {"replicas": 0, "router_port": router_port, "attach_agents": [agent_url]}})
+    (work / "adapt.toml").write_text(dump_toml(cfg))
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     head = init_random_head(target, work / "head", k=cfg.head.num_speculative_tokens, seed=0)
     name = served_name(cfg.target)
@@ -82,16 +89,36 @@ def main() -> int:
                        port=replica_port, served_model_name=name, max_model_len=1024,
                        max_num_seqs=max(args.concurrency) + 2)
     replica = ReplicaProcess(spec, work / "replica.log")
-    agent = stack = None
+    env = dict(os.environ, ADAPT_AGENT_TOKEN=TOKEN, ADAPT_ADMIN_TOKEN="", PYTHONPATH=str(REPO_ROOT),
+               ADAPT_CONFIG=str(work / "adapt.toml"))
+    procs: list[subprocess.Popen] = []
+
+    def start(argv: list[str], log: str, url: str) -> None:
+        p = subprocess.Popen([sys.executable, "-m", "app", *argv], env=env, cwd=REPO_ROOT, start_new_session=True,
+                             stdout=open(work / log, "wb"), stderr=subprocess.STDOUT)
+        procs.append(p)
+        deadline = time.monotonic() + 600
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited: {(work / log).read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{argv[0]} not healthy")
+            time.sleep(1)
+
     replica.start()
     try:
         replica.wait_healthy(1800)
-        agent = Agent(replica.url, host="127.0.0.1", port=agent_port, token=TOKEN, target_dir=target,
-                      heads_dir=work / "agent-heads").start()
-        stack = ServingStack(cfg, head_dir=head, target_dir=target, attach_agents=[agent.url])
-        stack.start()
-        arms = {"direct": (replica.url, {}), "agent": (agent.url, {"Authorization": f"Bearer {TOKEN}"}),
-                "router+agent": (stack.url, {})}
+        start(["agent", "--replica", replica.url, "--host", "127.0.0.1", "--port", str(agent_port),
+               "--target", str(target), "--heads-dir", str(work / "agent-heads")], "agent.log", agent_url)
+        router_url = f"http://127.0.0.1:{router_port}"
+        start(["serve", "--head", str(head)], "router.log", router_url)
+        arms = {"direct": (replica.url, {}), "agent": (agent_url, {"Authorization": f"Bearer {TOKEN}"}),
+                "router+agent": (router_url, {})}
         # Warm every path (connection pools, the engine's first batches).
         for url, headers in arms.values():
             asyncio.run(run_arm(url, name, headers, 8, 4, args.max_tokens, "warm"))
@@ -107,10 +134,13 @@ def main() -> int:
                     lat[(a, c)] += got
                     per_round[(a, c)].append(statistics.median(got))
     finally:
-        if stack is not None:
-            stack.stop()
-        if agent is not None:
-            agent.stop()
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
         replica.stop()
 
     rows = []

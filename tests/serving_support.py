@@ -37,13 +37,22 @@ def constant_token_head(src: Path, dst: Path, token_id: int) -> Path:
 
 
 def mask_sensitive_head(src: Path, dst: Path, token_id: int = 1, flip_mask: bool = False) -> Path:
-    """Copy of ``src`` whose draft at every position is ``token_id`` or ``token_id + 1`` by the sign of
-    one feature of the drafter's last hidden state, so what it drafts at the parallel (masked)
-    positions depends on ``fc(mask_hidden)``. ``flip_mask`` negates ``mask_hidden``: the same head
-    but another mask state, which drafts otherwise at those positions only."""
+    """Copy of ``src`` whose drafts at the parallel (masked) positions are set by ``mask_hidden`` alone:
+    the drafter layer adds nothing to its input (attention and MLP outputs zeroed), and the draft is
+    ``token_id`` or ``token_id + 1`` by the sign of one feature of that input. At the masked positions
+    the input is ``fc(mask_hidden)``, whose feature is positive: ``token_id`` (which the tiny target
+    emits often). ``flip_mask`` negates ``mask_hidden``: the same head, drafting ``token_id + 1`` there
+    (rarely right). The first position's draft follows the target's hidden state in both."""
     t = load_file(str(src / "model.safetensors"))
+    mask = t["mask_hidden"].float().view(-1)
+    v = t["fc.weight"].float() @ mask
+    j = int(v.abs().argmax())
+    sign = 1.0 if v[j] > 0 else -1.0
+    for k in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        t[k] = torch.zeros_like(t[k])
+    t["norm.weight"] = torch.ones_like(t["norm.weight"])
     lm = torch.zeros_like(t["lm_head.weight"])
-    lm[0, 0], lm[1, 0] = 8.0, -8.0
+    lm[0, j], lm[1, j] = 8.0 * sign, -8.0 * sign
     t["lm_head.weight"] = lm
     n = t["d2t"].numel()
     t["d2t"] = torch.full_like(t["d2t"], token_id)

