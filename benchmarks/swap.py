@@ -67,6 +67,7 @@ def main() -> int:
             rows.append({"method": name, "ok": rep.ok, "mode": rep.mode, "error": rep.error,
                          "per_replica_ms": [round(s.get("swap_ms", float("nan")), 1) for s in rep.replicas],
                          "worker_ms": [s.get("worker_ms") and round(s["worker_ms"], 1) for s in rep.replicas],
+                         "steps_ms": [s.get("steps_ms") for s in rep.replicas],
                          "total_s": round(rep.seconds, 2), "requests_ok": load.ok,
                          "requests_failed": len(load.failed), "failures": load.failed[:5]})
     finally:
@@ -82,6 +83,9 @@ def main() -> int:
         for r in rows:
             print(f"{r['method']:<16} {str(r['ok']):<5} {str(r['per_replica_ms']):<28} {r['total_s']:>8} "
                   f"{r['requests_ok']:>7} {r['requests_failed']:>10}")
+            for i, st in enumerate(r.get("steps_ms") or []):
+                if st:
+                    print(f"  replica {i}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in st.items()))
             if r["error"]:
                 print(f"  error: {r['error']}")
     return 0 if all(r["ok"] and r["requests_failed"] == 0 for r in rows) else 1

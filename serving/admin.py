@@ -257,28 +257,37 @@ class ReplicaAdmin:
         """
         from headspec.files import WEIGHTS, sha256_file
 
-        before = await self.head_info()
+        steps: dict[str, float] = {}
+
+        async def step(name: str, coro) -> Any:
+            t = time.perf_counter()
+            try:
+                return await coro
+            finally:
+                steps[name] = round((time.perf_counter() - t) * 1000.0, 1)
+
+        # Only the swap count is read before (vLLM's "default": the launch head, no swap yet).
+        before = decode_version(await step("weight_info", self.sync.weight_version())) or {}
         sha = sha256 or await asyncio.to_thread(sha256_file, Path(head_dir) / WEIGHTS)
-        await self.sync.pause()
+        await step("pause", self.sync.pause())
         try:
             try:
-                await self.sync.start_draft()
+                await step("start_draft_weight_update", self.sync.start_draft())
             except RpcError as exc:
                 if "already active" not in str(exc):
                     raise
                 # A session an earlier caller left open (it died mid-swap): close it and start again.
-                await self.sync.finish(encode_version(before))
-                await self.sync.start_draft()
-            t0 = time.perf_counter()
-            await self.sync.update({"path": str(head_dir), "sha256": sha})
-            ms = (time.perf_counter() - t0) * 1000.0
+                await self.sync.finish(encode_version(before) if before else "default")
+                await step("start_draft_weight_update", self.sync.start_draft())
+            await step("update_weights", self.sync.update({"path": str(head_dir), "sha256": sha}))
             head = {"path": str(head_dir), "sha256": sha, "version": version,
-                    "swaps": int(before.get("swaps") or 0) + 1, "last_swap_ms": ms}
-            await self.sync.finish(encode_version(head))
-            await self.sync.reset_prefix_cache()
+                    "swaps": int(before.get("swaps") or 0) + 1, "last_swap_ms": steps["update_weights"]}
+            await step("finish_weight_update", self.sync.finish(encode_version(head)))
+            await step("reset_prefix_cache", self.sync.reset_prefix_cache())
         finally:
-            await self.sync.resume()
-        return await self.head_info()
+            await step("resume", self.sync.resume())
+        # What the replica now reports is read back by the caller (the swap protocol checks it).
+        return {**head, "steps_ms": steps}
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix block (and recompute running requests) on this replica."""

@@ -193,6 +193,8 @@ class SwapController:
                     # An agent gets the URI and fetches the head on its host; a local replica the path.
                     got = await r.admin.load_head(head if r.agent else str(info.path), version, info.sha256)
                     step["worker_ms"] = got.get("last_swap_ms")
+                    if got.get("steps_ms"):
+                        step["steps_ms"] = got["steps_ms"]
                     r.head = got
                     r.head_swapped()
                 else:
