@@ -5,6 +5,8 @@ Heads (all for the tiny target, K=3):
   the draft is always token 1, which the tiny target emits often): non-zero
   acceptance, identical behaviour, different weights and sha256.
 * ``r0``: an untrained random head (acceptance ~0).
+* ``mA``/``mB``: heads whose parallel (masked) drafts are set by ``mask_hidden`` alone; they differ only
+  in it (``tests.serving_support.mask_sensitive_head``).
 Tests run in file order on the shared pool; each leaves it serving a known head.
 """
 
