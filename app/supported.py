@@ -36,7 +36,7 @@ MIN_DRIVER = "580"
 
 @dataclass(frozen=True)
 class Internal:
-    """Something inside vLLM the in-place hot-swap (serving/hotswap.py) uses: ``module``'s ``path`` (dotted
+    """Something of vLLM the in-place hot-swap (serving/head_transfer.py, serving/admin.py) uses: ``module``'s ``path`` (dotted
     attributes) must exist and, when ``needle`` is set, its source must mention it (an instance attribute)."""
 
     what: str
@@ -46,18 +46,20 @@ class Internal:
 
 
 VLLM_INTERNALS = (
-    Internal("layerwise in-place weight reload", "vllm.model_executor.model_loader.reload.inplace",
-             "reload_weights"),
-    Internal("the model runner's drafter", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__",
-             "self.drafter"),
+    Internal("the engine client's drafter weight-update protocol (pause, start, update, finish, resume)",
+             "vllm.engine.protocol", "EngineClient.start_draft_weight_update"),
+    Internal("the weight-update protocol's finish step (weight_version)", "vllm.engine.protocol",
+             "EngineClient.finish_weight_update"),
+    Internal("weight-transfer engines registered by plugins", "vllm.distributed.weight_transfer",
+             "WeightTransferEngineFactory.register_engine"),
+    Internal("layerwise reload of the draft model", "vllm.model_executor.model_loader.reload",
+             "finalize_layerwise_reload"),
     Internal("the proposer's cached parallel-drafting hidden state", "vllm.v1.spec_decode.llm_base_proposer",
              "SpecDecodeBaseProposer.load_model", "parallel_drafting_hidden_state_tensor"),
     Internal("EAGLE-3 combine_hidden_states", "vllm.model_executor.models.llama_eagle3",
              "Eagle3LlamaForCausalLM.combine_hidden_states"),
     Internal("P-EAGLE's mask_hidden buffer", "vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM",
              "mask_hidden"),
-    Internal("worker extensions (--worker-extension-cls)", "vllm.config.parallel", "ParallelConfig",
-             "worker_extension_cls"),
 )
 
 

@@ -5,7 +5,7 @@ load on the router, then (1) swaps head A→B in place, (2) swaps B→A by rolli
 restart (forced), and prints per-replica swap time and failed client requests
 for each, in the same run.
 
-    python benchmarks/swap.py [--target tiny|smollm2|DIR] [--replicas 2] [--workers 3] [--eager] [--json]
+    python benchmarks/swap.py [--target tiny|smollm2|DIR] [--replicas 2] [--workers 3] [--eager] [--in-place-only] [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load before and after each swap")
     ap.add_argument("--eager", action="store_true", help="start replicas with --enforce-eager (faster start-up)")
+    ap.add_argument("--in-place-only", action="store_true", help="skip the rolling restart")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -56,7 +57,8 @@ def main() -> int:
     start_s = time.perf_counter() - t0
     rows = []
     try:
-        for name, head, restart in (("in-place", heads[1], False), ("rolling restart", heads[0], True)):
+        methods = (("in-place", heads[1], False), ("rolling restart", heads[0], True))
+        for name, head, restart in methods[:1] if args.in_place_only else methods:
             with SteadyLoad(stack.url, stack.model_name, args.workers, max_seconds=900, max_tokens=24,
                             completions=False) as load:
                 time.sleep(args.settle)
@@ -65,6 +67,7 @@ def main() -> int:
             rows.append({"method": name, "ok": rep.ok, "mode": rep.mode, "error": rep.error,
                          "per_replica_ms": [round(s.get("swap_ms", float("nan")), 1) for s in rep.replicas],
                          "worker_ms": [s.get("worker_ms") and round(s["worker_ms"], 1) for s in rep.replicas],
+                         "steps_ms": [s.get("steps_ms") for s in rep.replicas],
                          "total_s": round(rep.seconds, 2), "requests_ok": load.ok,
                          "requests_failed": len(load.failed), "failures": load.failed[:5]})
     finally:
@@ -80,6 +83,9 @@ def main() -> int:
         for r in rows:
             print(f"{r['method']:<16} {str(r['ok']):<5} {str(r['per_replica_ms']):<28} {r['total_s']:>8} "
                   f"{r['requests_ok']:>7} {r['requests_failed']:>10}")
+            for i, st in enumerate(r.get("steps_ms") or []):
+                if st:
+                    print(f"  replica {i}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in st.items()))
             if r["error"]:
                 print(f"  error: {r['error']}")
     return 0 if all(r["ok"] and r["requests_failed"] == 0 for r in rows) else 1

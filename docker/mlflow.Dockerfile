@@ -1,5 +1,9 @@
 # MLflow tracking server + registry (Postgres backend, artifacts proxied to S3).
 FROM python:3.11-slim
-RUN pip install --no-cache-dir mlflow==3.17.2 psycopg2-binary boto3
+COPY requirements/uv.txt requirements/mlflow-server.lock /tmp/requirements/
+# Locked (exact versions, hash-checked): the project's MLflow, psycopg2 and boto3 (requirements/mlflow-server.in).
+RUN pip install --no-cache-dir --require-hashes -r /tmp/requirements/uv.txt \
+ && uv pip sync --system --require-hashes /tmp/requirements/mlflow-server.lock \
+ && rm -rf /tmp/requirements
 EXPOSE 5000
 ENTRYPOINT ["mlflow", "server", "--host", "0.0.0.0", "--port", "5000"]

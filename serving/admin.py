@@ -1,6 +1,7 @@
-"""Admin plane: bearer-token check and the controller's client for replicas' ``/collective_rpc``.
+"""Admin plane: bearer-token check and the controller's client for replicas' head swaps.
 
-Only the pool controller talks to ``/collective_rpc`` (replicas bind to loopback);
+Only the pool controller (or an agent) talks to a replica's weight-update routes (replicas bind
+to loopback: vLLM serves those routes, like ``/collective_rpc``, only in dev mode, unauthenticated);
 users reach admin actions only through the router's ``/admin/*`` routes, which
 require ``config.serving.resolved_admin_token()``. With no token configured every
 admin route refuses, so weights can never change without authentication.
@@ -8,10 +9,16 @@ admin route refuses, so weights can never change without authentication.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import hashlib
 import hmac
 import ipaddress
+import json as _json
 import ssl
-from typing import Any
+import time
+from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 from fastapi import Header, HTTPException
@@ -20,7 +27,7 @@ from headspec.resolve import is_remote_ref
 
 
 class RpcError(RuntimeError):
-    """A replica's collective_rpc failed or a worker reported an error."""
+    """A replica refused or failed a call of its weight-update protocol (or an agent its admin call)."""
 
 
 class ExposureError(RuntimeError):
@@ -109,64 +116,190 @@ def tls_verify(ca_file: str = "") -> ssl.SSLContext | bool:
     return ssl.create_default_context(cafile=ca_file) if ca_file else True
 
 
-class ReplicaAdmin:
-    """Calls the ``serving.hotswap`` worker methods of one replica over its loopback RPC."""
+class WeightSync(Protocol):
+    """vLLM's weight-update protocol on one replica: over its dev-mode HTTP routes
+    (:class:`HttpWeightSync`) or in the process that embeds its engine (``serving.embedded``)."""
+
+    async def pause(self) -> None: ...
+    async def start_draft(self) -> None: ...
+    async def update(self, update_info: dict[str, Any]) -> None: ...
+    async def finish(self, weight_version: str) -> None: ...
+    async def resume(self) -> None: ...
+    async def reset_prefix_cache(self) -> None: ...
+    async def weight_version(self) -> str: ...
+    async def launch_spec(self) -> dict[str, Any]: ...
+    async def target_checksums(self) -> dict[str, str]: ...
+
+
+class HttpWeightSync:
+    """The protocol over a replica's routes. They exist only with ``VLLM_SERVER_DEV_MODE=1`` and are
+    unauthenticated, so such a replica binds loopback and this client runs on its host."""
 
     def __init__(self, url: str, timeout: float = 120.0) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
 
-    async def rpc(self, method: str, *args: str | None, client: httpx.AsyncClient | None = None) -> list[Any]:
-        body = {"method": method, "args": list(args), "timeout": self.timeout}
-        own = client is None
-        client = client or httpx.AsyncClient()
+    async def _call(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
         try:
-            r = await client.post(self.url + "/collective_rpc", json=body, timeout=self.timeout + 5)
+            async with httpx.AsyncClient() as client:
+                r = await client.request(method, self.url + path, json=json, params=params, timeout=self.timeout)
         except httpx.HTTPError as exc:
-            raise RpcError(f"{self.url}: collective_rpc {method} failed: {exc}") from exc
-        finally:
-            if own:
-                await client.aclose()
+            raise RpcError(f"{self.url}: {path} failed: {exc}") from exc
         if r.status_code != 200:
-            raise RpcError(f"{self.url}: collective_rpc {method} -> HTTP {r.status_code}: {r.text[:300]}")
-        results = r.json().get("results") or []
-        for res in results:
-            if isinstance(res, dict) and res.get("error"):
-                raise RpcError(f"{self.url}: {method}: {res['error']}")
-        return results
+            raise RpcError(f"{self.url}: {path} -> HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    async def pause(self) -> None:
+        # keep: running requests are frozen, not aborted, and go on after resume.
+        await self._call("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
+
+    async def start_draft(self) -> None:
+        await self._call("POST", "/start_draft_weight_update")
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        await self._call("POST", "/update_weights", json={"update_info": update_info})
+
+    async def finish(self, weight_version: str) -> None:
+        await self._call("POST", "/finish_weight_update", json={"weight_version": weight_version})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def reset_prefix_cache(self) -> None:
+        got = await self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not got.get("success"):
+            raise RpcError(f"{self.url}: reset_prefix_cache refused: {got}")
+
+    async def weight_version(self) -> str:
+        return str((await self._call("GET", "/weight_info"))["weight_version"])
+
+    async def launch_spec(self) -> dict[str, Any]:
+        cfg = (await self._call("GET", "/server_info", params={"config_format": "json"}))["vllm_config"]
+        spec = cfg.get("speculative_config") or {}
+        return {"model": spec.get("model"), "num_speculative_tokens": spec.get("num_speculative_tokens")}
+
+    async def target_checksums(self) -> dict[str, str]:
+        return (await self._call("POST", "/weight_checker", json={"action": "checksum"}))["checksums"]
+
+
+def encode_version(head: dict[str, Any]) -> str:
+    """The ``weight_version`` a replica carries after a swap: the head's identity, as compact JSON."""
+    keys = ("path", "sha256", "version", "swaps", "last_swap_ms")
+    return _json.dumps({k: head.get(k) for k in keys}, separators=(",", ":"))
+
+
+def decode_version(text: str) -> dict[str, Any] | None:
+    """The head identity in a ``weight_version``, or None (vLLM's own "default": the launch head)."""
+    try:
+        got = _json.loads(text)
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) and "sha256" in got else None
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_identity(path: str, size: int, mtime_ns: int) -> tuple[str | None, str | None]:
+    from headspec.files import WEIGHTS, sha256_file
+
+    d = Path(path)
+    version = None
+    try:
+        version = _json.loads((d / "manifest.json").read_text()).get("version")
+    except (OSError, ValueError):
+        pass
+    return sha256_file(d / WEIGHTS), version
+
+
+def launch_identity(path: str) -> tuple[str | None, str | None]:
+    """sha256 of a head's weights and its manifest version (hashed once per file size and mtime)."""
+    from headspec.files import WEIGHTS
+
+    try:
+        st = (Path(path) / WEIGHTS).stat()
+    except OSError:
+        return None, None
+    return _launch_identity(str(path), st.st_size, st.st_mtime_ns)
+
+
+class ReplicaAdmin:
+    """Swaps one replica's head in place through vLLM's weight-update protocol and reports it.
+
+    ``load_head``: pause (mode keep) → start_draft_weight_update → update_weights with the head's
+    path and sha256 (``serving.head_transfer`` loads it in every worker) → finish_weight_update with
+    the head's identity as ``weight_version`` → reset the prefix cache → resume (always). The head a
+    replica serves is read back from its ``weight_version``; vLLM's ``"default"`` means the head it
+    was launched with (read from its config).
+    """
+
+    def __init__(self, url_or_sync: str | WeightSync, timeout: float = 120.0) -> None:
+        self.sync: WeightSync = (HttpWeightSync(url_or_sync, timeout) if isinstance(url_or_sync, str)
+                                 else url_or_sync)
+        self.url = getattr(self.sync, "url", "engine")
 
     async def head_info(self) -> dict[str, Any]:
-        return (await self.rpc("drafter_head_info"))[0]
+        raw = await self.sync.weight_version()
+        head = decode_version(raw)
+        launch = await self.sync.launch_spec()
+        if head is None:
+            path = launch.get("model")
+            sha, version = launch_identity(path) if path else (None, None)
+            head = {"path": path, "sha256": sha, "version": version, "swaps": 0, "last_swap_ms": None}
+        head["num_speculative_tokens"] = launch.get("num_speculative_tokens")
+        return head
 
     async def load_head(self, head_dir: str, version: str | None, sha256: str | None) -> dict[str, Any]:
-        """Swap the head in place on every worker of the replica; return worker 0's report.
+        """Swap the head in place on every worker of the replica; return what it now serves.
 
-        Then the replica's prefix cache is reset: cached blocks hold KV that the previous
-        head's drafter computed, and a new head drafting on them proposes other tokens than
-        on its own KV (tests/loop/test_gate_e2e.py pins that the first pass after a swap drafts as
-        on a fresh cache). Running requests are preempted and recomputed under the new head
-        rather than failed.
+        The prefix cache is reset before requests go on: cached blocks hold KV that the previous
+        head's drafter computed, and a new head drafting on them proposes other tokens than on its
+        own KV (tests/loop/test_gate_e2e.py pins that the first pass after a swap drafts as on a
+        fresh cache). Running requests are recomputed under the new head rather than failed.
         """
-        results = await self.rpc("drafter_load_head", str(head_dir), version, sha256)
-        shas = {r.get("sha256") for r in results}
-        if sha256 and shas != {sha256}:
-            raise RpcError(f"{self.url}: workers report sha256 {shas}, expected {sha256}")
-        await self.reset_prefix_cache()
-        return results[0]
+        from headspec.files import WEIGHTS, sha256_file
+
+        steps: dict[str, float] = {}
+
+        async def step(name: str, coro) -> Any:
+            t = time.perf_counter()
+            try:
+                return await coro
+            finally:
+                steps[name] = round((time.perf_counter() - t) * 1000.0, 1)
+
+        # Only the swap count is read before (vLLM's "default": the launch head, no swap yet).
+        before = decode_version(await step("weight_info", self.sync.weight_version())) or {}
+        sha = sha256 or await asyncio.to_thread(sha256_file, Path(head_dir) / WEIGHTS)
+        await step("pause", self.sync.pause())
+        try:
+            try:
+                await step("start_draft_weight_update", self.sync.start_draft())
+            except RpcError as exc:
+                if "already active" not in str(exc):
+                    raise
+                # A session an earlier caller left open (it died mid-swap): close it and start again.
+                await self.sync.finish(encode_version(before) if before else "default")
+                await step("start_draft_weight_update", self.sync.start_draft())
+            await step("update_weights", self.sync.update({"path": str(head_dir), "sha256": sha}))
+            head = {"path": str(head_dir), "sha256": sha, "version": version,
+                    "swaps": int(before.get("swaps") or 0) + 1, "last_swap_ms": steps["update_weights"]}
+            await step("finish_weight_update", self.sync.finish(encode_version(head)))
+            await step("reset_prefix_cache", self.sync.reset_prefix_cache())
+        finally:
+            await step("resume", self.sync.resume())
+        # What the replica now reports is read back by the caller (the swap protocol checks it).
+        return {**head, "steps_ms": steps}
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix block (and recompute running requests) on this replica."""
-        try:
-            async with httpx.AsyncClient() as client:
-                r = await client.post(self.url + "/reset_prefix_cache", params={"reset_running_requests": "true"},
-                                      timeout=self.timeout)
-        except httpx.HTTPError as exc:
-            raise RpcError(f"{self.url}: reset_prefix_cache failed: {exc}") from exc
-        if r.status_code != 200 or not r.json().get("success"):
-            raise RpcError(f"{self.url}: reset_prefix_cache -> HTTP {r.status_code}: {r.text[:300]}")
+        await self.sync.reset_prefix_cache()
 
     async def param_digest(self) -> dict[str, str]:
-        return (await self.rpc("drafter_param_digest"))[0]
+        """One sha256 over the target's per-tensor checksums (vLLM's weight checker)."""
+        sums = await self.sync.target_checksums()
+        h = hashlib.sha256()
+        for k in sorted(sums):
+            h.update(f"{k}={sums[k]};".encode())
+        return {"target": h.hexdigest()}
 
 
 class AgentAdmin:

@@ -1,7 +1,14 @@
 """The agent beside a replica the pool did not start (another host, a Kubernetes pod).
 
-The replica binds loopback with vLLM's dev mode, so its unauthenticated ``/collective_rpc``
-never leaves its host (or pod); the agent, on the same host, is the only door to it:
+Two ways to run it (docs/deploy.md, "Attached replicas"):
+
+* ``adapt agent --embed -- vllm serve MODEL ...`` (production, ``serving.embedded``): the agent holds
+  the engine in its own process and calls vLLM's weight-update protocol on it directly; no dev mode.
+* ``adapt agent --replica URL`` (this module's :class:`Agent`): a proxy beside a separate replica
+  started with ``VLLM_SERVER_DEV_MODE=1`` on loopback, whose unauthenticated weight-update routes
+  (and ``/collective_rpc``) never leave its host or pod; the agent is the only door to it.
+
+Either way the agent serves:
 
 * ``/v1/*``, ``/health``: the router (``serving.router``) over a one-replica pool.
 * ``/metrics``: the replica's exposition, then the agent's own counters: the pool that attaches
@@ -9,8 +16,8 @@ never leaves its host (or pod); the agent, on the same host, is the only door to
 * ``/agent/head``, ``/agent/load``, ``/agent/param_digest``: the admin plane, bearer token.
   ``load`` takes ``{"uri", "version", "sha256"}``: the agent fetches ``uri`` (``s3://``,
   ``models:/``, ``runs:/``) into its own heads directory, validates it against its local copy of
-  the target (``headspec.validate``), swaps it in place over the loopback RPC (``ReplicaAdmin``,
-  which also resets the prefix cache) and reports the head. Nothing but the URI crosses the
+  the target (``headspec.validate``), swaps it in place through vLLM's weight-update protocol
+  (``ReplicaAdmin``, which also resets the prefix cache) and reports the head. Nothing but the URI crosses the
   network: no path, no shared filesystem. A head the agent already holds (the one the replica
   started with, or one of its last downloads) may be named by ``sha256`` alone: that is how a
   pool rolls an agent back.
@@ -61,10 +68,10 @@ class HeadStore:
     one and those a pool may roll back to); older downloads are deleted.
     """
 
-    def __init__(self, replica_url: str, target_dir: str | Path, heads_dir: str | Path, *,
+    def __init__(self, admin: ReplicaAdmin, target_dir: str | Path, heads_dir: str | Path, *,
                  tracking_uri: str | None = None, s3_client_kwargs: dict[str, Any] | None = None,
                  keep: int = 3) -> None:
-        self.admin = ReplicaAdmin(replica_url)
+        self.admin = admin
         self.target_dir = Path(target_dir)
         self.heads_dir = Path(heads_dir)
         self.tracking_uri = tracking_uri
@@ -157,7 +164,7 @@ class HeadStore:
         return self.heads_dir / rel.parts[0] if rel.parts else None
 
 
-def _bearer_guard(app: Any, token: str) -> Callable:
+def bearer_guard(app: Any, token: str) -> Callable:
     """ASGI wrapper: with a token, every route but :data:`OPEN_PATHS` requires it."""
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
@@ -172,9 +179,8 @@ def _bearer_guard(app: Any, token: str) -> Callable:
     return guarded
 
 
-def create_agent_app(pool: Pool, store: HeadStore, token: str, **router_kw: Any) -> Callable:
-    """The router over the agent's one replica, with its metrics passed through and the agent's admin routes."""
-    app: FastAPI = create_app(pool, admin_token=token, upstream_metrics=True, **router_kw)
+def add_agent_routes(app: FastAPI, store: HeadStore, token: str) -> None:
+    """``/agent/head``, ``/agent/load``, ``/agent/param_digest`` on ``app``, bearer token required."""
     require = make_auth_dependency(token)
 
     async def answer(coro) -> JSONResponse:
@@ -197,7 +203,12 @@ def create_agent_app(pool: Pool, store: HeadStore, token: str, **router_kw: Any)
     async def param_digest() -> JSONResponse:
         return await answer(store.admin.param_digest())
 
-    return _bearer_guard(app, token)
+
+def create_agent_app(pool: Pool, store: HeadStore, token: str, **router_kw: Any) -> Callable:
+    """The router over the agent's one replica, with its metrics passed through and the agent's admin routes."""
+    app: FastAPI = create_app(pool, admin_token=token, upstream_metrics=True, **router_kw)
+    add_agent_routes(app, store, token)
+    return bearer_guard(app, token)
 
 
 class Agent(LoopService):
@@ -211,8 +222,8 @@ class Agent(LoopService):
         super().__init__()
         check_exposure(host, token, "the agent")
         if not url_is_loopback(replica_url):
-            raise ExposureError(f"the agent drives its replica over vLLM's dev-mode RPC, which must not leave the "
-                                f"host: bind the replica to 127.0.0.1, not {replica_url}")
+            raise ExposureError(f"the agent drives its replica over vLLM's dev-mode routes, which must not leave "
+                                f"the host: bind the replica to 127.0.0.1, not {replica_url}")
         if bool(tls_cert) != bool(tls_key):
             raise ValueError("TLS needs both a certificate and its key")
         self.replica_url = replica_url.rstrip("/")
@@ -220,7 +231,7 @@ class Agent(LoopService):
         self.tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
         self.limits = {"max_body_bytes": max_body_bytes}
         self.deadlines = {"header_timeout": header_timeout, "body_timeout": body_timeout}
-        self.store = HeadStore(self.replica_url, target_dir, heads_dir, tracking_uri=tracking_uri,
+        self.store = HeadStore(ReplicaAdmin(self.replica_url), target_dir, heads_dir, tracking_uri=tracking_uri,
                                s3_client_kwargs=s3_client_kwargs)
         # Health every second (it is what /health answers); metrics are read on demand, not sampled.
         self.pool = Pool(metrics_interval=3600.0)

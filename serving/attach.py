@@ -1,14 +1,19 @@
 """What to run for a replica the pool does not start: its command lines, or a Kubernetes manifest.
 
 ``adapt replica command`` prints these from the pool's own config, so an attached replica serves
-exactly what a started one would (target, K, dynamic K, ``serving.vllm_args``, served name):
+exactly what a started one would (target, K, dynamic K, engine sizing, ``serving.vllm_args``,
+served name). Two shapes (docs/deploy.md, "Attached replicas"):
 
-1. ``adapt replica fetch-head URI DIR``: fetch the first head and validate it (an init container).
-2. The replica: ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 with the P-EAGLE
-   speculative config, ``--worker-extension-cls serving.hotswap.HeadSwapExtension``,
-   ``VLLM_SERVER_DEV_MODE=1`` and this repository on ``PYTHONPATH``.
-3. ``adapt agent``: beside it on the same host or pod (``serving.agent``), the only door to it.
+* **embedded** (the default, production): ``adapt replica fetch-head URI DIR`` (an init container),
+  then ``adapt agent --embed ... -- vllm serve MODEL ...``: one process holds vLLM's engine, serves
+  vLLM's OpenAI routes and the agent's admin routes behind a bearer token, and swaps heads by
+  calling vLLM's weight-update protocol in-process. No ``VLLM_SERVER_DEV_MODE``.
+* **dev mode** (``--dev-mode``): the same ``vllm serve`` line run on its own with
+  ``VLLM_SERVER_DEV_MODE=1`` on 127.0.0.1 (its weight-update routes are unauthenticated), and
+  ``adapt agent --replica URL`` beside it on the same host or pod, the only door to it.
 
+Either way the replica's line carries ``--weight-transfer-config '{"backend": "drafter_adapt_head"}'``
+(``serving.head_transfer``, found through this repository's plugin directory on ``PYTHONPATH``).
 Secrets (the agent token, S3 keys) are never part of the output: the shell recipe names the
 variables to export from a secret store, and the manifest reads them from a Kubernetes Secret.
 """
@@ -22,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from serving.pool import replica_specs
-from serving.replica import build_command
+from serving.pool import replica_specs, tensor_parallel
+from serving.replica import vllm_serve_argv
 from settings.config import Config
 
 # Variables the agent (and the head fetch) read from the environment; their values are secrets.
@@ -36,7 +41,11 @@ SECRET_ENV = {"ADAPT_AGENT_TOKEN": "agent-token", "AWS_ACCESS_KEY_ID": "aws-acce
 
 @dataclass
 class Recipe:
-    """The three programs of an attached replica (argv and plain environment of each)."""
+    """The programs of an attached replica (argv and plain environment of each).
+
+    ``replica`` is the ``vllm serve`` line; embedded, it is the tail of ``agent`` (after ``--``)
+    and runs inside the agent; in dev mode it runs on its own with ``replica_env``.
+    """
 
     fetch: list[str]
     replica: list[str]
@@ -46,38 +55,49 @@ class Recipe:
     agent_port: int
     replica_port: int
     tls: bool
+    embedded: bool = True
+    gpus: int = 1
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"fetch": {"argv": self.fetch, "env": self.env},
-                "replica": {"argv": self.replica, "env": self.replica_env},
-                "agent": {"argv": self.agent, "env": self.env, "secret_env": sorted(SECRET_ENV)},
-                "agent_port": self.agent_port, "notes": self.notes}
+        out = {"mode": "embedded" if self.embedded else "dev-mode", "fetch": {"argv": self.fetch, "env": self.env},
+               "vllm_serve": self.replica,
+               "agent": {"argv": self.agent, "env": self.env, "secret_env": sorted(SECRET_ENV)},
+               "agent_port": self.agent_port, "gpus": self.gpus, "notes": self.notes}
+        if not self.embedded:
+            out["replica"] = {"argv": self.replica, "env": self.replica_env}
+        return out
 
 
 def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_dir: str, served_name: str,
            replica_port: int | None = None, agent_port: int | None = None, agent_host: str = "0.0.0.0",
-           cpu: bool = False, python: str = "python3", tls_cert: str = "", tls_key: str = "") -> Recipe:
+           cpu: bool = False, python: str = "python3", tls_cert: str = "", tls_key: str = "",
+           dev_mode: bool = False) -> Recipe:
     """The command lines of one attached replica and its agent, from the pool's config."""
     s = cfg.serving
     replica_port = s.base_port if replica_port is None else replica_port
     agent_port = s.agent_port if agent_port is None else agent_port
     heads = PurePosixPath(heads_dir)
     first = str(heads / "initial")
+    # The replica owns what its pod or host gives it: no device list (Kubernetes or the host picks).
     spec = replica_specs(s, cfg.head.num_speculative_tokens, target_dir, first, 1, served_name,
-                         base_port=replica_port)[0]
-    replica = build_command(spec, python=python, cpu=cpu)
-    replica_env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": repo_dir}
+                         base_port=replica_port, cpu=True)[0]
+    replica = vllm_serve_argv(spec, cpu=cpu, python=python)
+    # Dev mode: vLLM's processes find the head-transfer engine through the plugin directory (the
+    # embedded agent puts it on their path itself).
+    replica_env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{repo_dir}/serving/vllm_plugin:{repo_dir}"} \
+        if dev_mode else {}
     if cpu:
         replica_env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     sources = ["--tracking-uri", cfg.mlflow.tracking_uri]
     if cfg.s3.endpoint_url:
         sources += ["--s3-endpoint", cfg.s3.endpoint_url]
     fetch = [python, "-m", "app", "replica", "fetch-head", head_uri, first, "--target", target_dir, *sources]
-    agent = [python, "-m", "app", "agent", "--replica", spec.url, "--host", agent_host, "--port", str(agent_port),
+    agent = [python, "-m", "app", "agent", "--host", agent_host, "--port", str(agent_port),
              "--target", target_dir, "--heads-dir", str(heads / "fetched"), *sources]
     if tls_cert:
         agent += ["--tls-cert", tls_cert, "--tls-key", tls_key]
+    agent = [*agent, "--replica", spec.url] if dev_mode else [*agent, "--embed", "--", *replica]
     notes = []
     if not re.match(r"^(https?|databricks)", cfg.mlflow.tracking_uri) or "127.0.0.1" in cfg.mlflow.tracking_uri \
             or "localhost" in cfg.mlflow.tracking_uri:
@@ -86,8 +106,11 @@ def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_
     if "127.0.0.1" in cfg.s3.endpoint_url or "localhost" in cfg.s3.endpoint_url:
         notes.append(f"the S3 endpoint {cfg.s3.endpoint_url} is local to the pool's host: set [s3].endpoint_url "
                      "to one the replica's host reaches")
-    return Recipe(fetch, replica, agent, replica_env, {"PYTHONPATH": repo_dir}, agent_port, replica_port,
-                  bool(tls_cert), notes)
+    env = {"PYTHONPATH": repo_dir}
+    if not dev_mode and cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+    return Recipe(fetch, replica, agent, replica_env, env, agent_port, replica_port, bool(tls_cert),
+                  embedded=not dev_mode, gpus=0 if cpu else tensor_parallel(s), notes=notes)
 
 
 def shell_text(r: Recipe) -> str:
@@ -97,20 +120,27 @@ def shell_text(r: Recipe) -> str:
 
     scheme = "https" if r.tls else "http"
     out = [
-        "# An attached replica and its agent (docs/architecture.md, \"Attached replicas\").",
+        "# An attached replica and its agent (docs/deploy.md, \"Attached replicas\").",
         "# Export from your secret store first (never written here): ADAPT_AGENT_TOKEN, the pool's",
         "# [serving].agent_token; AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when heads come from S3;",
         "# MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, when the",
         "# tracking server asks for credentials.",
         "# 1. Fetch and validate the first head:",
         line(r.env, r.fetch),
-        "# 2. The replica, on loopback only (its dev-mode RPC must never leave this host):",
-        line(r.replica_env, r.replica),
-        "# 3. The agent beside it, the replica's only door (admin by bearer token; heads fetched by URI):",
-        line(r.env, r.agent),
-        f"# 4. In the pool's config: [serving] attach_agents = [\"{scheme}://<this host>:{r.agent_port}\"]",
-        *(f"# NOTE: {n}" for n in r.notes),
     ]
+    gpus = f" on {r.gpus} GPU(s) of its own (CUDA_VISIBLE_DEVICES)" if r.gpus else ""
+    if r.embedded:
+        out += [f"# 2. The agent, holding the replica's engine{gpus}: vLLM's routes and the agent's behind",
+                "#    the token; heads swapped through vLLM's weight-update protocol in-process (no dev mode).",
+                "#    After `--`: the replica's exact `vllm serve` line.",
+                line(r.env, r.agent)]
+    else:
+        out += [f"# 2. The replica{gpus}, on loopback only (dev mode: its weight-update routes are unauthenticated):",
+                line(r.replica_env, r.replica),
+                "# 3. The agent beside it, the replica's only door (admin by bearer token; heads fetched by URI):",
+                line(r.env, r.agent)]
+    out += [f"# In the pool's config: [serving] attach_agents = [\"{scheme}://<this host>:{r.agent_port}\"]",
+            *(f"# NOTE: {n}" for n in r.notes)]
     return "\n".join(out) + "\n"
 
 
@@ -121,10 +151,12 @@ def _probe(port: int, path: str = "/health") -> list[str]:
 
 
 def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str, model_pvc: str,
-                 namespace: str = "default", target_dir: str, heads_dir: str, gpus: int = 1,
+                 namespace: str = "default", target_dir: str, heads_dir: str, gpus: int | None = None,
                  tls_secret: str = "") -> list[dict[str, Any]]:
-    """A headless Service and a StatefulSet: one pod per replica, the replica and its agent as two
-    containers sharing the pod's loopback; every pod's agent has a stable DNS name to attach."""
+    """A headless Service and a StatefulSet: one pod per replica, every pod's agent with a stable DNS
+    name to attach. Embedded: one container, the agent holding the engine and the pod's GPUs. Dev
+    mode: the replica and its agent as two containers sharing the pod's loopback."""
+    gpus = r.gpus if gpus is None else gpus
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "drafter-adapt"}
     secret_env = [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key,
                                                                "optional": var != "ADAPT_AGENT_TOKEN"}}}
@@ -132,22 +164,12 @@ def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str
     plain = [{"name": k, "value": v} for k, v in r.env.items()]
     model = {"name": "model", "mountPath": target_dir, "readOnly": True}
     heads_rw = {"name": "heads", "mountPath": heads_dir}
+    dshm = {"name": "dshm", "mountPath": "/dev/shm"}
     scheme = "HTTPS" if r.tls else "HTTP"
+    gpu_resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else None
     fetch = {"name": "fetch-head", "image": image, "command": r.fetch,
              "env": plain + [e for e in secret_env if e["name"] != "ADAPT_AGENT_TOKEN"],
              "volumeMounts": [model, heads_rw]}
-    replica = {
-        "name": "vllm", "image": image, "command": r.replica,
-        "env": [{"name": k, "value": v} for k, v in r.replica_env.items()],
-        "volumeMounts": [model, {"name": "heads", "mountPath": heads_dir, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
-        # Loopback only: probes run inside the container.
-        "startupProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10, "failureThreshold": 180},
-        "readinessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10},
-        "livenessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 30, "failureThreshold": 4},
-    }
-    if gpus:
-        replica["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
     agent_mounts = [model, heads_rw]
     if tls_secret:
         agent_mounts.append({"name": "agent-tls", "mountPath": "/tls", "readOnly": True})
@@ -159,6 +181,28 @@ def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str
         "livenessProbe": {"tcpSocket": {"port": "agent"}, "periodSeconds": 20},
         "securityContext": {"allowPrivilegeEscalation": False},
     }
+    if r.embedded:
+        # The engine loads inside the agent: it answers /health once the model is loaded.
+        agent["volumeMounts"] = agent_mounts + [dshm]
+        agent["startupProbe"] = {"httpGet": {"path": "/health", "port": "agent", "scheme": scheme},
+                                 "periodSeconds": 10, "failureThreshold": 180}
+        if gpu_resources:
+            agent["resources"] = gpu_resources
+        containers = [agent]
+    else:
+        replica = {
+            "name": "vllm", "image": image, "command": r.replica,
+            "env": [{"name": k, "value": v} for k, v in r.replica_env.items()],
+            "volumeMounts": [model, {"name": "heads", "mountPath": heads_dir, "readOnly": True}, dshm],
+            # Loopback only: probes run inside the container.
+            "startupProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10,
+                             "failureThreshold": 180},
+            "readinessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10},
+            "livenessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 30, "failureThreshold": 4},
+        }
+        if gpu_resources:
+            replica["resources"] = gpu_resources
+        containers = [replica, agent]
     volumes: list[dict[str, Any]] = [
         {"name": "model", "persistentVolumeClaim": {"claimName": model_pvc, "readOnly": True}},
         {"name": "heads", "emptyDir": {}},
@@ -176,7 +220,7 @@ def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str
                     "selector": {"matchLabels": labels},
                     "template": {"metadata": {"labels": labels},
                                  "spec": {"automountServiceAccountToken": False, "initContainers": [fetch],
-                                          "containers": [replica, agent], "volumes": volumes}}}}
+                                          "containers": containers, "volumes": volumes}}}}
     return [service, sts]
 
 

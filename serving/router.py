@@ -3,13 +3,19 @@
 * ``/v1/chat/completions``, ``/v1/completions``: forwarded to the routable
   replica with the fewest outstanding requests; streams are passed through chunk
   by chunk. A replica that refuses the connection is marked unhealthy and the
-  request is retried on another (nothing was sent, so this is safe).
+  request is sent to another (nothing reached it). A replica that drops a request
+  before the client got any byte of the answer (it crashed: a reset or closed
+  connection) is marked unhealthy too and the request is retried once on another,
+  as Envoy's retry-on-reset does: a whole answer, or a stream's first chunk, is
+  read before anything is sent to the client. Generation has no side effect, so
+  running it again is safe; only streams that had started fail with their replica.
 * ``/v1/models``: from any routable replica.
 * Every finished request is offered to the :class:`CaptureWriter` (sampled,
   non-blocking); streamed responses are captured as their SSE body.
 * ``/metrics``: router and capture counters (Prometheus).
 * ``/admin/*``: bearer-token protected (see ``serving.admin``); the router never
-  forwards any other path, so replicas' ``/collective_rpc`` is unreachable here.
+  forwards any other path, so replicas' dev-mode routes (weight updates, ``/collective_rpc``)
+  are unreachable here.
 
 Limits (a client must not hold resources for nothing, nor reach the replicas with more
 than a request): a body over ``max_body_bytes`` gets 413; headers must arrive within
@@ -38,27 +44,46 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from serving.admin import make_auth_dependency
 from serving.capture_writer import CaptureWriter
-from serving.pool import Pool
+from serving.pool import Pool, Replica
 
 log = logging.getLogger(__name__)
 # Request headers passed to a replica; everything else (cookies, credentials, X-Forwarded-*,
 # accept-encoding: capture needs the plain body) stays here.
+# What a replica that dies mid-request looks like from here (a reset or closed connection); a
+# timeout is not one of them: the replica may just be slow, and a retry would double its work.
+RESET_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 FORWARD_HEADERS = frozenset({"content-type", "accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
 
 
-def _body_limit(app: Any, max_bytes: int) -> Any:
+def body_limit(app: Any, max_bytes: int, drain_bytes: int | None = None) -> Any:
     """ASGI wrapper: 413 for a body over ``max_bytes``, declared (Content-Length) or streamed.
 
-    Raised as HTTPException from ``receive``, so that FastAPI answers it wherever the body
-    is read (FastAPI re-raises HTTPExceptions met while parsing a body).
+    The rest of the body is read and dropped before the 413 goes out (up to ``drain_bytes``,
+    default four times the limit and at least 64 MiB; the body deadline bounds the time): a
+    server that answers and closes while the client is still sending resets the connection, and
+    the client sees that reset instead of the answer. A client that asked ``Expect: 100-continue``
+    has sent nothing yet and gets its 413 at once. A streamed body is refused by an
+    HTTPException from ``receive``, which FastAPI answers wherever the body is read.
     """
+    drain_cap = drain_bytes if drain_bytes is not None else max(4 * max_bytes, 64 << 20)
+
+    async def drain(receive: Callable, seen: int, more: bool) -> None:
+        while more and seen <= drain_cap:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            more = message.get("more_body", False)
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > max_bytes:
+            if headers.get(b"expect", b"").lower() != b"100-continue":
+                await drain(receive, 0, True)
             await JSONResponse(_too_large(max_bytes), 413, headers={"connection": "close"})(scope, receive, send)
             return
         seen = 0
@@ -68,6 +93,7 @@ def _body_limit(app: Any, max_bytes: int) -> Any:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > max_bytes:
+                await drain(receive, seen, message.get("more_body", False))
                 raise HTTPException(413, _too_large(max_bytes)["error"]["message"], headers={"connection": "close"})
             return message
 
@@ -188,8 +214,12 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                swap_handler: Callable[[dict], Awaitable[dict]] | None = None,
                request_timeout: float = 600.0, status_window_s: float = 300.0,
                no_replica_wait: float = 30.0, max_body_bytes: int = 8 << 20,
-               upstream_metrics: bool = False) -> FastAPI:
+               upstream_metrics: bool = False, max_resets: int = 1) -> FastAPI:
     """Build the router app. ``swap_handler(body)`` runs the swap protocol (``serving.swap``).
+
+    ``max_resets``: how many times a request that a replica dropped before answering (a crash, a
+    reset connection) is sent to another replica; a replica that refuses the connection is always
+    skipped, since nothing reached it.
 
     ``upstream_metrics``: ``/metrics`` starts with the replicas' own expositions (an agent's one
     replica: the pool that attaches the agent reads its spec-decode counters there).
@@ -199,7 +229,8 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
     reg = CollectorRegistry()
     requests_total = Counter("adapt_router_requests", "Requests by route and outcome", ["route", "outcome"],
                              registry=reg)
-    retries_total = Counter("adapt_router_retries", "Requests retried on another replica", registry=reg)
+    retries_total = Counter("adapt_router_retries", "Requests retried on another replica, by why",
+                            ["reason"], registry=reg)
     latency = Histogram("adapt_router_request_seconds", "Request latency through the router", ["route"],
                         registry=reg)
     outstanding = Gauge("adapt_router_outstanding", "Outstanding requests per replica", ["replica"],
@@ -222,7 +253,7 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
 
     # No /docs, /redoc or /openapi.json: they map the admin plane for anyone who asks.
     app = FastAPI(title="drafter-adapt router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_body_limit, max_bytes=max_body_bytes)
+    app.add_middleware(body_limit, max_bytes=max_body_bytes)
 
     def _offer_capture(payload: dict, body: bytes, ctype: str, ok: bool) -> None:
         # Never let capture affect the user request: sampling and record building
@@ -249,8 +280,30 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
+        resets = 0
         t0 = time.perf_counter()
         wait_until = time.monotonic() + no_replica_wait
+
+        def _reset(r: Replica, exc: Exception) -> bool:
+            """The replica dropped the request before the client got a byte: take it out of rotation
+            until its health check says otherwise; True if the request may go to another replica."""
+            nonlocal resets
+            r.outstanding -= 1
+            outstanding.labels(r.url).set(r.outstanding)
+            r.failures += 1
+            r.healthy = False
+            r.last_error = f"reset: {type(exc).__name__}: {exc}"
+            if resets >= max_resets:
+                return False
+            resets += 1
+            retries_total.labels("reset").inc()
+            return True
+
+        def _bad_gateway(exc: Exception) -> JSONResponse:
+            requests_total.labels(route, "upstream_error").inc()
+            return JSONResponse({"error": {"message": f"upstream error: {type(exc).__name__}: {exc}",
+                                           "type": "BadGateway"}}, 502)
+
         while True:
             r = pool.pick(tried)
             if r is None:
@@ -270,17 +323,42 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                 upstream = await client.send(client.build_request("POST", r.url + path, content=raw,
                                                                   headers={**headers, **r.headers}), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing reached the replica: always safe to send elsewhere.
                 r.outstanding -= 1
+                outstanding.labels(r.url).set(r.outstanding)
                 r.healthy = False
                 r.failures += 1
                 r.last_error = f"connect: {exc}"
-                retries_total.inc()
+                retries_total.labels("connect").inc()
                 continue
+            except RESET_ERRORS as exc:
+                if _reset(r, exc):
+                    continue
+                return _bad_gateway(exc)
             except httpx.HTTPError as exc:
                 r.outstanding -= 1
+                outstanding.labels(r.url).set(r.outstanding)
                 r.failures += 1
-                requests_total.labels(route, "upstream_error").inc()
-                return JSONResponse({"error": {"message": f"upstream error: {exc}", "type": "BadGateway"}}, 502)
+                return _bad_gateway(exc)
+            # Read the whole answer (or a stream's first chunk) before the client gets any byte of
+            # it, so a replica that dies meanwhile costs a retry, not the request.
+            chunks = upstream.aiter_raw()
+            try:
+                if stream:
+                    first = await anext(chunks, b"")
+                else:
+                    body = await upstream.aread()
+            except RESET_ERRORS as exc:
+                await upstream.aclose()
+                if _reset(r, exc):
+                    continue
+                return _bad_gateway(exc)
+            except httpx.HTTPError as exc:
+                await upstream.aclose()
+                r.outstanding -= 1
+                outstanding.labels(r.url).set(r.outstanding)
+                r.failures += 1
+                return _bad_gateway(exc)
             break
 
         ctype = upstream.headers.get("content-type", "application/json")
@@ -294,31 +372,27 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
             _offer_capture(payload, body, ctype, ok)
 
         if not stream:
-            try:
-                body = await upstream.aread()
-            except httpx.HTTPError as exc:
-                r.outstanding -= 1
-                r.failures += 1
-                await upstream.aclose()
-                requests_total.labels(route, "upstream_error").inc()
-                return JSONResponse({"error": {"message": f"upstream error: {exc}", "type": "BadGateway"}}, 502)
             await upstream.aclose()
             _done(upstream.status_code == 200, body)
             return Response(body, status_code=upstream.status_code, media_type=ctype)
 
         async def relay():
-            chunks: list[bytes] = []
+            got: list[bytes] = [first] if first else []
             ok = upstream.status_code == 200
             try:
-                async for chunk in upstream.aiter_raw():
-                    chunks.append(chunk)
+                if first:
+                    yield first
+                async for chunk in chunks:
+                    got.append(chunk)
                     yield chunk
             except httpx.HTTPError:
                 ok = False
                 r.failures += 1
+                # Abort the client's connection: a stream that simply ended would pass for a whole one.
+                raise
             finally:
                 await upstream.aclose()
-                _done(ok, b"".join(chunks))
+                _done(ok, b"".join(got))
 
         return StreamingResponse(relay(), status_code=upstream.status_code, media_type=ctype,
                                  headers={"cache-control": "no-cache"})

@@ -32,7 +32,7 @@ def served_name(target: TargetConfig) -> str:
 def check_attachments(attach_urls: list[str], attach_agents: list[str], agent_token: str) -> None:
     """Refuse a bare replica off loopback, and agents without a real token.
 
-    A bare replica is driven over vLLM's dev-mode ``/collective_rpc``, which nothing guards: it
+    A bare replica is driven over vLLM's dev-mode weight-update routes, which nothing guards: it
     must be on this host. A replica elsewhere is attached through its agent, which the pool
     reaches with ``agent_token``.
     """
@@ -40,8 +40,9 @@ def check_attachments(attach_urls: list[str], attach_agents: list[str], agent_to
     if remote:
         raise ExposureError(
             f"attach_urls {remote} are not on loopback: a bare replica is driven over vLLM's unauthenticated "
-            "dev-mode RPC, which must never leave its host. Run `adapt agent` beside each such replica and list "
-            "the agents in [serving].attach_agents (`adapt replica command` prints both command lines).")
+            "dev-mode routes, which must never leave its host. Run each such replica in `adapt agent --embed` (or "
+            "`adapt agent` beside it) and list the agents in [serving].attach_agents (`adapt replica command` "
+            "prints the command lines).")
     if attach_agents:
         weakness = token_weakness(agent_token)
         if weakness and not all(url_is_loopback(u) for u in attach_agents):

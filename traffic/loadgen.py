@@ -29,6 +29,8 @@ class SteadyLoad:
         self.stop_ev = threading.Event()
         self.ok = 0
         self.failed: list[str] = []
+        # Failures of streams whose client had received part of the answer (no proxy can save those).
+        self.failed_started: list[str] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
 
@@ -46,10 +48,12 @@ class SteadyLoad:
             while not self.stop_ev.is_set() and time.monotonic() < self.deadline and n < self.max_requests:
                 n += 1
                 path, body = self._request(i, n)
+                data = b""
                 try:
                     if body["stream"]:
                         with c.stream("POST", self.url + path, json=body) as r:
-                            data = b"".join(r.iter_raw())
+                            for chunk in r.iter_raw():
+                                data += chunk
                         good = r.status_code == 200 and data.rstrip().endswith(b"data: [DONE]")
                     else:
                         r = c.post(self.url + path, json=body)
@@ -60,6 +64,8 @@ class SteadyLoad:
                 with self.lock:
                     if err:
                         self.failed.append(err)
+                        if data:
+                            self.failed_started.append(err)
                     else:
                         self.ok += 1
 

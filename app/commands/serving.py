@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import threading
 from pathlib import Path
@@ -259,6 +260,7 @@ TargetOpt = Annotated[Optional[str], typer.Option(
 
 
 def agent(
+    ctx: typer.Context,
     config: ConfigOpt = None,
     json_: JsonOpt = False,
     replica: Annotated[Optional[str], typer.Option(
@@ -273,8 +275,14 @@ def agent(
     tls_cert: Annotated[Optional[str], typer.Option(
         help="TLS certificate (PEM; default [serving].agent_tls_cert).")] = None,
     tls_key: Annotated[Optional[str], typer.Option(help="TLS key (PEM; default [serving].agent_tls_key).")] = None,
+    embed: Annotated[bool, typer.Option(
+        "--embed", help="Hold the replica's engine in this process: give its `vllm serve ...` line after `--` "
+                        "(production; no dev mode).")] = False,
 ) -> None:
-    """Front one loopback replica for a pool elsewhere: proxy, metrics, head swaps by URI (ADAPT_AGENT_TOKEN)."""
+    """The door of a replica for a pool elsewhere: metrics, head swaps by URI (ADAPT_AGENT_TOKEN).
+
+    `adapt agent --embed -- vllm serve MODEL ...` holds the engine itself (production);
+    `adapt agent --replica URL` fronts a dev-mode replica on loopback."""
     cfg = get_config(config, json_)
     from serving.admin import ExposureError, check_exposure
     from serving.agent import Agent
@@ -282,6 +290,17 @@ def agent(
     s = cfg.serving
     host = host or s.agent_host
     token = s.resolved_agent_token()
+    serve_argv = list(ctx.args)
+    if embed and replica:
+        fail("--embed holds the engine itself: --replica is for a separate dev-mode replica", 2)
+    if serve_argv and not embed:
+        fail(f"unexpected arguments {serve_argv[:3]}: a `vllm serve` line goes after --embed --", 2)
+    if embed:
+        _run_embedded(cfg, serve_argv, host=host, port=port or s.agent_port, token=token, target=target,
+                      heads_dir=heads_dir, tracking_uri=tracking_uri, s3_endpoint=s3_endpoint,
+                      tls_cert=tls_cert if tls_cert is not None else s.agent_tls_cert,
+                      tls_key=tls_key if tls_key is not None else s.agent_tls_key, json_=json_)
+        return
     try:  # before the target is fetched
         check_exposure(host, token, "the agent")
         ag = Agent(replica or s.agent_replica_url, host=host, port=port or s.agent_port, token=token,
@@ -296,6 +315,36 @@ def agent(
         fail(error_text(exc), 2)
     _run_until_stopped(ag, lambda: emit({"agent": ag.url, "replica": ag.replica_url}, json_,
                                         human=f"agent {ag.url} in front of {ag.replica_url}; Ctrl-C stops"))
+
+
+def _run_embedded(cfg, serve_argv, *, host, port, token, target, heads_dir, tracking_uri, s3_endpoint,
+                  tls_cert, tls_key, json_) -> None:
+    import asyncio
+
+    from serving.admin import ExposureError, check_exposure
+    from serving.embedded import parse_serve_argv, serve_embedded
+
+    s = cfg.serving
+    try:  # before anything loads
+        check_exposure(host, token, "the agent")
+        parse_serve_argv(serve_argv)
+    except SystemExit:
+        fail(f"the replica's line is not a `vllm serve` line vLLM accepts: {shlex.join(serve_argv)}", 2)
+    except (ExposureError, ValueError) as exc:
+        fail(error_text(exc), 2)
+    scheme = "https" if tls_cert else "http"
+    try:
+        asyncio.run(serve_embedded(
+            serve_argv, host=host, port=port, token=token, target_dir=_target_dir(cfg, target),
+            heads_dir=heads_dir or Path(cfg.head.heads_dir) / "agent",
+            tracking_uri=tracking_uri or cfg.mlflow.tracking_uri, s3_client_kwargs=_s3_kwargs(cfg, s3_endpoint),
+            tls_cert=tls_cert, tls_key=tls_key, max_body_bytes=s.max_body_bytes or cfg.capture.max_line_bytes,
+            header_timeout=s.header_timeout_s, body_timeout=s.body_timeout_s,
+            ready=lambda: emit({"agent": f"{scheme}://{host}:{port}", "embedded": True}, json_,
+                               human=f"agent {scheme}://{host}:{port} holding the engine; Ctrl-C stops")))
+    except (ExposureError, ValueError) as exc:
+        fail(error_text(exc), 2)
+
 
 @replica_app.command("fetch-head")
 def fetch_head(
@@ -360,7 +409,7 @@ def command(
     name: Annotated[str, typer.Option(help="--k8s: name of the StatefulSet and its Service.")] = "drafter-replica",
     namespace: Annotated[str, typer.Option(help="--k8s: namespace.")] = "default",
     image: Annotated[str, typer.Option(
-        help="--k8s: image with vLLM and this repository at --repo-dir.")] = "drafter-adapt/replica:latest",
+        help="--k8s: image with vLLM and this repository at --repo-dir.")] = "drafter-adapt/worker-gpu:latest",
     count: Annotated[Optional[int], typer.Option(help="--k8s: pods (default [serving].replicas).")] = None,
     secret: Annotated[str, typer.Option(
         help="--k8s: Secret with agent-token (and aws-access-key-id, aws-secret-access-key).")] = "drafter-adapt",
@@ -368,7 +417,11 @@ def command(
         help="--k8s: PersistentVolumeClaim holding the target model.")] = "drafter-target",
     tls_secret: Annotated[str, typer.Option(
         help="--k8s --tls: kubernetes.io/tls Secret of the agents.")] = "drafter-agent-tls",
-    gpus: Annotated[int, typer.Option(help="--k8s: GPUs per replica (0 with --cpu).")] = 1,
+    gpus: Annotated[Optional[int], typer.Option(
+        help="--k8s: GPUs per replica (default [serving].tensor_parallel_size; 0 with --cpu).")] = None,
+    dev_mode: Annotated[bool, typer.Option(
+        "--dev-mode", help="The replica as its own `vllm serve` with VLLM_SERVER_DEV_MODE on loopback, and a "
+                           "proxy agent beside it (default: the agent embeds the engine, no dev mode).")] = False,
 ) -> None:
     """Print what to run for a replica the pool does not start: the exact `vllm serve` line and its agent."""
     cfg = get_config(config, json_)
@@ -384,7 +437,7 @@ def command(
         cfg.serving.agent_tls_key or "/etc/drafter-adapt/agent.key")
     r = recipe(cfg, head_uri=head, target_dir=target, heads_dir=heads,
                repo_dir=repo_dir or ("/app" if k8s else str(REPO_ROOT)), served_name=served_name(cfg.target),
-               replica_port=replica_port, agent_port=agent_port, cpu=cpu,
+               replica_port=replica_port, agent_port=agent_port, cpu=cpu, dev_mode=dev_mode,
                tls_cert=tls_files[0] if tls else "", tls_key=tls_files[1] if tls else "")
     if not k8s:
         emit(r.to_json(), json_, human=shell_text(r).rstrip("\n"))
@@ -397,8 +450,9 @@ def command(
     if json_:
         emit({"manifest": docs, "attach_agents": urls, "notes": r.notes}, True)
         return
-    header = ["An attached replica per pod: vLLM on the pod's loopback, its agent the only door",
-              "(docs/architecture.md, \"Attached replicas\"). Create the Secret first (values never here):",
+    header = ["An attached replica per pod: " + ("the agent holding vLLM's engine (no dev mode)" if r.embedded else
+                                                 "vLLM on the pod's loopback (dev mode), its agent the only door"),
+              "(docs/deploy.md, \"Attached replicas\"). Create the Secret first (values never here):",
               f"  kubectl -n {namespace} create secret generic {secret} --from-literal=agent-token=... "
               "[--from-literal=aws-access-key-id=... --from-literal=aws-secret-access-key=...]",
               "In the pool's config: [serving] attach_agents = " + json.dumps(urls),
@@ -410,6 +464,7 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("swap")(swap)
     app.command("bench")(bench)
-    app.command("agent")(agent)
+    # Extra arguments only after `--` (the replica's `vllm serve` line): an unknown option stays a usage error.
+    app.command("agent", context_settings={"allow_extra_args": True})(agent)
     app.add_typer(pool_app, name="pool")
     app.add_typer(replica_app, name="replica")

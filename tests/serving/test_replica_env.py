@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 
 import pytest
@@ -92,7 +93,7 @@ def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
     ref = bench_replica_spec(cfg.serving, cfg.head.num_speculative_tokens, "t", None, "target", [1, 4])
     assert ref.port == spec.port + 1 and ref.head_dir is None
     cmd = build_command(ref)
-    assert "--speculative-config" not in cmd and "--worker-extension-cls" not in cmd and NO_PREFIX_CACHE in cmd
+    assert "--speculative-config" not in cmd and "--weight-transfer-config" not in cmd and NO_PREFIX_CACHE in cmd
     assert "--speculative-config" in build_command(spec)
 
 
@@ -118,3 +119,23 @@ def test_engine_arguments_and_dynamic_k_pass_through_to_every_replica(tmp_path):
     plain = build_command(replica_specs(load_config(overrides={"state_dir": str(tmp_path)}).serving, 3, "t", "h", 1,
                                         "target")[0])
     assert "num_speculative_tokens_per_batch_size" not in plain[plain.index("--speculative-config") + 1]
+
+
+def test_the_installed_vllm_has_what_the_in_place_swap_needs():
+    """vLLM's drafter weight-update protocol and what the head-transfer engine relies on; the plugin's
+    entry point is found with the replica's PYTHONPATH (the plugin directory), not without it."""
+    import subprocess
+    import sys
+
+    from serving.replica import PLUGIN_DIR, REPO_ROOT, with_plugin_path
+
+    code = "import json; from serving.head_transfer import vllm_support; print(json.dumps(vllm_support()))"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
+                         env=with_plugin_path({"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT)}))
+    support = json.loads(got.stdout.strip().splitlines()[-1])
+    assert support == dict.fromkeys(support, True) and len(support) == 5, support
+    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT), "PYTHONPATH": str(REPO_ROOT)})
+    assert json.loads(bare.stdout.strip().splitlines()[-1])["plugin_entry_point"] is False
+    assert (PLUGIN_DIR / "drafter_adapt_vllm_plugin-1.0.dist-info" / "entry_points.txt").read_text().strip().endswith(
+        "drafter_adapt_head = serving.head_transfer:register")

@@ -172,6 +172,25 @@ def test_router_limits_body_size_and_rejects_undecodable_or_too_deep_json():
     assert len(rep.state.seen) == 1  # only the request within every limit reached the replica
 
 
+def test_an_over_limit_body_gets_its_413_not_a_reset():
+    """A 20 MB body at the default 8 MiB limit: the client reads a 413, declared or streamed (the router
+    reads the rest of the body before answering, else the client's write meets a reset)."""
+    rep = recording_replica()
+    big = b'{"prompt": "' + b"z" * (20 << 20) + b'"}'
+    with LoopbackServer(rep, free_port()) as s, Router(s.url, max_body_bytes=8 << 20) as r:
+        for _ in range(2):  # the connection is closed after each: a new one works
+            got = httpx.post(r.url + "/v1/completions", content=big, timeout=60)
+            assert got.status_code == 413 and "over 8388608 bytes" in got.text
+        streamed = httpx.post(r.url + "/v1/completions", content=(big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)),
+                              timeout=60)
+        assert streamed.status_code == 413
+        # curl's way: Expect: 100-continue, so the body is never sent.
+        p = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "content-type: application/json",
+                            "--data-binary", "@-", r.url + "/v1/completions"], input=big, capture_output=True, timeout=60)
+        assert p.stdout == b"413", p
+    assert rep.state.seen == []
+
+
 def test_router_forwards_only_allowed_headers():
     rep = recording_replica()
     with LoopbackServer(rep, free_port()) as s, Router(s.url) as r:

@@ -6,6 +6,7 @@ Upstream replicas are small fake OpenAI servers on loopback, so these run in sec
 from __future__ import annotations
 
 import asyncio
+import re
 import json
 import threading
 import time
@@ -200,6 +201,132 @@ def test_router_balances_drains_skips_and_guards_admin(tmp_path: Path):
         assert len(lines) == 8 + 1 + 4 + 6
         streamed = [x for x in lines if x["captureData"]["endpointOutput"]["observedContentType"] == "text/event-stream"]
         assert len(streamed) == 1 and "data: [DONE]" in streamed[0]["captureData"]["endpointOutput"]["data"]
+
+
+class CrashingReplica:
+    """A raw HTTP server that answers /health but drops every POST: with ``after_first_chunk``, a stream's
+    first chunk goes out before the connection is reset (a replica killed mid-stream)."""
+
+    def __init__(self, after_first_chunk: bool = False) -> None:
+        import socket as socketlib
+
+        self.after_first_chunk = after_first_chunk
+        self.hits = 0
+        self.sock = socketlib.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket as socketlib
+        import struct
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if not data.startswith(b"POST "):  # /health (and the pool's /metrics sampling)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+                    continue
+                self.hits += 1
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(re.search(rb"content-length: *(\d+)", head, re.I)[1])
+                while len(body) < length:
+                    body += conn.recv(65536)
+                if self.after_first_chunk and json.loads(body).get("stream"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n"
+                                 b"1a\r\ndata: {\"choices\": [{}]}\n\n\r\n")
+                    time.sleep(0.05)
+                # SO_LINGER 0: close with a reset, as the kernel does for a killed process's sockets.
+                conn.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_router_retries_a_request_its_replica_dropped_once_on_another_and_captures_it_once(tmp_path: Path):
+    good = fake_replica("B", delay=0.05)
+    crash, crash2, midstream = CrashingReplica(), CrashingReplica(), CrashingReplica(after_first_chunk=True)
+    with LoopbackServer(good, free_port()) as sg:
+        def serve(urls, writer_dir, fn):
+            pool = Pool(health_interval=0.2)
+            for u in urls:
+                pool.attach(u)
+            port, holder = free_port(), {}
+
+            def run():
+                async def main():
+                    writer = CaptureWriter(str(writer_dir), "ep", flush_seconds=0.05)
+                    await pool.start_background()
+                    srv = uvicorn.Server(uvicorn.Config(create_app(pool, writer=writer), host="127.0.0.1", port=port,
+                                                        log_level="error"))
+                    srv.install_signal_handlers = lambda: None
+                    holder["srv"] = srv
+                    await srv.serve()
+                    await writer.close()
+                    await pool.close()
+                asyncio.run(main())
+
+            th = threading.Thread(target=run, daemon=True)
+            th.start()
+            while not (holder.get("srv") and holder["srv"].started):
+                time.sleep(0.02)
+            try:
+                return fn(f"http://127.0.0.1:{port}")
+            finally:
+                holder["srv"].should_exit = True
+                th.join(20)
+
+        def records(d: Path) -> int:
+            return sum(len(f.read_text().splitlines()) for f in d.rglob("*.jsonl"))
+
+        async def load(url, n, stream):
+            async with httpx.AsyncClient(timeout=30) as c:
+                return await asyncio.gather(*(c.post(url + "/v1/completions", json={"prompt": "x", "stream": stream})
+                                              for _ in range(n)))
+
+        # A replica that drops every request: each one it got is retried on the good replica; nothing fails
+        # and every answer is captured once.
+        def both(url):
+            rs = asyncio.run(load(url, 12, False)) + asyncio.run(load(url, 6, True))
+            m = httpx.get(url + "/metrics").text
+            return rs, m
+        rs, m = serve([crash.url, sg.url], tmp_path / "a", both)
+        assert [r.status_code for r in rs] == [200] * 18 and crash.hits > 0
+        assert all(r.json()["choices"][0]["text"] == "B" for r in rs[:12])
+        assert all(r.content.endswith(b"data: [DONE]\n\n") for r in rs[12:])
+        retried = {k: float(v) for k, v in re.findall(r'adapt_router_retries_total\{reason="(\w+)"\} ([0-9.]+)', m)}
+        assert sum(retried.values()) == crash.hits and retried["reset"] > 0, (retried, crash.hits)
+        assert records(tmp_path / "a") == 18
+
+        # Retried once, not more: two dropping replicas fail the request with 502 after two tries.
+        hits = crash.hits + crash2.hits
+        rs = serve([crash.url, crash2.url], tmp_path / "b", lambda url: asyncio.run(load(url, 1, False)))
+        assert rs[0].status_code == 502 and "upstream error" in rs[0].text
+        assert crash.hits + crash2.hits == hits + 2 and records(tmp_path / "b") == 0
+
+        # A stream that had started when its replica died fails (its client holds a part), and is not captured.
+        def started(url):
+            with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=30) as r:
+                got = b""
+                with pytest.raises(httpx.HTTPError):
+                    for chunk in r.iter_raw():
+                        got += chunk
+            return got
+        got = serve([midstream.url], tmp_path / "c", started)
+        assert got.startswith(b"data: ") and midstream.hits == 1 and records(tmp_path / "c") == 0
+    for c in (crash, crash2, midstream):
+        c.close()
 
 
 def test_router_refuses_admin_without_configured_token():
