@@ -51,7 +51,8 @@ class TargetRunner:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=dtype,
                                                               device_map=device_map).eval()
-        self.device_map = getattr(self.model, "hf_device_map", None) if device_map is not None else None
+        # transformers records the placement only when it spans several devices.
+        self.device_map = getattr(self.model, "hf_device_map", device_map) if device_map is not None else None
         # Where input ids must go: the embedding's device (the first of a spread target's).
         self.input_device = self.model.get_input_embeddings().weight.device
         self.num_layers = self.model.config.num_hidden_layers
