@@ -31,8 +31,8 @@ from adapt.loss import Features, label_rows, project_hidden
 from adapt.memory import available_bytes, process_rss_bytes, trim_heap
 
 
-# Padded tokens per featurization forward: a GPU wants large matmuls; a CPU gains little past a
-# few thousand (measured by benchmarks/train_step.py) and pays for the padding.
+# Padded tokens per featurization forward: enough rows for the target's matmuls to fill the device,
+# few enough that one bucket's activations (and the hidden states kept for its aux layers) stay small.
 FEATURIZE_TOKENS = {"cuda": 32768, "cpu": 4096}
 # Share of the GPU's free memory (after the target and the head are loaded) the features may hold:
 # the rest is the step's activations and the featurization forward's.

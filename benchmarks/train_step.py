@@ -11,9 +11,10 @@ conversations of ShareGPT-like lengths, in one run and through the product's own
 * what ``[training] attention = "auto"`` picks here, with what it measured;
 * per attention backend: training-step tokens per second with every feature cached, timed in
   ``--rounds`` rounds of ``--steps`` steps (the backends interleaved, each round on the same
-  batches; median and range over the rounds), and ``max_abs_diff``: the largest difference of
-  its loss and gradients from a dense fp32 reference (SDPA's math kernel with the dense mask)
-  on the first batch; on CUDA also the host synchronisations one step makes;
+  batches, a backend's round cut after ``--round-seconds``; median and range over the rounds),
+  and ``max_abs_diff``: the largest difference of its loss and gradients from a dense fp32
+  reference (SDPA's math kernel with the dense mask) on the first batch; on CUDA also the host
+  synchronisations one step makes;
 * ``end_to_end_tok_s``: one epoch with the auto-picked backend, every token featurized once
   (batched) and trained once.
 
@@ -67,7 +68,10 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--conversations", type=int, default=None, help="default 64 on a CPU, 1024 on CUDA")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per backend per round (default 20)")
-    ap.add_argument("--rounds", type=int, default=None, help="default 5")
+    ap.add_argument("--rounds", type=int, default=None, help="default 5 (3 on CUDA)")
+    ap.add_argument("--round-seconds", type=float, default=20.0,
+                    help="a backend's steps in one round stop after this long (at least one step): the slow "
+                         "reference backend then times fewer batches instead of holding the run")
     ap.add_argument("--per-example", type=int, default=None,
                     help="examples featurized one by one for the comparison (default: all; 6 with --quick)")
     ap.add_argument("--backends", nargs="+", default=None, help="default: every backend this device trains with")
@@ -93,7 +97,7 @@ def main() -> int:
     batch_tokens = args.batch_tokens or (8192 if cuda else 512)
     n_conv = args.conversations or (1024 if cuda else (24 if args.quick else 64))
     steps = args.steps or (6 if args.quick else 20)
-    rounds = args.rounds or (3 if args.quick else 5)
+    rounds = args.rounds or (3 if args.quick or cuda else 5)
     backends = args.backends or candidates(device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -191,6 +195,10 @@ def main() -> int:
                 for s in range(steps):
                     _, n = recipe._step(r * steps + s, 0.0)
                     ntok += n
+                    if s + 1 < steps and time.perf_counter() - t0 > args.round_seconds:
+                        sync()
+                        if time.perf_counter() - t0 > args.round_seconds:
+                            break
                 sync()
                 result[b]["tok_s_rounds"].append(round(ntok / (time.perf_counter() - t0), 1))
             log(f"round {r + 1}/{rounds}: " + ", ".join(f"{b} {result[b]['tok_s_rounds'][-1]:.0f}" for b in backends)

