@@ -41,7 +41,7 @@ class Features:
     target_argmax: torch.Tensor  # Long[N]
     logit_rows: torch.Tensor | None = None  # Long[R]: positions the target rows hold (None = all)
     target_hidden: torch.Tensor | None = None  # [R, H_target] final-norm output, in place of target_logits
-    # Slot plans of this example, built once per (K, depth_keep): see slots().
+    # Host-side plans of this example, built once: its slots per (K, depth_keep) (see slots()), its logit index.
     slot_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def slots(self, k: int, depth_keep: Sequence[float] = ()) -> ExampleSlots:
@@ -64,13 +64,16 @@ class Features:
         return sum(t.numel() * t.element_size() for t in (self.aux_hidden, self.target_rows))
 
     def logit_index(self) -> torch.Tensor:
-        """Long[N]: row of ``target_logits`` for each position, -1 where not kept."""
-        if self.logit_rows is None:
-            return torch.arange(len(self))
-        idx = torch.full((len(self),), -1, dtype=torch.long)
-        rows = self.logit_rows.cpu()
-        idx[rows] = torch.arange(rows.numel())
-        return idx
+        """Long[N] (host): row of ``target_logits`` for each position, -1 where not kept; built once."""
+        if "logit_index" not in self.slot_plans:
+            if self.logit_rows is None:
+                idx = torch.arange(len(self))
+            else:
+                idx = torch.full((len(self),), -1, dtype=torch.long)
+                rows = self.logit_rows.cpu()
+                idx[rows] = torch.arange(rows.numel())
+            self.slot_plans["logit_index"] = idx
+        return self.slot_plans["logit_index"]
 
 
 def label_rows(loss_mask: torch.Tensor) -> torch.Tensor:

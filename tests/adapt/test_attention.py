@@ -72,12 +72,12 @@ def grads_of(m, batch, **kw):
     return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("k, num_layers", [(2, 1), (3, 2), (4, 1), (7, 2)])
+@pytest.mark.parametrize("k, num_layers", [(2, 1), (4, 2), (7, 2)])
 def test_every_cpu_backend_trains_like_the_dense_reference(k, num_layers):
     """Loss and gradients of each backend, on its own layout (rows or one flat row), equal the dense pass's."""
     m = drafter(k, num_layers)
     keep = [0.8, 0.5] if k > 2 else []
-    for seed in range(3):
+    for seed in range(2):
         rows = random_rows(100 + seed, m.config.fc_input_size)
         ref_batch = collate(rows, k, 39, keep, torch.Generator().manual_seed(seed))
         ref, g_ref = grads_of(m, ref_batch, **{**ref_batch.model_inputs(), "segments": None})
@@ -161,10 +161,10 @@ def test_training_measures_the_backends_once_and_a_resumed_run_keeps_its_pick(ti
 
     rows = [{"content_hash": f"a{i}", "conversations": [{"from": "human", "value": "the of and to " * 3},
                                                          {"from": "gpt", "value": "def return import class " * 6}]}
-            for i in range(6)]
+            for i in range(4)]
     cfg = load_config(None, {"state_dir": str(tmp_path / "s"), "target": {"model": str(tiny_model)},
                              "head": {"draft_vocab_size": 256},
-                             "training": {"max_steps": 3, "batch_tokens": 200, "max_seq_len": 100, "device": "cpu",
+                             "training": {"max_steps": 2, "batch_tokens": 200, "max_seq_len": 100, "device": "cpu",
                                           "checkpoint_steps": 1, "seed": 11}})
     part = train(cfg, rows, None, tmp_path / "h", progress=False, stop_after_steps=1)
     att = part.extra["attention"]
@@ -173,6 +173,6 @@ def test_training_measures_the_backends_once_and_a_resumed_run_keeps_its_pick(ti
     state = json.loads((tmp_path / "h.run" / "train_state.json").read_text())
     assert state["attention"] == att["backend"]
     done = train(cfg, rows, None, tmp_path / "h", progress=False)
-    assert done.steps == 3 and done.extra["attention"] == {**done.extra["attention"], "backend": att["backend"],
+    assert done.steps == 2 and done.extra["attention"] == {**done.extra["attention"], "backend": att["backend"],
                                                             "how": "resumed"}
     assert validate_head(tmp_path / "h", tiny_model).manifest["training"]["attention"] == att["backend"]
