@@ -161,10 +161,11 @@ class TrainRecipe:
     def train(self) -> None:
         """Steps until ``max_steps``, the wall-time cap or ``stop_after_steps``; checkpoints along the way and at the end."""
         st, schedule = self.state, self.schedule
-        schedule.start()
         bar = self._progress_bar()
         if st.step < schedule.max_steps:
             self.attention = self._pick_attention(st.step)
+        # After the pick: like loading, measuring the backends (and compiling them) is not training time.
+        schedule.start()
         t_start = self._flushed_at = time.perf_counter()
         # CPU steps reuse their freed large blocks instead of faulting fresh pages in.
         with heap_kept_between_steps() if self.device.type == "cpu" else nullcontext():
