@@ -204,8 +204,13 @@ class Pick:
     how: str = "measured"  # measured | configured | cached | resumed
 
     def to_json(self) -> dict[str, Any]:
+        """The pick, every timing, each backend's median, and whether the timings separate the winner
+        from the rest (its slowest run faster than every other backend's fastest): the pick's own noise."""
         out = asdict(self)
         out["median_ms"] = {b: round(statistics.median(t), 3) for b, t in self.measured.items() if t}
+        won = self.measured.get(self.backend)
+        others = [min(t) for b, t in self.measured.items() if t and b != self.backend]
+        out["clear_win"] = bool(won and others and max(won) < min(others))
         return out
 
 
