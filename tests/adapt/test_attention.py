@@ -146,7 +146,7 @@ def test_auto_picks_the_fastest_by_measurement_and_caches_it():
     assert "NotImplementedError" in pick.skipped["flex"] and "flex" not in pick.measured
     # segment is three times slower: it stops after its first timed run, sdpa gets all three.
     assert len(pick.measured["sdpa"]) == 3 and len(pick.measured["segment"]) == 1
-    assert pick.to_json()["median_ms"]["sdpa"] < pick.to_json()["median_ms"]["segment"]
+    assert pick.to_json()["median_ms"]["sdpa"] < pick.to_json()["median_ms"]["segment"] and pick.to_json()["clear_win"]
     before = len(runs)
     again = pick_backend(["flex", "sdpa", "segment"], run, lambda: None, key=("test", 1))
     assert again.backend == "sdpa" and again.how == "cached" and len(runs) == before
