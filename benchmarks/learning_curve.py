@@ -183,7 +183,7 @@ def main() -> int:
     import torch
 
     from adapt.checkpoint import load_head
-    from adapt.data import make_batches, tokenize_rows
+    from adapt.data import make_batches, tokenize_conversation
     from adapt.device import pick_device
     from adapt.hidden_states import TargetRunner
     from adapt.train import train
@@ -238,12 +238,14 @@ def main() -> int:
         training["batch_tokens"] = args.batch_tokens or 8192
     points: list[dict[str, Any]] = []
     cfg0 = load_config(overrides={"state_dir": str(work / "state"), "training": {**training, "max_steps": 1}})
-    all_lengths = [len(e) for e in tokenize_rows(tokenizer, pool, args.max_seq_len)]
+    # One length per pool row (0: the trainer drops it), so a point's lengths are its rows'.
+    row_lengths = [len(e) if e is not None else 0 for e in
+                   (tokenize_conversation(tokenizer, r, args.max_seq_len) for r in pool)]
     plan = sorted(set(args.points))
-    planned = {n: args.epochs * sum(all_lengths[:n]) for n in plan}
+    planned = {n: args.epochs * sum(row_lengths[:n]) for n in plan}
     for i, n in enumerate(plan):
         rows = pool[:n]
-        lengths = all_lengths[:n]
+        lengths = [x for x in row_lengths[:n] if x]
         per_epoch = len(make_batches(lengths, cfg0.training.batch_tokens, args.max_seq_len, cfg0.training.seed))
         steps = max(1, math.ceil(args.epochs * per_epoch))
         cap = args.train_minutes
