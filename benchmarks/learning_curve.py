@@ -55,12 +55,15 @@ def log(msg: str) -> None:
 
 
 def first_turn(conv) -> dict[str, Any]:
-    """A conversation cut to its first user turn (with any system turn before it)."""
+    """A conversation cut to its first user turn, with the system turns before it (an answer before any
+    question is not part of a first turn)."""
     turns = []
     for t in conv.turns:
-        turns.append(t)
         if t["from"] == "human":
+            turns.append(t)
             break
+        if t["from"] == "system":
+            turns.append(t)
     return {"id": conv.id, "conversations": turns}
 
 
@@ -321,7 +324,7 @@ def render(res: dict[str, Any], path: Path) -> str:
     L = [f"learning curve: {res['target']} on {res['device']} ({res['device_name']}), K={res['k']}; held-out "
          f"{res['heldout']['prompts']} first turns ({res['heldout']['heldout_code']} code-heavy, "
          f"{res['heldout']['heldout_general']} general), {res['heldout']['max_new_tokens']} greedy tokens each; "
-         f"0 repeat a training question",
+         f"{res['heldout']['heldout_repeating_training']} repeat a training question",
          f"{'convs':>6} {'steps':>6} {'epochs':>6} {'tokens':>10} {'tok/s':>8} {'acc len':>8} {'code':>6} {'general':>8}"
          "  per position"]
     for p in res["points"]:
@@ -335,8 +338,13 @@ def render(res: dict[str, Any], path: Path) -> str:
              f"{'MET' if g['met'] else 'MISSED'}")
     ex = res.get("extrapolation")
     if ex:
-        more = (f"; the line reaches {g['acceptance_length']} at about {ex['conversations_for_goal']:,.0f} conversations"
-                if "conversations_for_goal" in ex else "; it does not rise")
+        need = ex.get("conversations_for_goal")
+        if need is None:
+            more = "; it does not rise"
+        elif need > 1e9:
+            more = f"; at that rate {g['acceptance_length']} is out of reach (over a billion conversations)"
+        else:
+            more = f"; the line reaches {g['acceptance_length']} at about {need:,.0f} conversations"
         L.append(f"fit: {ex['gain_per_doubling']:+.3f} acceptance length per doubling of the data{more}")
     L.append(f"total {res['total_seconds']:.0f}s; result: {path}")
     return "\n".join(L)
