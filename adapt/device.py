@@ -16,6 +16,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def target_device_map(device: torch.device, world: int = 1, gpus: int | None = None) -> str | None:
+    """How to place the target for featurization: "auto" (its layers spread over every visible GPU, so a
+    target larger than one GPU still runs) for a single-process CUDA run that sees several GPUs; None (the
+    whole target on ``device``) otherwise. Under ``torchrun`` each rank owns one GPU, so nothing spreads."""
+    if device.type != "cuda" or world > 1:
+        return None
+    if gpus is None:
+        gpus = torch.cuda.device_count()
+    return "auto" if gpus > 1 else None
+
+
 def use_bf16_autocast(dtype: str, device: torch.device) -> bool:
     """bf16 autocast when asked for, or on ``auto`` where matmuls run natively in bf16.
 

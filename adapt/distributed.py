@@ -59,6 +59,15 @@ def barrier(dd: Dist) -> None:
         dist.barrier()
 
 
+def broadcast_from_main(obj, dd: Dist):
+    """Rank 0's ``obj`` (any picklable value), on every rank."""
+    if dd.world <= 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def max_over_ranks(value: float, dd: Dist) -> float:
     """The largest ``value`` of all ranks, on every rank."""
     if dd.world <= 1:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adapt.attention import SlotAttention, segment_attention, take_rows  # noqa: F401  (segment_attention: re-exported)
 from headspec.config import DrafterConfig
 
 class RMSNorm(nn.Module):
@@ -83,54 +84,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attn_mask, segments=None, keep=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, attention: SlotAttention, keep=None) -> torch.Tensor:
         B, N, _ = x.shape
         q = self.q_proj(x).view(B, N, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, N, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:
-            rep = self.nh // self.nkv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if segments is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None])
-        else:
-            out = segment_attention(q, k, v, attn_mask, segments)
+        out = attention(q, k, v)
         out = out.transpose(1, 2).reshape(B, N, self.nh * self.hd)
-        return self.o_proj(out if keep is None else out[keep])
-
-
-def segment_attention(q, k, v, attn_mask, segments) -> torch.Tensor:
-    """Attention of a packed training row, example by example; equal to the dense masked pass.
-
-    ``segments[b]`` lists each example of row ``b`` as ``(start, n_real, end)``:
-    slots ``start..start+n_real`` are its real slots, which attend causally among
-    themselves only, and the rest up to ``end`` its mask slots (masked by
-    ``attn_mask``). Examples never attend across each other, yet the dense S x S
-    pass computes every such pair; this skips them and runs the real slots as
-    plain causal attention. Slots after the last example (padding) get zeros.
-    """
-    rows = []
-    N = q.shape[2]
-    for b, segs in enumerate(segments):
-        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-        parts, used = [], 0
-        for start, n_real, end in segs:
-            if start != used:
-                raise ValueError("segments must tile the row from slot 0 in order")
-            mid = start + n_real
-            if n_real:
-                parts.append(F.scaled_dot_product_attention(qb[:, :, start:mid], kb[:, :, start:mid],
-                                                            vb[:, :, start:mid], is_causal=True))
-            if end > mid:
-                parts.append(F.scaled_dot_product_attention(
-                    qb[:, :, mid:end], kb[:, :, start:end], vb[:, :, start:end],
-                    attn_mask=attn_mask[b:b + 1, None, mid:end, start:end]))
-            used = end
-        if used < N:
-            parts.append(qb.new_zeros(1, qb.shape[1], N - used, qb.shape[3]))
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0)
+        return self.o_proj(out if keep is None else take_rows(out, keep))
 
 
 class MLP(nn.Module):
@@ -160,8 +122,8 @@ class DecoderLayer(nn.Module):
             # vLLM creates hidden_norm on every layer but only layer 0 uses it.
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def forward(self, embeds, hidden, residual, cos, sin, attn_mask, segments=None, keep=None):
-        """``keep`` (Bool[B,N]): return only those slots' rows ([n,H]); every slot still serves as a key."""
+    def forward(self, embeds, hidden, residual, cos, sin, attention: SlotAttention, keep=None):
+        """``keep`` (see :func:`take_rows`): return only those slots' rows ([n,H]); every slot still serves as a key."""
         if self.layer_idx == 0:
             normed = self.hidden_norm(hidden)
             residual = normed if self.norm_before_residual else hidden
@@ -169,8 +131,8 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden + residual
             x = self.input_layernorm(residual)
-        x = self.self_attn(x, cos, sin, attn_mask, segments, keep)
-        residual = x + (residual if keep is None else residual[keep])
+        x = self.self_attn(x, cos, sin, attention, keep)
+        residual = x + (residual if keep is None else take_rows(residual, keep))
         x = self.mlp(self.post_attention_layernorm(residual))
         return x, residual
 
@@ -294,9 +256,10 @@ class PEagleDrafter(nn.Module):
         positions: torch.Tensor,
         aux_hidden: torch.Tensor,
         is_mask: torch.Tensor,
-        attn_mask: torch.Tensor,
+        attn_mask: torch.Tensor | None,
         segments: list[list[tuple[int, int, int]]] | None = None,
         select: torch.Tensor | None = None,
+        attention: SlotAttention | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states [B,N,H] (before ``lm_head``), or [n,H] for the ``select`` slots.
 
@@ -308,11 +271,12 @@ class PEagleDrafter(nn.Module):
         hidden = self.fc(aux)
         embeds = self.embed(input_ids).to(dtype)
         cos, sin = self.rope(positions, dtype)
+        if attention is None:
+            attention = SlotAttention.from_dense(attn_mask, segments)
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(embeds, hidden, residual, cos, sin, attn_mask, segments,
-                                     select if i == last else None)
+            hidden, residual = layer(embeds, hidden, residual, cos, sin, attention, select if i == last else None)
         return self.norm(hidden + residual)
 
     def forward(
@@ -321,20 +285,24 @@ class PEagleDrafter(nn.Module):
         positions: torch.Tensor,
         aux_hidden: torch.Tensor,
         is_mask: torch.Tensor,
-        attn_mask: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
         select: torch.Tensor | None = None,
         segments: list[list[tuple[int, int, int]]] | None = None,
+        attention: SlotAttention | None = None,
     ) -> torch.Tensor:
-        """Draft logits [B,N,draft_vocab], or [n,draft_vocab] for the slots where ``select`` (Bool[B,N]) holds.
+        """Draft logits [B,N,draft_vocab], or [n,draft_vocab] for the ``select`` slots (Bool[B,N], or Long[n]
+        flat indices, see :func:`take_rows`).
 
         input_ids/positions Long[B,N]; aux_hidden [B,N,n_aux*Ht]; is_mask Bool[B,N]
         (slot uses ``mask_hidden``); attn_mask Bool[B,N,N], True = may attend;
         ``segments`` (packed training rows, see :func:`segment_attention`) skips
-        the pairs ``attn_mask`` rules out between examples.
+        the pairs ``attn_mask`` rules out between examples. ``attention``
+        (:class:`adapt.attention.SlotAttention`, the trainer's) replaces both.
         """
         # Training scores only labelled slots: prompt slots are attention context, and
         # lm_head + the loss over the draft vocabulary would otherwise be half the step.
-        return self.lm_head(self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask, segments, select))
+        return self.lm_head(self.hidden(input_ids, positions, aux_hidden, is_mask, attn_mask, segments, select,
+                                        attention))
 
 
 def build_draft_inputs(

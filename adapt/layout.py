@@ -145,3 +145,76 @@ def attention_mask(seg: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor)
     pad = (seg < 0).nonzero().squeeze(1)
     m[pad, pad] = True
     return m
+
+
+# --- the per-example plan the trainer builds once --------------------------------------
+
+@dataclass
+class ExampleSlots:
+    """One example's slots with every chain at its deepest labelled depth, built once per example.
+
+    Indices are local to the example (its tokens 0..n-1). Depth down-sampling
+    only removes slots from this set: a mask slot is kept for a draw ``u`` of its
+    anchor when ``u < threshold``, where the threshold is the keep fraction of
+    the shallowest labelled depth at or below it in its chain. That is exactly
+    :func:`chain_depths`' rule (a chain stops after its last labelled depth it
+    reaches), so a step draws one number per anchor, as :func:`build_layout`
+    does, and selects instead of rebuilding.
+    """
+
+    n: int
+    tok_index: torch.Tensor  # Long[s]
+    hid_index: torch.Tensor  # Long[s]
+    positions: torch.Tensor  # Long[s]
+    depth: torch.Tensor  # Long[s]
+    tgt_index: torch.Tensor  # Long[s]
+    valid: torch.Tensor  # Bool[s]
+    anchor: torch.Tensor  # Long[s]
+    threshold: torch.Tensor  # Float[s]: kept when the anchor's draw is below it (real slots: always)
+    sampling: bool  # whether a step draws (depth_keep has a fraction below 1)
+
+    @property
+    def n_real(self) -> int:
+        return self.n - 1
+
+    def select(self, generator: torch.Generator | None) -> torch.Tensor:
+        """Long[s'] of the slots this step keeps (real slots first), drawing as :func:`chain_depths` does."""
+        if not self.sampling:
+            return torch.arange(self.tok_index.numel())
+        u = torch.rand(self.n_real, generator=generator)
+        keep = torch.ones(self.tok_index.numel(), dtype=torch.bool)
+        mask = slice(self.n_real, None)
+        keep[mask] = u[self.anchor[mask]] < self.threshold[mask]
+        return keep.nonzero().squeeze(1)
+
+
+def example_slots(loss_mask: torch.Tensor, k: int, depth_keep: Sequence[float] = ()) -> ExampleSlots:
+    """The :class:`ExampleSlots` of one example (by its loss mask)."""
+    keep = check_depth_keep(depth_keep, k)
+    full = build_layout([loss_mask], k)  # every chain at its deepest labelled depth
+    n = int(loss_mask.numel())
+    depth, anchor = full.depth, full.anchor
+    # Label depth of each mask slot: the shallowest labelled depth >= its own in its chain.
+    label_depth = depth.clone()
+    labelled = full.valid | (depth == 1)
+    nxt = torch.full((n,), k + 1, dtype=torch.long)  # per anchor, while walking depths down
+    for d in range(k, 1, -1):
+        at = (depth == d).nonzero().squeeze(1)
+        a = anchor[at]
+        nxt[a] = torch.where(labelled[at], torch.full_like(a, d), nxt[a])
+        label_depth[at] = nxt[a]
+    fractions = torch.tensor([2.0, 2.0] + keep, dtype=torch.float32)  # index by depth: 0, 1 unused
+    threshold = torch.where(depth >= 2, fractions[label_depth.clamp(max=k)], torch.full_like(depth, 2, dtype=torch.float32))
+    return ExampleSlots(n, full.tok_index, full.hid_index, full.positions, depth, full.tgt_index, full.valid,
+                        anchor, threshold, any(x < 1.0 for x in keep))
+
+
+def batch_attention_mask(seg: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_mask` for a batch of rows: Bool[B,S,S] from Long[B,S] vectors, built where they live."""
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+    a_q, a_k = anchor[:, :, None], anchor[:, None, :]
+    d_q, d_k = depth[:, :, None], depth[:, None, :]
+    m = same & (((d_k == 1) & (a_k <= a_q)) | ((d_k >= 2) & (a_k == a_q) & (d_k <= d_q)))
+    pad = (seg < 0)
+    eye = torch.eye(seg.shape[1], dtype=torch.bool, device=seg.device)[None]
+    return m | (pad[:, :, None] & eye)

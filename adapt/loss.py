@@ -9,13 +9,14 @@ with per-depth top-1 agreement (drafter argmax == target argmax) for logging.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from adapt.layout import Layout, build_layout, pad_layout
+from adapt.attention import SlotAttention, take_rows
+from adapt.layout import ExampleSlots, batch_attention_mask, example_slots
 
 
 @dataclass
@@ -40,6 +41,15 @@ class Features:
     target_argmax: torch.Tensor  # Long[N]
     logit_rows: torch.Tensor | None = None  # Long[R]: positions the target rows hold (None = all)
     target_hidden: torch.Tensor | None = None  # [R, H_target] final-norm output, in place of target_logits
+    # Host-side plans of this example, built once: its slots per (K, depth_keep) (see slots()), its logit index.
+    slot_plans: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def slots(self, k: int, depth_keep: Sequence[float] = ()) -> ExampleSlots:
+        """This example's :class:`adapt.layout.ExampleSlots`, built on first use and kept with the features."""
+        key = (k, tuple(depth_keep))
+        if key not in self.slot_plans:
+            self.slot_plans[key] = example_slots(self.loss_mask.cpu(), k, depth_keep)
+        return self.slot_plans[key]
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -54,12 +64,16 @@ class Features:
         return sum(t.numel() * t.element_size() for t in (self.aux_hidden, self.target_rows))
 
     def logit_index(self) -> torch.Tensor:
-        """Long[N]: row of ``target_logits`` for each position, -1 where not kept."""
-        if self.logit_rows is None:
-            return torch.arange(len(self))
-        idx = torch.full((len(self),), -1, dtype=torch.long)
-        idx[self.logit_rows] = torch.arange(self.logit_rows.numel())
-        return idx
+        """Long[N] (host): row of ``target_logits`` for each position, -1 where not kept; built once."""
+        if "logit_index" not in self.slot_plans:
+            if self.logit_rows is None:
+                idx = torch.arange(len(self))
+            else:
+                idx = torch.full((len(self),), -1, dtype=torch.long)
+                rows = self.logit_rows.cpu()
+                idx[rows] = torch.arange(rows.numel())
+            self.slot_plans["logit_index"] = idx
+        return self.slot_plans["logit_index"]
 
 
 def label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -84,7 +98,6 @@ class Batch:
     positions: torch.Tensor  # Long[B,S]
     aux_hidden: torch.Tensor  # [B,S,F]
     is_mask: torch.Tensor  # Bool[B,S]
-    attn_mask: torch.Tensor  # Bool[B,S,S]
     depth: torch.Tensor  # Long[B,S], 0 = padding
     valid: torch.Tensor  # Bool[B,S]
     # [n,Vd]: the valid slots' rows, in ``valid`` order (kept in the features' dtype); from compact
@@ -92,9 +105,20 @@ class Batch:
     target_logits: torch.Tensor
     target_argmax: torch.Tensor  # Long[B,S]
     num_tokens: int  # real tokens in the batch (for throughput)
-    # Per row, each example's slots as (start, n_real, end): see adapt.drafter.segment_attention.
+    # Per row, each example's slots as (start, n_real, end): see adapt.attention.segment_attention.
     segments: list[list[tuple[int, int, int]]] | None = None
     compact: bool = False  # target_logits still holds final hidden states
+    seg: torch.Tensor | None = None  # Long[B,S]: example number (-1 padding)
+    anchor: torch.Tensor | None = None  # Long[B,S]
+    valid_index: torch.Tensor | None = None  # Long[n]: flat indices (into B*S) of the valid slots
+    attn_mask_: torch.Tensor | None = None  # Bool[B,S,S] once built (see attn_mask)
+
+    @property
+    def attn_mask(self) -> torch.Tensor:
+        """Bool[B,S,S] (:func:`adapt.layout.attention_mask` per row), built from the vectors on first use."""
+        if self.attn_mask_ is None:
+            self.attn_mask_ = batch_attention_mask(self.seg, self.anchor, self.depth)
+        return self.attn_mask_
 
     def project_targets(self, output_rows: torch.Tensor) -> None:
         """Compact batch -> logits over the draft vocabulary (see :func:`project_hidden`)."""
@@ -103,83 +127,115 @@ class Batch:
             self.compact = False
 
     def model_inputs(self) -> dict[str, Any]:
+        """The drafter's inputs with the dense mask (and the segments): the reference pass."""
+        return {**self.drafter_inputs(), "attn_mask": self.attn_mask, "segments": self.segments}
+
+    def drafter_inputs(self) -> dict[str, Any]:
+        """The drafter's inputs without a mask: the trainer passes :meth:`attention` instead."""
         return {"input_ids": self.input_ids, "positions": self.positions, "aux_hidden": self.aux_hidden,
-                "is_mask": self.is_mask, "attn_mask": self.attn_mask, "segments": self.segments}
+                "is_mask": self.is_mask}
+
+    def attention(self, backend: str) -> SlotAttention:
+        """This batch's attention with ``backend``, its mask built once for every layer."""
+        return SlotAttention(backend, self.seg, self.anchor, self.depth, self.segments)
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> "Batch":
-        mv = lambda t: t.to(device, dtype=dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
-        moved = {f: mv(getattr(self, f)) for f in ("input_ids", "positions", "aux_hidden", "is_mask", "attn_mask",
-                                                     "depth", "valid", "target_argmax")}
+        mv = lambda t: None if t is None else (t.to(device, dtype=dtype) if t.is_floating_point()  # noqa: E731
+                                               else t.to(device))
+        moved = {f: mv(getattr(self, f)) for f in ("input_ids", "positions", "aux_hidden", "is_mask", "depth",
+                                                     "valid", "target_argmax", "seg", "anchor", "valid_index",
+                                                     "attn_mask_")}
         # The loss upcasts the target logits itself; an fp32 copy here would be the largest tensor of the step.
         return Batch(**moved, target_logits=self.target_logits.to(device), num_tokens=self.num_tokens,
                      segments=self.segments, compact=self.compact)
 
 
-def row_segments(lay: Layout) -> list[tuple[int, int, int]]:
-    """``(start, n_real, end)`` of each example in a layout (examples are contiguous, real slots first)."""
-    segs = []
-    seg, real = lay.seg.tolist(), (lay.tok_index >= 0).tolist()
-    start = 0
-    for i in range(1, len(seg) + 1):
-        if i == len(seg) or seg[i] != seg[start]:
-            if seg[start] >= 0:
-                n_real = sum(real[start:i])
-                if not all(real[start:start + n_real]):
-                    raise ValueError("an example's real slots must precede its mask slots")
-                segs.append((start, n_real, i))
-            start = i
-    return segs
+_PAD = {"tok": -1, "hid": -1, "pos": 0, "depth": 0, "tgt_row": -1, "tgt_tok": -1, "seg": -1, "anchor": 0}
 
 
 def collate(rows: Sequence[Sequence[Features]], k: int, ptd_token_id: int, depth_keep: Sequence[float] = (),
-            generator: torch.Generator | None = None) -> Batch:
-    """Packed rows of examples -> one padded drafter batch."""
-    layouts: list[Layout] = [build_layout([f.loss_mask for f in row], k, depth_keep, generator) for row in rows]
-    S = max(lay.num_slots for lay in layouts)
-    layouts = [pad_layout(lay, S) for lay in layouts]
-    kinds = {f.target_hidden is not None for row in rows for f in row}
+            generator: torch.Generator | None = None, *, flat: bool = False, pad_multiple: int = 1,
+            device: torch.device | str | None = None) -> Batch:
+    """Packed rows of examples -> one padded drafter batch (on ``device``; default: where the features are).
+
+    The slot plan is small integer vectors built on the host from each example's
+    cached :class:`adapt.layout.ExampleSlots` (one draw per anchor when depths
+    are down-sampled, as :func:`adapt.layout.build_layout` draws); the features
+    are gathered where they live, so a step moves nothing per example between
+    host and device. ``flat`` puts every example in one row (the ``flex``
+    backend's layout); rows are padded to a multiple of ``pad_multiple`` slots.
+    """
+    feats = [f for row in rows for f in row]
+    kinds = {f.target_hidden is not None for f in feats}
     if len(kinds) > 1:
         raise ValueError("a batch mixes compact (target_hidden) and full (target_logits) features")
-    ids, aux, tl, ta = [], [], [], []
-    for row, lay in zip(rows, layouts):
-        r_ids = torch.cat([f.input_ids for f in row])
-        r_aux = torch.cat([f.aux_hidden for f in row])
-        r_tl = torch.cat([f.target_rows for f in row])
-        # Each example's logit rows, shifted to where its target rows start in r_tl.
-        li, start = [], 0
-        for f in row:
-            ix = f.logit_index()
-            li.append(torch.where(ix >= 0, ix + start, ix))
-            start += f.target_rows.shape[0]
-        r_li = torch.cat(li)
-        r_ta = torch.cat([f.target_argmax for f in row])
-        real = lay.tok_index >= 0
-        x = torch.full((S,), ptd_token_id, dtype=torch.long)
-        x[real] = r_ids[lay.tok_index[real]]
-        h = r_aux.new_zeros(S, r_aux.shape[-1])
-        h[real] = r_aux[lay.hid_index[real]]
-        has_t = lay.tgt_index >= 0
-        src = torch.full((S,), -1, dtype=torch.long)
-        src[has_t] = r_li[lay.tgt_index[has_t]]
-        if (lay.valid & (src < 0)).any():
-            raise ValueError("a labelled slot's target logits were not kept (logit_rows too narrow)")
-        t = r_tl[src[lay.valid]]
-        a = torch.full((S,), -1, dtype=torch.long)
-        a[has_t] = r_ta[lay.tgt_index[has_t]]
-        ids.append(x), aux.append(h), tl.append(t), ta.append(a)
+    if flat:
+        rows = [feats]
+    src = feats[0].aux_hidden.device
+    dev = torch.device(device) if device is not None else src
+    # --- the plan, on the host ---
+    planned, segments = [], []
+    tok_base = row_base = 0
+    for row in rows:
+        parts: dict[str, list[torch.Tensor]] = {key: [] for key in (*_PAD, "valid")}
+        segs, used = [], 0
+        for e, f in enumerate(row):
+            es = f.slots(k, depth_keep)
+            sel = es.select(generator)
+            tok, hid, tgt = es.tok_index[sel], es.hid_index[sel], es.tgt_index[sel]
+            li = f.logit_index()
+            parts["tok"].append(torch.where(tok >= 0, tok + tok_base, tok))
+            parts["hid"].append(torch.where(hid >= 0, hid + tok_base, hid))
+            parts["pos"].append(es.positions[sel])
+            parts["depth"].append(es.depth[sel])
+            has_t = tgt >= 0
+            row_of = torch.where(has_t, li[tgt.clamp(min=0)], torch.full_like(tgt, -1))
+            parts["tgt_row"].append(torch.where(row_of >= 0, row_of + row_base, row_of))
+            parts["tgt_tok"].append(torch.where(has_t, tgt + tok_base, tgt))
+            parts["valid"].append(es.valid[sel])
+            parts["seg"].append(torch.full_like(tok, e))
+            parts["anchor"].append(es.anchor[sel])
+            n = int(sel.numel())
+            segs.append((used, es.n_real, used + n))
+            used += n
+            tok_base += len(f)
+            row_base += f.target_rows.shape[0]
+        planned.append({key: torch.cat(v) for key, v in parts.items()})
+        segments.append(segs)
+    S = max(p["depth"].numel() for p in planned)
+    S = -(-S // pad_multiple) * pad_multiple
+    plan = {}
+    for key in (*_PAD, "valid"):
+        fill = _PAD.get(key, False)
+        plan[key] = torch.stack([torch.cat([p[key], torch.full((S - p[key].numel(),), fill, dtype=p[key].dtype)])
+                                 for p in planned])
+    valid = plan["valid"]
+    if (valid & (plan["tgt_row"] < 0)).any():
+        raise ValueError("a labelled slot's target logits were not kept (logit_rows too narrow)")
+    valid_index = valid.flatten().nonzero().squeeze(1)
+    label_rows_ = plan["tgt_row"].flatten()[valid_index]
+    # --- the features, gathered where they live ---
+    idx = torch.stack([plan[key] for key in ("tok", "hid", "tgt_tok")])
+    if src.type == "cuda":
+        idx, label_rows_ = idx.pin_memory().to(src, non_blocking=True), label_rows_.pin_memory().to(src, non_blocking=True)
+    else:
+        idx, label_rows_ = idx.to(src), label_rows_.to(src)
+    tok, hid, tgt_tok = idx[0], idx[1], idx[2]
+    ids_all = torch.cat([f.input_ids.to(src) for f in feats])
+    aux_all = torch.cat([f.aux_hidden for f in feats])
+    ta_all = torch.cat([f.target_argmax.to(src) for f in feats])
+    real = tok >= 0
+    input_ids = torch.where(real, ids_all[tok.clamp(min=0)], torch.full_like(tok, ptd_token_id))
+    aux = aux_all[hid.clamp(min=0)].masked_fill_(~(hid >= 0)[..., None], 0)
+    target_argmax = torch.where(tgt_tok >= 0, ta_all[tgt_tok.clamp(min=0)], torch.full_like(tgt_tok, -1))
+    target_rows = torch.cat([f.target_rows for f in feats])[label_rows_]
+    mv = (lambda t: t.to(dev, non_blocking=True)) if dev != src else (lambda t: t)  # noqa: E731
+    host = (lambda t: t.pin_memory().to(dev, non_blocking=True)) if dev.type == "cuda" else (lambda t: t.to(dev))  # noqa: E731
     return Batch(
-        input_ids=torch.stack(ids),
-        positions=torch.stack([lay.positions for lay in layouts]),
-        aux_hidden=torch.stack(aux),
-        is_mask=torch.stack([lay.tok_index < 0 for lay in layouts]),
-        attn_mask=torch.stack([lay.attn_mask for lay in layouts]),
-        depth=torch.stack([lay.depth for lay in layouts]),
-        valid=torch.stack([lay.valid for lay in layouts]),
-        target_logits=torch.cat(tl),
-        target_argmax=torch.stack(ta),
-        num_tokens=sum(len(f) for row in rows for f in row),
-        segments=[row_segments(lay) for lay in layouts],
-        compact=kinds == {True},
+        input_ids=mv(input_ids), positions=host(plan["pos"]), aux_hidden=mv(aux), is_mask=mv(~real),
+        depth=host(plan["depth"]), valid=host(valid), target_logits=mv(target_rows),
+        target_argmax=mv(target_argmax), num_tokens=sum(len(f) for f in feats), segments=segments,
+        compact=kinds == {True}, seg=host(plan["seg"]), anchor=host(plan["anchor"]), valid_index=host(valid_index),
     )
 
 
@@ -201,17 +257,19 @@ def peagle_loss(logits: torch.Tensor, batch: Batch, d2t: torch.Tensor, depth_wei
     in the batch contributes nothing.
     """
     w = list(depth_weights) + [depth_weights[-1] if depth_weights else 1.0] * max(0, k - len(depth_weights))
-    valid = batch.valid
-    if logits.dim() == 3:
-        logits = logits[valid]
-    depth = batch.depth[valid]
     if batch.compact:
         raise ValueError("compact batch: project_targets() before the loss")
+    # Flat indices where the batch has them: a boolean index makes the host wait for the device to count.
+    at = batch.valid if batch.valid_index is None else batch.valid_index
+    if logits.dim() == 3:
+        logits = take_rows(logits, at)
+    depth = take_rows(batch.depth[..., None], at)[:, 0]
+    target_argmax = take_rows(batch.target_argmax[..., None], at)[:, 0]
     logq = F.log_softmax(logits.float(), dim=-1)
     logp = F.log_softmax(batch.target_logits.float(), dim=-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # [n]
     pred = logits.argmax(-1)
-    agree = (pred + d2t[pred]) == batch.target_argmax[valid]
+    agree = (pred + d2t[pred]) == target_argmax
     total = logits.new_zeros((), dtype=torch.float32)
     dl, da, dc = [], [], []
     for d in range(1, k + 1):

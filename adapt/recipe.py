@@ -7,16 +7,22 @@
              the target's features (:mod:`adapt.features`), AdamW, the resumable
              state (:mod:`adapt.run_state`) and DDP under ``torchrun``
              (:mod:`adapt.distributed`)
-``train``    the loop: warmup + cosine within step and wall-time bounds
-             (:mod:`adapt.schedule`), grad clip, fp32 master weights (bf16
-             autocast optional), a checkpoint every ``checkpoint_steps``
+``train``    the loop: the attention backend (:mod:`adapt.attention`, measured
+             on the first batch under ``auto``), warmup + cosine within step and
+             wall-time bounds (:mod:`adapt.schedule`), grad clip, fp32 master
+             weights (bf16 autocast optional), a checkpoint every ``checkpoint_steps``
 ``save``     the head with its lineage in the manifest (``adapt.checkpoint.save_head``)
 ``cleanup``  the feature cache released, the ranks joined
 
 Every random choice (batch order, depth down-sampling) is a pure function of
 ``(seed, step)``, so a resumed run replays exactly what an uninterrupted one does
 (under a wall-time cap the learning rate also follows the clock, so only the
-data and sampling replay exactly).
+data and sampling replay exactly). A resumed run keeps the attention backend its
+first session picked, so its arithmetic is the same too.
+
+Nothing in a step waits for the device: batches are planned on the host and
+gathered on the device, and losses are read back in one transfer per logging
+interval (:meth:`TrainRecipe._flush`), not per step.
 """
 
 from __future__ import annotations
@@ -30,14 +36,16 @@ from typing import Any, Callable
 
 import torch
 
+from adapt.attention import SHAPES, Pick, candidates, pick_backend, unavailable_reason
 from adapt.checkpoint import save_head
 from adapt.data import StepBatches, mix_replay, snapshot_id, tokenize_rows
-from adapt.device import pick_device, use_bf16_autocast
-from adapt.distributed import barrier, init_distributed, max_over_ranks, teardown_distributed, wrap_data_parallel
+from adapt.device import pick_device, target_device_map, use_bf16_autocast
+from adapt.distributed import (barrier, broadcast_from_main, init_distributed, max_over_ranks, teardown_distributed,
+                               wrap_data_parallel)
 from adapt.features import TargetFeatures
 from adapt.hidden_states import TargetRunner
 from adapt.initial_head import initial_head
-from adapt.loss import LossOutput, collate, peagle_loss
+from adapt.loss import Batch, Features, LossOutput, collate, peagle_loss
 from adapt.memory import heap_kept_between_steps
 from adapt.run_state import RunState, load_run_state, run_fingerprint, save_run_state, trainable
 from adapt.schedule import Schedule
@@ -47,6 +55,8 @@ from targets.model_zoo import ensure_target
 
 # Called on rank 0 with the exported head and the target already loaded (e.g. an offline acceptance estimate).
 AfterExport = Callable[[Path, TargetRunner], dict[str, Any]]
+# Losses are read back from the device at most this often (seconds), or after this many steps.
+FLUSH_SECONDS, FLUSH_STEPS = 1.0, 200
 
 
 @dataclass
@@ -89,6 +99,9 @@ class TrainRecipe:
         self.acceptance: dict[str, Any] | None = None
         self.tokens_run, self.seconds = 0, 0.0  # this session's, not the resumed run's
         self._finished = False
+        self.attention: Pick | None = None
+        self._pending: list[LossOutput] = []
+        self._flushed_at = 0.0
 
     # --- setup ---------------------------------------------------------------------
 
@@ -97,6 +110,8 @@ class TrainRecipe:
         """The device and ranks, the examples, the initial head, the target's features, AdamW (resumed) and batches."""
         tc = self.tc
         self.device = pick_device(tc.device)
+        if tc.attention != "auto" and (why := unavailable_reason(tc.attention, self.device)):
+            raise ValueError(f"[training] attention = {tc.attention!r}: {why}")
         self.dist = init_distributed(self.device)
         torch.manual_seed(tc.seed)
         if self.target_dir is None:
@@ -110,7 +125,8 @@ class TrainRecipe:
         # target in the step's precision (emulated bf16 would run it several times slower).
         draft_ids = torch.arange(self.model.config.draft_vocab_size, device=self.model.d2t.device) + self.model.d2t
         self.features = TargetFeatures(self.target_dir, self.model.config.aux_layer_ids, draft_ids.cpu(), self.device,
-                                       dtype=torch.bfloat16 if self.bf16 else torch.float32)
+                                       dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                                       device_map=target_device_map(self.device, self.dist.world))
         self._setup_optimizer()
         self.batches = StepBatches([len(e) for e in self.examples], tc.batch_tokens, tc.max_seq_len, tc.seed,
                                    self.dist.rank, self.dist.world)
@@ -132,8 +148,10 @@ class TrainRecipe:
     def _setup_optimizer(self) -> None:
         """AdamW over the trainable weights, resumed from ``run_dir`` when it holds this run; DDP when launched so."""
         tc = self.tc
+        # Fused on CUDA: one kernel for every parameter instead of a launch per tensor and op.
         self.opt = torch.optim.AdamW(list(trainable(self.model).values()), lr=tc.learning_rate,
-                                     weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+                                     weight_decay=tc.weight_decay, betas=(0.9, 0.95),
+                                     fused=True if self.device.type == "cuda" else None)
         fingerprint = run_fingerprint(self.cfg, self.parent_sha, self.snapshot)
         self.state = load_run_state(self.run_dir, self.model, self.opt, fingerprint) or RunState(fingerprint)
         self.ddp_model = wrap_data_parallel(self.model, self.device, self.dist)
@@ -143,9 +161,12 @@ class TrainRecipe:
     def train(self) -> None:
         """Steps until ``max_steps``, the wall-time cap or ``stop_after_steps``; checkpoints along the way and at the end."""
         st, schedule = self.state, self.schedule
-        schedule.start()
         bar = self._progress_bar()
-        t_start = time.perf_counter()
+        if st.step < schedule.max_steps:
+            self.attention = self._pick_attention(st.step)
+        # After the pick: like loading, measuring the backends (and compiling them) is not training time.
+        schedule.start()
+        t_start = self._flushed_at = time.perf_counter()
         # CPU steps reuse their freed large blocks instead of faulting fresh pages in.
         with heap_kept_between_steps() if self.device.type == "cpu" else nullcontext():
             while st.step < schedule.max_steps:
@@ -156,43 +177,107 @@ class TrainRecipe:
                 out, ntok = self._step(st.step, used)
                 self._record(out, ntok, bar, time.perf_counter() - t_start)
                 if st.step % self.tc.checkpoint_steps == 0 and self.dist.main:
+                    self._flush(bar, time.perf_counter() - t_start)
                     self._checkpoint(time.perf_counter() - t_start)
+        self._flush(bar, time.perf_counter() - t_start)
         if bar is not None:
             bar.close()
         self.seconds = time.perf_counter() - t_start
         if self.dist.main:
             self._checkpoint(self.seconds)
 
+    def _features(self, step: int) -> list[list[Features]]:
+        """This rank's rows of examples at ``step``, featurized (those not cached, in batches of the target)."""
+        rows = self.batches(step)
+        flat = self.features.get_many([i for row in rows for i in row], [self.examples[i] for row in rows for i in row])
+        out, at = [], 0
+        for row in rows:
+            out.append(flat[at:at + len(row)])
+            at += len(row)
+        return out
+
+    def _batch(self, feats: list[list[Features]], step: int, backend: str) -> Batch:
+        """The step's drafter batch laid out for ``backend``; depth sampling is a function of ``(seed, step, rank)``."""
+        model, tc = self.model, self.tc
+        gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + self.dist.rank)
+        shape = SHAPES[backend]
+        # On the step's device already; the aux states stay in the features' bf16 (the head's fc casts them).
+        batch = collate(feats, model.config.num_speculative_tokens, model.config.ptd_token_id, tc.depth_keep, gen,
+                        flat=shape.flat, pad_multiple=shape.pad_multiple, device=self.device)
+        batch.project_targets(self.features.output_rows)
+        return batch
+
+    def _loss(self, model: torch.nn.Module, batch: Batch, backend: str) -> LossOutput:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext():
+            logits = model(**batch.drafter_inputs(), attention=batch.attention(backend), select=batch.valid_index)
+        return peagle_loss(logits, batch, self.model.d2t, self.tc.depth_weights, self.model.config.num_speculative_tokens)
+
+    def _pick_attention(self, step: int) -> Pick:
+        """The attention backend: as configured, as the resumed run had it, or (``auto``) the fastest here,
+        timed on this run's first batch (forward + backward, no update) and decided by rank 0 for all ranks."""
+        tc = self.tc
+        if tc.attention != "auto":
+            return Pick(tc.attention, how="configured")
+        if self.state.attention:
+            return Pick(self.state.attention, how="resumed")
+        pick = None
+        if self.dist.main:
+            feats = self._features(step)
+            c = self.model.config
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+            key = (name, torch.get_num_threads(), c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                   c.head_dim, c.num_layers, c.num_speculative_tokens, tc.batch_tokens, tc.max_seq_len,
+                   tuple(tc.depth_keep), self.bf16)
+
+            def run(backend: str) -> None:
+                # The bare model, not DDP's: no gradient exchange while the ranks are not in step.
+                self._loss(self.model, self._batch(feats, step, backend), backend).loss.backward()
+                self.opt.zero_grad(set_to_none=True)
+
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+            pick = pick_backend(candidates(self.device), run, sync, key)
+        pick = broadcast_from_main(pick, self.dist)
+        self.state.attention = pick.backend
+        return pick
+
     def _step(self, step: int, time_used: float) -> tuple[LossOutput, int]:
         """One optimizer step on this rank's batch; returns its loss and the tokens all ranks trained on."""
-        tc, model, features = self.tc, self.model, self.features
-        k = model.config.num_speculative_tokens
-        feats = [[features.get(i, self.examples[i]) for i in row] for row in self.batches(step)]
-        gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step * 7919 + self.dist.rank)
-        batch = collate(feats, k, model.config.ptd_token_id, tc.depth_keep, gen).to(self.device)
-        batch.project_targets(features.output_rows)
+        backend = self.attention.backend
+        batch = self._batch(self._features(step), step, backend)
         for g in self.opt.param_groups:
             g["lr"] = self.schedule.lr(step, time_used)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext():
-            logits = self.ddp_model(**batch.model_inputs(), select=batch.valid)
-        out = peagle_loss(logits, batch, model.d2t, tc.depth_weights, k)
+        out = self._loss(self.ddp_model, batch, backend)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        if self.tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
         self.opt.step()
         return out, batch.num_tokens * self.dist.world
 
     def _record(self, out: LossOutput, ntok: int, bar: Any, elapsed: float) -> None:
+        """Count the step; its loss stays on the device until the next :meth:`_flush`."""
         st = self.state
         st.step += 1
         st.tokens += ntok
         self.tokens_run += ntok
-        st.loss_curve.append(round(float(out.loss.detach()), 6))
-        st.depth_loss, st.depth_acc = out.depth_loss.tolist(), out.depth_acc.tolist()
+        self._pending.append(out)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc1=f"{float(out.depth_acc[0]):.2f}",
+        if len(self._pending) >= FLUSH_STEPS or time.perf_counter() - self._flushed_at >= FLUSH_SECONDS:
+            self._flush(bar, elapsed)
+
+    def _flush(self, bar: Any, elapsed: float) -> None:
+        """Read the pending steps' losses back in one transfer: the loss curve, the last step's per-depth figures."""
+        if not self._pending:
+            return
+        st, last = self.state, self._pending[-1]
+        losses = torch.stack([o.loss.detach() for o in self._pending]).tolist()
+        st.loss_curve.extend(round(x, 6) for x in losses)
+        st.depth_loss, st.depth_acc = last.depth_loss.tolist(), last.depth_acc.tolist()
+        self._pending.clear()
+        self._flushed_at = time.perf_counter()
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{st.depth_acc[0]:.2f}",
                             tok_s=f"{self.tokens_run / max(elapsed, 1e-9):.0f}")
 
     def _checkpoint(self, elapsed: float) -> None:
@@ -229,7 +314,7 @@ class TrainRecipe:
             # From the state, so a resumed run that had already finished still reports them.
             "training": {"steps": st.step, "tokens": st.tokens, "final_depth_loss": st.depth_loss,
                          "final_depth_acc": st.depth_acc, "world_size": self.dist.world, "device": str(self.device),
-                         "bf16_autocast": self.bf16},
+                         "bf16_autocast": self.bf16, "attention": st.attention},
             "draft_vocab_refresh": self.vocab_refresh,
         }
 
@@ -252,5 +337,6 @@ class TrainRecipe:
             final_depth_loss=st.depth_loss, final_depth_acc=st.depth_acc, parent_sha=self.parent_sha,
             data_snapshot=self.snapshot, num_examples=len(self.examples),
             featurize_seconds=round(self.features.seconds, 3), acceptance=self.acceptance,
-            extra={"draft_vocab_refresh": self.vocab_refresh} if self.vocab_refresh else {},
+            extra={**({"draft_vocab_refresh": self.vocab_refresh} if self.vocab_refresh else {}),
+                   **({"attention": self.attention.to_json()} if self.attention is not None else {})},
         )

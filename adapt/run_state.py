@@ -36,6 +36,8 @@ class RunState:
     # The last step's loss and top-1 agreement per depth (empty before the first step).
     depth_loss: list[float] = field(default_factory=list)
     depth_acc: list[float] = field(default_factory=list)
+    # The attention backend the run trains with (adapt.attention): kept so a resumed run computes as it did.
+    attention: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

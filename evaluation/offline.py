@@ -15,6 +15,7 @@ once, plus K-1 mask slots per candidate m that see only context slots < m.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -117,6 +118,67 @@ def summarize(counts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class EvalSequence:
+    """One prompt with the target's greedy continuation and its aux states: all a head's drafts need."""
+
+    seq: list[int]  # prompt + continuation
+    prompt_len: int
+    aux: torch.Tensor  # [len(seq), n_aux*Ht]
+    generated: int  # continuation tokens counted (at most the budget)
+
+
+def prepare_sequences(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int, k: int,
+                      batch_size: int = 1, progress: bool = False) -> list[EvalSequence]:
+    """The target's greedy continuations of ``prompts`` and their aux states, computed once for any number
+    of heads (they do not depend on the head). ``batch_size`` > 1 generates that many prompts at a time
+    (:meth:`TargetRunner.greedy_batch`: left-padded, so the continuations equal one-by-one greedy decoding
+    up to the kernels' rounding); 1 decodes each prompt alone."""
+    prompts = [list(p) for p in prompts]
+    conts: list[list[int]] = []
+    # K extra tokens: the last verification may look that far past the budget.
+    budget = max_new_tokens + k
+    bar = None
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="offline acceptance", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+    for i in range(0, len(prompts), max(1, batch_size)):
+        chunk = prompts[i:i + max(1, batch_size)]
+        conts += ([runner.greedy(chunk[0], budget)] if len(chunk) == 1 else runner.greedy_batch(chunk, budget))
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    out = []
+    for prompt, cont in zip(prompts, conts):
+        seq = prompt + cont
+        aux, _ = runner.forward(torch.tensor(seq), with_logits=False)
+        out.append(EvalSequence(seq, len(prompt), aux.float(), min(max_new_tokens, len(cont))))
+    return out
+
+
+def acceptance(model: PEagleDrafter, sequences: Sequence[EvalSequence], max_new_tokens: int,
+               stop_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """vLLM's counters for ``model`` drafting on prepared sequences, summarized (see :func:`summarize`)."""
+    K = model.config.num_speculative_tokens
+    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * K}
+    for s in sequences:
+        n = s.prompt_len
+        end = min(n + max_new_tokens, len(s.seq) - 1)
+        drafts = draft_all_positions(model, torch.tensor(s.seq), s.aux, n, end)
+        c = simulate(s.seq, drafts, n, max_new_tokens, stop_ids)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            total[key] += c[key]
+        total["accepted_per_pos"] = [x + y for x, y in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
+    out = summarize(total)
+    out.update({"num_prompts": len(sequences), "num_generated_tokens": sum(s.generated for s in sequences), "k": K,
+                "max_new_tokens": max_new_tokens})
+    return out
+
+
 def estimate_acceptance(
     head_dir: str | Path,
     target_dir: str | Path,
@@ -129,13 +191,17 @@ def estimate_acceptance(
     dtype: torch.dtype = torch.float32,
     runner: TargetRunner | None = None,
     progress: bool = False,
+    sequences: Sequence[EvalSequence] | None = None,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """Offline per-position acceptance and mean acceptance length of ``head_dir``.
 
     ``progress`` shows a bar on stderr (one tick per prompt).
 
     Prompts are the conversations up to their last assistant turn (rendered with
-    the chat template, generation prompt added) or raw ``prompts_ids``.
+    the chat template, generation prompt added) or raw ``prompts_ids``; or
+    ``sequences`` already prepared (:func:`prepare_sequences`) for this target,
+    which several heads can share. ``batch_size`` is :func:`prepare_sequences`'.
     """
     model, manifest = load_head(head_dir)
     cfg = model.config
@@ -144,35 +210,15 @@ def estimate_acceptance(
         raise ValueError("runner aux layers differ from the head's")
     model = model.to(runner.device)
     K = cfg.num_speculative_tokens
-    prompts = [list(p) for p in (prompts_ids or [])] + [runner.prompt_ids(r) for r in (conversations or [])]
-    if not prompts:
-        raise ValueError("no prompts to evaluate")
+    if sequences is None:
+        prompts = [list(p) for p in (prompts_ids or [])] + [runner.prompt_ids(r) for r in (conversations or [])]
+        if not prompts:
+            raise ValueError("no prompts to evaluate")
+        sequences = prepare_sequences(runner, prompts, max_new_tokens, K, batch_size, progress)
     eos = runner.tokenizer.eos_token_id
     stop_ids = () if ignore_eos or eos is None else (eos,)
-    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * K}
-    generated = 0
-    if progress:
-        import sys
-
-        from tqdm import tqdm
-
-        prompts = tqdm(prompts, desc="offline acceptance", unit="prompt", file=sys.stderr, dynamic_ncols=True)
-    for prompt in prompts:
-        # K extra tokens: the last verification may look that far past the budget.
-        cont = runner.greedy(prompt, max_new_tokens + K)
-        seq = prompt + cont
-        aux, _ = runner.forward(torch.tensor(seq), with_logits=False)
-        n = len(prompt)
-        end = min(n + max_new_tokens, len(seq) - 1)
-        drafts = draft_all_positions(model, torch.tensor(seq), aux.float(), n, end)
-        c = simulate(seq, drafts, n, max_new_tokens, stop_ids)
-        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            total[key] += c[key]
-        total["accepted_per_pos"] = [x + y for x, y in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
-        generated += min(max_new_tokens, len(cont))
-    out = summarize(total)
-    out.update({"num_prompts": len(prompts), "num_generated_tokens": generated, "k": K,
-                "head_sha256": manifest.get("sha256"), "max_new_tokens": max_new_tokens})
+    out = acceptance(model, sequences, max_new_tokens, stop_ids)
+    out["head_sha256"] = manifest.get("sha256")
     return out
 
 

