@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from evaluation.bench import plan  # noqa: E402
 from evaluation.result import analyze  # noqa: E402
 from evaluation.simulate import Heads, Noise, World, loaded, quiet, simulate  # noqa: E402
-from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC  # noqa: E402
+from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC, clopper_pearson  # noqa: E402
 from loop.gate import INCONCLUSIVE, PASSED, decide  # noqa: E402
 from settings.config import BenchConfig, GateConfig  # noqa: E402
 
@@ -79,31 +78,6 @@ def cycle_verdict(s: Setting, heads: Heads, noise: Noise, gate: GateConfig, benc
         if v.status != INCONCLUSIVE:
             return v.status
     return v.status
-
-
-def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:
-    """Exact binomial interval (bisection on the binomial tail)."""
-    def tail_ge(p: float) -> float:  # P(X >= k)
-        return 1.0 - sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k))
-
-    def tail_le(p: float) -> float:  # P(X <= k)
-        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
-
-    a = (1 - conf) / 2
-
-    def solve(f, target, increasing):
-        lo, hi = 0.0, 1.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if (f(mid) < target) == increasing:
-                lo = mid
-            else:
-                hi = mid
-        return (lo + hi) / 2
-
-    lo = 0.0 if k == 0 else solve(tail_ge, a, True)
-    hi = 1.0 if k == n else solve(tail_le, a, False)
-    return lo, hi
 
 
 def rate(settings: list[Setting], noises: dict[str, Noise], runs: int, gate_base: GateConfig, bench: BenchConfig,

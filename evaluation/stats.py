@@ -363,6 +363,29 @@ def log_ratio(clusters: list[Cluster], name: str, c: int, x: str, y: str, confid
                     iv.clusters, iv.pairs, iv.sd)
 
 
+def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a binomial rate k/n: a right-answer or false-promotion rate."""
+    def at_least(p: float) -> float:  # P(X >= k)
+        return 1.0 - sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k))
+
+    def at_most(p: float) -> float:  # P(X <= k)
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+    a = (1 - confidence) / 2
+
+    def solve(f, rising: bool) -> float:
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if (f(mid) < a) == rising:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
+    return (0.0 if k == 0 else solve(at_least, True)), (1.0 if k == n else solve(at_most, False))
+
+
 # -- power ------------------------------------------------------------------------------------
 
 
