@@ -98,7 +98,7 @@ def main() -> int:
     from evaluation.bench import rows_to_requests, run_bench
     from evaluation.stats import clopper_pearson
     from headspec.validate import validate_head
-    from loop.gate import INCONCLUSIVE, decide
+    from loop.gate import decide
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from settings.config import load_config
@@ -167,7 +167,7 @@ def main() -> int:
                         min_groups=cfg.gate.min_clusters)))
                     v = decide(benches, cfg.gate)
                     verdicts.append(v.status)
-                    if v.status != INCONCLUSIVE:
+                    if v.final:
                         break
                 last = benches[-1]
                 row = {"trial": t, "kind": kind, "candidate": cand.name, "live": live.name, "verdict": v.status,

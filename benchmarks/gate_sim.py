@@ -9,8 +9,10 @@ code, attempts pooled as a cycle pools them (``loop.cycle.step_bench``).
 
 Scenarios, each at every setting:
 
-* **null, throughput**: acceptance well above its margin, throughput exactly equal: the
-  hardest head not to promote (only the throughput checks stand in the way);
+* **null, throughput at c=1**: acceptance well above its margin, throughput 30% better at
+  c=4 but exactly equal at c=1: one check alone stands in the way of a promotion, the
+  configuration where an intersection of tests is at its stated level (with several
+  checks at their null it is far below it);
 * **null, acceptance**: throughput clearly better, acceptance exactly at the margin;
 * **equal quality**: the same mean speed and acceptance, different per-prompt strengths;
 * **better**: 10% faster and +0.1 acceptance (the power target).
@@ -56,7 +58,7 @@ def scenarios(margin: float) -> dict[str, Heads]:
     base = {LIVE: 1.0, CONTROL: 1.0, NOSPEC: 1.1}
     acc = {LIVE: 1.5, CONTROL: 1.5}
     return {
-        "null, throughput": Heads({**base, CANDIDATE: 1.0}, {**acc, CANDIDATE: 1.8}),
+        "null, throughput at c=1": Heads({**base, CANDIDATE: 1.0}, {**acc, CANDIDATE: 1.8}, speed_at={4: 1.3}),
         "null, acceptance": Heads({**base, CANDIDATE: 1.15}, {**acc, CANDIDATE: 1.5 + margin}),
         "equal quality": Heads({**base, CANDIDATE: 1.0}, {**acc, CANDIDATE: 1.5}, speed_by_prompt=0.08,
                                acceptance_by_prompt=0.12),
@@ -75,8 +77,8 @@ def cycle_verdict(s: Setting, heads: Heads, noise: Noise, gate: GateConfig, benc
         blocks = simulate(slots, heads, noise, world, noise_seed=seed * 1000 + attempt)
         results.append(analyze(blocks, arms, s.concurrencies, gate.confidence, records=False))
         v = decide(results, gate)
-        if v.status != INCONCLUSIVE:
-            return v.status
+        if v.final:
+            break
     return v.status
 
 

@@ -71,6 +71,9 @@ class Heads:
     speed_by_prompt: float = 0.04  # sd of the candidate's relative speed advantage from prompt to prompt
     acceptance_by_prompt: float = 0.08  # sd of its acceptance advantage from prompt to prompt
     prompt_acceptance: float = 0.15  # sd of how well any head drafts a prompt
+    # The candidate's speed relative to its `speed` at some concurrencies (e.g. {4: 1.15}: faster only at
+    # c=4), to make one check the only one at its null, the case that tests a gate's level hardest.
+    speed_at: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,6 +127,8 @@ def simulate(slots: list[Slot], heads: Heads, noise: Noise, world: World, noise_
             for p in slot.prompts:
                 n_tok = world.tokens[p]
                 speed = heads.speed[role] * (1 + (world.cand_speed[p] if role == CANDIDATE else 0.0))
+                if role == CANDIDATE:
+                    speed *= heads.speed_at.get(c, 1.0)
                 rate = per_request * speed * world.speed[p] * machine * math.exp(noise.request_sd * _t(rng, noise.tail_df))
                 lat = n_tok / max(rate, 1e-6)
                 if rng.random() < noise.spike_rate:

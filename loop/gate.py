@@ -91,6 +91,7 @@ class Verdict:
     attempts: int = 0  # benchmarks this verdict looked at
     level: float | None = None  # the one-sided nominal level of this look
     voided: list[int] = field(default_factory=list)  # attempts (1-based) the A/A control voided
+    final: bool = False  # no further attempt can change it (e.g. too few prompt groups: more rounds add none)
 
     @property
     def passed(self) -> bool:
@@ -103,12 +104,12 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         return {"verdict": self.status, "passed": self.passed, "reason": self.reason,
                 "checks": [c.to_json() for c in self.checks], "attempts": self.attempts, "level": self.level,
-                "voided": self.voided}
+                "voided": self.voided, "final": self.final}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Verdict":
         return cls(d["verdict"], d.get("reason", ""), [Check.from_json(c) for c in d.get("checks") or []],
-                   int(d.get("attempts") or 0), d.get("level"), list(d.get("voided") or []))
+                   int(d.get("attempts") or 0), d.get("level"), list(d.get("voided") or []), bool(d.get("final")))
 
 
 def _span(iv: Interval, margin: float, unit: str, level: float) -> str:
@@ -201,9 +202,12 @@ def decide(results: BenchResult | list[BenchResult], gate: Any) -> Verdict:
     status = REJECTED if REJECTED in statuses else PASSED if statuses == {PASSED} else INCONCLUSIVE
     shown = [c for c in checks if c.status == status] if status != PASSED else checks
     reason = "; ".join(c.why for c in shown)
-    if status == INCONCLUSIVE and look >= looks:
+    # Re-measuring replays the same prompt groups: it cannot add groups to a check that has too few.
+    final = status != INCONCLUSIVE or look >= looks or any(
+        c.status == INCONCLUSIVE and 0 < c.clusters < gate.min_clusters for c in checks)
+    if status == INCONCLUSIVE and final:
         reason = f"inconclusive after {look} benchmark(s): {reason}"
-    return Verdict(status, reason, checks, look, level, sorted(voids))
+    return Verdict(status, reason, checks, look, level, sorted(voids), final)
 
 
 def bootstrap_verdict() -> Verdict:

@@ -93,8 +93,9 @@ def test_non_inferiority_is_an_option_for_throughput():
 
 
 def test_fewer_groups_than_the_minimum_is_inconclusive():
-    v = decide(bench(base=BASE[:5], gain=(3.0,) * 5, al=(0.3,) * 5, aa=(0.0,) * 5), ONE)
+    v = decide(bench(base=BASE[:5], gain=(3.0,) * 5, al=(0.3,) * 5, aa=(0.0,) * 5), GateConfig(max_attempts=4))
     assert v.status == INCONCLUSIVE and "5 prompt groups measured, the gate needs 6" in v.reason
+    assert v.final and v.reason.startswith("inconclusive after 1 benchmark(s)")  # more rounds add no groups
     assert decide(bench(base=BASE[:5], gain=(3.0,) * 5, al=(0.3,) * 5, aa=(0.0,) * 5),
                   GateConfig(max_attempts=1, min_clusters=5)).passed
 
@@ -114,7 +115,7 @@ def test_attempts_pool_and_are_tested_at_pococks_level():
     a = bench(gain=(3.5, -1.5, 4.0, -0.5, 2.5, -1.0, 4.0, 1.0))
     b = bench(gain=(-1.0, 3.5, -0.5, 4.0, -1.0, 2.5, 1.0, 4.0))
     first = decide([a], gate)
-    assert first.status == INCONCLUSIVE and first.level == pytest.approx(pocock_level(0.05, 2))
+    assert first.status == INCONCLUSIVE and not first.final and first.level == pytest.approx(pocock_level(0.05, 2))
     assert first.level < 0.05 and "inconclusive after" not in first.reason
     assert decide([b], ONE).passed and decide([b], gate).status == INCONCLUSIVE  # b alone passes only at 0.05
     second = decide([a, b], gate)
