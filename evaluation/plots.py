@@ -11,11 +11,11 @@ if TYPE_CHECKING:
 COLORS = {"candidate": "#1f77b4", "live": "#9e9e9e", "control": "#cfcfcf", "nospec": "#ff7f0e"}
 
 
-def _aa(iv) -> str:
+def _aa(iv, fmt: str) -> str:
     """The A/A control's interval, as the reader compares it with the difference's."""
     if iv is None or iv.lo is None:
         return ""
-    return f", A/A [{iv.lo:+.3g}, {iv.hi:+.3g}]"
+    return f"\nA/A (control − live) [{iv.lo:{fmt}}, {iv.hi:{fmt}}]"
 
 
 def plot_bench(result: "BenchResult", path: str | Path) -> Path:
@@ -52,8 +52,8 @@ def plot_bench(result: "BenchResult", path: str | Path) -> Path:
     d = df.mean_acceptance_length
     if d.estimate is not None and d.lo is not None:
         ax1.set_title(f"Acceptance per draft position\nΔ mean acceptance length {d.estimate:+.3f} "
-                      f"[{d.lo:+.3f}, {d.hi:+.3f}] ({d.confidence:.0%} CI, {d.clusters} prompt groups)"
-                      + _aa(aa.mean_acceptance_length if aa else None), fontsize=10)
+                      f"[{d.lo:+.3f}, {d.hi:+.3f}]\n({d.confidence:.0%} CI, {d.clusters} prompt groups)"
+                      + _aa(aa.mean_acceptance_length if aa else None, "+.3f"), fontsize=9)
     else:
         ax1.set_title("Acceptance per draft position", fontsize=10)
     ax1.legend(fontsize=8, loc="upper right")
@@ -75,12 +75,11 @@ def plot_bench(result: "BenchResult", path: str | Path) -> Path:
             labels.append(f"concurrency {c}")
         else:
             labels.append(f"concurrency {c}\nΔ {dd.estimate:+.1f} tok/s [{dd.lo:+.1f}, {dd.hi:+.1f}]"
-                          + _aa(aa.tok_per_s(c) if aa else None)
+                          + _aa(aa.tok_per_s(c) if aa else None, "+.1f")
                           + (f"\nΔ TPOT {tp.estimate:+.2f} ms" if tp.estimate is not None else ""))
     ax2.set_xticks(range(len(concs)), labels, fontsize=8)
     ax2.set_ylabel("output tokens / s")
-    ax2.set_title("Throughput (candidate − live and control pooled, cluster t-interval; A/A: control − live)",
-                  fontsize=9)
+    ax2.set_title("Throughput: Δ = candidate − (live + control) / 2,\ncluster t-interval", fontsize=9)
     ax2.legend(fontsize=8)
     ax2.grid(axis="y", alpha=0.3)
 
