@@ -333,7 +333,7 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
         verdict = gate_mod.decide(results, cfg.gate)
         attempts.append({"attempt": n, "json_path": f"bench-{n}/bench.json", "verdict": verdict.status,
                          "voided": n in verdict.voided, "summary": res.headline()})
-        if verdict.final:
+        if verdict.status != gate_mod.INCONCLUSIVE or verdict.final:
             break
     n = attempts[-1]["attempt"]
     return {"json_path": f"bench-{n}/bench.json", "plot_path": f"bench-{n}/bench.png", "dir_path": f"bench-{n}",

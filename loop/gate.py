@@ -122,6 +122,9 @@ def check(name: str, iv: Interval, margin: float, unit: str, level: float, min_c
     """One gated figure: passed / rejected / inconclusive from its interval at ``level`` per bound."""
     base = dict(estimate=iv.estimate, ci=[iv.lo, iv.hi], margin=margin, unit=unit, level=level,
                 clusters=iv.clusters, aa_ci=aa.ci if aa is not None else None)
+    if iv.clusters == 0:
+        return Check(name, INCONCLUSIVE, f"{name}: nothing measured that every arm answered (acceptance is read "
+                                         "per request at concurrency 1 only)", **base)
     if iv.clusters < min_clusters:
         return Check(name, INCONCLUSIVE, f"{name}: {iv.clusters} prompt groups measured, the gate needs "
                                          f"{min_clusters} (more held-out prompts, or smaller groups)", **base)

@@ -57,7 +57,8 @@ def test_demo_runs_end_to_end_on_the_tiny_target_through_promotion_and_rollback(
     Tiny random heads rarely clear the real gate, so the gate is made to pass here:
     what this test pins is the wiring after it (promotion, hot-swap, rollback by
     stage change followed by the controller, the report), which a rejected cycle
-    never reaches. The real gate reaches both verdicts end to end in test_gate_e2e.
+    never reaches. The real gate reaches passed and rejected end to end in test_gate_e2e
+    (and inconclusive in test_loop).
     """
     import json
 
