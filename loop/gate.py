@@ -225,8 +225,8 @@ def power_plan(result: BenchResult, gate: Any, tok_gain: float = 0.10, acceptanc
     For a candidate ``tok_gain`` faster (a fraction of the reference's tok/s) and
     ``acceptance_gain`` tokens better in acceptance, each check's power at the first look
     (Pocock's level for ``max_attempts`` looks) with the prompt groups this bench had,
-    and the number of groups that would give ``target`` power at the same rounds. The
-    per-group noise is the candidate − reference spread where a candidate was measured,
+    and the number of groups that would give ``target`` power at the same rounds and group
+    size, with the held-out prompts that takes (``prompts_for_target``). The per-group noise is the candidate − reference spread where a candidate was measured,
     else the A/A control's (control − live has 4/3 the variance of candidate − reference).
     """
     level = pocock_level(gate.level, gate.max_attempts)
@@ -244,9 +244,14 @@ def power_plan(result: BenchResult, gate: Any, tok_gain: float = 0.10, acceptanc
         aa = contrast(result.clusters, metric, c, CONTROL, [LIVE], 0.9) if CONTROL in result.arms else None
         sd = diff.sd if diff.sd is not None else (aa.sd * math.sqrt(0.75) if aa and aa.sd is not None else None)
         j = diff.clusters
-        row: dict[str, Any] = {"effect_beyond_margin": effect, "sd_per_group": sd, "groups": j}
+        sizes = [len(cl.prompts) for cl in result.clusters if cl.concurrency == c]
+        row: dict[str, Any] = {"effect_beyond_margin": effect, "sd_per_group": sd, "groups": j,
+                               "prompts_per_group": sum(sizes) / len(sizes) if sizes else None}
         if sd is not None and not math.isnan(effect):
             row["power"] = power(effect, sd, j, level)
-            row["groups_for_target"] = clusters_needed(effect, sd, level, target, gate.min_clusters)
+            need = clusters_needed(effect, sd, level, target, gate.min_clusters)
+            row["groups_for_target"] = need
+            row["prompts_for_target"] = (math.ceil(need * row["prompts_per_group"])
+                                         if need is not None and sizes else None)
         out[name] = row
     return out

@@ -163,3 +163,6 @@ def test_power_plan_from_a_bench():
     tps = p["output_tok_per_s@c1"]
     assert tps["groups"] == 8 and tps["sd_per_group"] > 0 and 0 < tps["power"] <= 1
     assert tps["groups_for_target"] >= 6 and p["mean_acceptance_length"]["effect_beyond_margin"] == pytest.approx(0.08)
+    assert tps["prompts_for_target"] == tps["groups_for_target"]  # one prompt per group in this bench
+    noisy = power_plan(bench(gain=(8.0, -6.0, 9.0, -5.0, 7.0, -4.0, 6.0, -3.0)), GateConfig())["output_tok_per_s@c1"]
+    assert noisy["power"] < tps["power"] and noisy["groups_for_target"] > tps["groups_for_target"]
