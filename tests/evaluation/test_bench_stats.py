@@ -97,6 +97,15 @@ def test_a_fixed_order_on_a_slowing_machine_fakes_a_gain_the_counterbalanced_pla
     assert decide(balanced, GateConfig(min_acceptance_gain=0.0)).status != PASSED
 
 
+def test_the_pooled_reference_sits_where_the_candidate_does():
+    """Live and control around the candidate (control, candidate, live) on a slowing machine: the pooled
+    reference has the candidate's mean position, so the trend cancels, while the A/A control shows it."""
+    fixed = [Slot(s.round, s.concurrency, s.prompts, [CONTROL, CANDIDATE, LIVE], s.group) for s in slots_for()]
+    res = run(fixed, SAME, drift=0.01, al=SAME_AL)
+    d, aa = res.differences.tok_per_s(1), res.aa_control.tok_per_s(1)
+    assert d.lo < 0 < d.hi and abs(d.estimate) < 0.25 * abs(aa.estimate) and aa.lo > 0
+
+
 def test_the_aa_control_voids_a_run_whose_order_favours_the_first_arm():
     """Always candidate, control, live on a slowing machine: the candidate looks faster, and so does the
     control than the live head (the same head): the A/A interval leaves out 0 and voids the run."""
