@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -105,7 +106,10 @@ def main() -> int:
     from targets.model_zoo import build_tiny_predictable
 
     work = args.work_dir.expanduser().absolute()
-    work.mkdir(parents=True, exist_ok=True)
+    trials = work / "trials"
+    trials.mkdir(parents=True, exist_ok=True)
+    # A SIGTERM (a timeout) stops the bench replica too, through the finally below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = load_config(overrides={
         "state_dir": str(work / "state"), "head": {"num_speculative_tokens": 3, "draft_vocab_size": 256},
         "training": {"max_steps": args.train_steps, "max_minutes": 5.0, "batch_tokens": 1024, "max_seq_len": 256,
@@ -167,6 +171,11 @@ def main() -> int:
                         min_groups=cfg.gate.min_clusters)))
                     v = decide(benches, cfg.gate)
                     verdicts.append(v.status)
+                    benches[-1].write(trials / f"{t}-{kind}-{attempt + 1}.json")
+                    log(f"  trial {t} {kind} attempt {attempt + 1}: {v.status}"
+                        + (f", A/A voided {v.voided}" if v.voided else "") + "; " + "; ".join(
+                            f"{c.name} {c.estimate:+.4g} [{c.ci[0]:+.4g}, {c.ci[1]:+.4g}] vs {c.margin:.3g} "
+                            f"({c.clusters} groups)" if c.ci[0] is not None else c.why for c in v.checks))
                     if v.final:
                         break
                 last = benches[-1]
