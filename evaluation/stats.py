@@ -363,13 +363,22 @@ def log_ratio(clusters: list[Cluster], name: str, c: int, x: str, y: str, confid
                     iv.clusters, iv.pairs, iv.sd)
 
 
+def _binom_pmf(i: int, n: int, p: float) -> float:
+    if p <= 0.0:
+        return 1.0 if i == 0 else 0.0
+    if p >= 1.0:
+        return 1.0 if i == n else 0.0
+    return math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                    + i * math.log(p) + (n - i) * math.log1p(-p))
+
+
 def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """The exact (Clopper-Pearson) interval of a binomial rate k/n: a right-answer or false-promotion rate."""
     def at_least(p: float) -> float:  # P(X >= k)
-        return 1.0 - sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k))
+        return sum(_binom_pmf(i, n, p) for i in range(k, n + 1))
 
     def at_most(p: float) -> float:  # P(X <= k)
-        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+        return sum(_binom_pmf(i, n, p) for i in range(k + 1))
 
     a = (1 - confidence) / 2
 

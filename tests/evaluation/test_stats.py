@@ -111,3 +111,12 @@ def test_power_and_the_clusters_it_needs():
     assert power(0.5, 1.0, j, 0.05) >= 0.8 > power(0.5, 1.0, j - 1, 0.05)
     assert clusters_needed(10.0, 1.0, 0.05, 0.8, min_clusters=6) == 6  # never below the gate's minimum
     assert clusters_needed(0.001, 1.0, 0.05, 0.8, most=100) is None
+
+
+def test_clopper_pearson_matches_the_beta_quantiles():
+    # Beta(k, n-k+1) at 2.5% and Beta(k+1, n-k) at 97.5% (the exact interval), from tables
+    from evaluation.stats import clopper_pearson
+
+    assert clopper_pearson(0, 16) == (0.0, pytest.approx(0.20591, abs=1e-5))
+    assert clopper_pearson(12, 16) == (pytest.approx(0.47623, abs=1e-5), pytest.approx(0.92734, abs=1e-5))
+    assert clopper_pearson(100, 2000) == (pytest.approx(0.04086, abs=1e-5), pytest.approx(0.06048, abs=1e-5))
