@@ -172,3 +172,59 @@ def test_figures_carry_the_percentiles_and_names_of_vllm_bench_serve():
     assert len(records) == len(ARMS) * len(CONCS) * 2 * N
     r = next(x for x in records if x.arm == CANDIDATE and x.concurrency == 1)
     assert r.ok and r.output_tokens > 0 and r.drafts > 0 and r.itls_ms
+
+
+def test_every_arm_goes_through_the_same_load_path(monkeypatch):
+    """Heads of other shapes: every spec arm's turn restarts the replica (the live head's and the A/A
+    control's too), found once by a probe; with shapes that match, every turn swaps in place. Every arm's
+    turn has one warm-up request before its block."""
+    import asyncio
+
+    import evaluation.bench as bench
+
+    events: list[tuple] = []
+
+    class Admin:
+        served = {"sha256": "l" * 64, "path": "/h/live"}
+
+        def __init__(self, url):
+            pass
+
+        async def head_info(self):
+            return dict(Admin.served)
+
+        async def load_head(self, path, version, sha):
+            if Admin.shapes_differ and path != Admin.served["path"]:
+                raise RuntimeError("drafter shapes differ: restart needed")
+            Admin.served = {"sha256": sha, "path": path}
+            events.append(("inplace", path))
+            return dict(Admin.served)
+
+    def restart(path):
+        Admin.served = {"sha256": "c" * 64 if path.endswith("cand") else "l" * 64, "path": path}
+        events.append(("restart", path))
+
+    async def warm(client, url, req):
+        events.append(("warm", url))
+        return RequestResult(ok=True, output_tokens=1, latency=0.01, ttft=0.01)
+
+    async def block(url, reqs, c):
+        events.append(("block", url))
+        return {"results": [RequestResult(ok=True, output_tokens=8, latency=0.1, ttft=0.01) for _ in reqs],
+                "wall": 0.1 * len(reqs) / c, "spec": None}
+
+    monkeypatch.setattr(bench, "ReplicaAdmin", Admin)
+    monkeypatch.setattr(bench, "stream_one", warm)
+    monkeypatch.setattr(bench, "run_block", block)
+    heads = {"candidate": {"path": "/h/cand", "sha256": "c" * 64}, "live": {"path": "/h/live", "sha256": "l" * 64}}
+    reqs = [bench.BenchRequest("/v1/completions", {"prompt": str(i)}) for i in range(6)]
+    for differ, how in ((True, "restart"), (False, "inplace")):
+        Admin.shapes_differ, Admin.served = differ, {"sha256": "l" * 64, "path": "/h/live"}
+        events.clear()
+        res = asyncio.run(bench.run_bench("http://spec", heads, reqs, concurrencies=[1], rounds=2, restart=restart,
+                                          nospec_url="http://nospec", min_groups=3))
+        turns = [s for s in res.swaps if s["role"] != "probe"]
+        assert {s["how"] for s in res.swaps} == {how} and len(turns) == 3 * res.slots  # every spec arm's turn
+        assert sum(e[0] == how and e[1] == "/h/live" for e in events) >= 2 * res.slots  # live and control alike
+        blocks = [i for i, e in enumerate(events) if e[0] == "block"]
+        assert len(blocks) == 4 * res.slots and all(events[i - 1][0] == "warm" for i in blocks)
