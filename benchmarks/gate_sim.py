@@ -102,12 +102,12 @@ def rate(settings: list[Setting], noises: dict[str, Noise], runs: int, gate_base
     return rows
 
 
-def prompts_for_power(noise: Noise, gate: GateConfig, bench: BenchConfig, runs: int, log,
+def prompts_for_power(noise: Noise, gate: GateConfig, bench: BenchConfig, runs: int, log, sizes: list[int],
                       target: float = 0.8) -> list[dict]:
     """Under load: power of the 'better' head as the held-out set grows (c = 1 and 4, 2 rounds, 2 attempts)."""
     heads = scenarios(gate.min_acceptance_gain)["better (+10% tok/s, +0.1 acc.)"]
     out = []
-    for n in (32, 64, 96, 128, 192, 256):
+    for n in sizes:
         s = Setting(f"{n} prompts", n, [1, 4], 2, gate.max_attempts)
         k = sum(cycle_verdict(s, heads, noise, gate, bench, seed) == PASSED for seed in range(runs))
         lo, hi = clopper_pearson(k, runs)
@@ -123,6 +123,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2000, help="simulated cycles per scenario and setting")
     ap.add_argument("--power-runs", type=int, default=400, help="cycles per size when searching the size for 80%%")
     ap.add_argument("--quick", action="store_true", help="200 runs, for a look")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128, 192, 256, 320, 384, 512],
+                    help="held-out prompts tried for 80%% power under load (stops at the first that reaches it)")
+    ap.add_argument("--power-only", action="store_true", help="only the size search under load")
     ap.add_argument("--out", type=Path, default=REPO / "gate_sim.json")
     args = ap.parse_args()
     if args.quick:
@@ -140,8 +143,8 @@ def main() -> int:
                 Setting("default, 4 attempts", d.prompts, d.concurrencies, d.rounds, 4),
                 Setting("6 held-out prompts, c=1", 6, [1], 2, gate.max_attempts),
                 Setting("6 held-out prompts, c=1, 4 attempts", 6, [1], 2, 4)]
-    rows = rate(settings, {"quiet": quiet(), "loaded": loaded()}, args.runs, gate, bench, log)
-    sizes = prompts_for_power(loaded(), gate, bench, args.power_runs, log)
+    rows = [] if args.power_only else rate(settings, {"quiet": quiet(), "loaded": loaded()}, args.runs, gate, bench, log)
+    sizes = prompts_for_power(loaded(), gate, bench, args.power_runs, log, args.sizes)
     level = gate.level
     lines = [f"gate on the simulator: level {level:.3g} per check (confidence {gate.confidence}), margins "
              f"+{gate.min_acceptance_gain} acceptance / +{gate.min_throughput_gain:.0%} tok/s, min "
