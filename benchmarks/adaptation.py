@@ -16,7 +16,8 @@ With SmolLM2-135M-Instruct served by vLLM(-cpu), in one run:
 4. measure the largest point's head in vLLM with the product's replay bench
    (``evaluation.bench.run_bench``): the adapted head (candidate), the base head (live), the
    base head again as an A/A control and no speculation, slot by slot in a counterbalanced
-   order; paired differences with the A/A spread beside each; a step-cost breakdown (what a
+   order; differences against the base head and its A/A control pooled, cluster t-intervals, with
+   the A/A control beside each; a step-cost breakdown (what a
    speculative step costs against a plain one, and the acceptance length 1.5x would need);
 5. optionally (``--dynamic-k``) a probe of vLLM's per-batch-size K on this CPU against static K
    and no speculation.
