@@ -306,7 +306,8 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
     t_run = time.perf_counter()
     try:
         # One load path for every arm: find out once whether the candidate goes in in place.
-        how = (await _load(admin, heads[CANDIDATE], restart, -1, "probe", None))["how"]
+        swaps.append(await _load(admin, heads[CANDIDATE], restart, -1, "probe", None))
+        how = swaps[-1]["how"]
         for i, slot in enumerate(slots):
             for role in slot.order:
                 arm_url = nospec_url if role == NOSPEC else url
