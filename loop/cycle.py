@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from loop import gate as gate_mod
-from rollout import registry as reg_mod
 from loop import tracking
 from loop.steps import STEPS
 from loop.store import CycleStore, relative_paths
+from rollout import registry as reg_mod
 from settings.config import Config
 
 log = logging.getLogger("loop.cycle")
@@ -63,32 +63,60 @@ class CycleOptions:
 
 # --- state ---------------------------------------------------------------------------
 
+class Cycle:
+    """What every step of a cycle works with, built once per cycle: the config, the store, the registry."""
+
+    def __init__(self, cfg: Config, store: CycleStore | None = None) -> None:
+        self.cfg = cfg
+        self.store = store or CycleStore(cfg)
+        self._registry: reg_mod.Registry | None = None
+
+    @property
+    def registry(self) -> reg_mod.Registry:
+        """The MLflow registry (connected on first use: most steps never need it)."""
+        if self._registry is None:
+            self._registry = reg_mod.Registry(self.cfg)
+        return self._registry
+
+    def dir(self, cycle_id: str) -> Path:
+        """This worker's work directory for ``cycle_id``."""
+        return self.store.local_dir(cycle_id)
+
+    def load_state(self, cycle_id: str) -> dict[str, Any]:
+        self.store.local_dir(cycle_id)  # validates the id
+        return self.store.read_state(cycle_id) or {"cycle_id": cycle_id, "created_at": _now(), "steps": {},
+                                                   "options": {}}
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        state["updated_at"] = _now()
+        self.store.write_state(state)
+
+    def local(self, state: dict[str, Any], path: str | None) -> Path | None:
+        """A path a step recorded, on this worker: relative ones are fetched from the store if missing here."""
+        return None if path is None else self.store.pull(state["cycle_id"], path)
+
+
 def new_cycle_id() -> str:
     return "c" + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
 def cycle_dir(cfg: Config, cycle_id: str) -> Path:
     """This worker's work directory for ``cycle_id``."""
-    return CycleStore(cfg).local_dir(cycle_id)
+    return Cycle(cfg).dir(cycle_id)
 
 
 def load_state(cfg: Config, cycle_id: str) -> dict[str, Any]:
     """The cycle's recorded state (from the shared store when there is one), or a new one."""
-    store = CycleStore(cfg)
-    store.local_dir(cycle_id)  # validates the id
-    return store.read_state(cycle_id) or {"cycle_id": cycle_id, "created_at": _now(), "steps": {}, "options": {}}
+    return Cycle(cfg).load_state(cycle_id)
 
 
 def save_state(cfg: Config, state: dict[str, Any]) -> None:
-    state["updated_at"] = _now()
-    CycleStore(cfg).write_state(state)
+    Cycle(cfg).save_state(state)
 
 
 def local(cfg: Config, state: dict[str, Any], path: str | None) -> Path | None:
     """A path a step recorded, on this worker: relative ones are fetched from the store if missing here."""
-    if path is None:
-        return None
-    return CycleStore(cfg).pull(state["cycle_id"], path)
+    return Cycle(cfg).local(state, path)
 
 
 def latest_unfinished(cfg: Config) -> str | None:
@@ -132,10 +160,11 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
 
 # --- steps ---------------------------------------------------------------------------
 
-def step_ingest(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_ingest(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """New capture into the warehouse: everything new, or the scheduler's data interval (plus late hours)."""
     from capture.ingest import ingest
 
+    cfg = cx.cfg
     if not opts.data_interval:
         return ingest(cfg).summary()
     start, end = (_dt.datetime.fromisoformat(t) for t in opts.data_interval)
@@ -145,7 +174,7 @@ def step_ingest(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[
     return out
 
 
-def step_snapshot(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_snapshot(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """Freeze both splits as Parquet in the cycle directory: later steps never see newer traffic.
 
     The held-out rows the evaluation and the bench replay (``heldout.jsonl``) leave out
@@ -156,10 +185,11 @@ def step_snapshot(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    cfg = cx.cfg
     from capture.overlap import drop_repeats
     from capture.split import split_table
 
-    d = cycle_dir(cfg, state["cycle_id"])
+    d = cx.dir(state["cycle_id"])
     table = split_table(cfg)
     out: dict[str, Any] = {}
     for split in ("train", "heldout"):
@@ -192,17 +222,18 @@ def step_snapshot(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dic
     return out
 
 
-def step_base(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_base(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """The parent (current Production head; None = bootstrap) and the live head to benchmark against."""
     from headspec.validate import validate_head
 
-    reg = reg_mod.Registry(cfg)
+    cfg = cx.cfg
+    reg = cx.registry
     prod = reg.production()
-    d = cycle_dir(cfg, state["cycle_id"])
+    d = cx.dir(state["cycle_id"])
     if prod is not None:
         path = reg.download_head(prod.version, d / "parent")
         sha = validate_head(path, _target(cfg)).sha256
-        rel = CycleStore(cfg).rel(state["cycle_id"], path)
+        rel = cx.store.rel(state["cycle_id"], path)
         return {"parent_version": prod.version, "parent_path": rel, "parent_sha256": sha,
                 "live_version": prod.version, "live_path": rel, "live_sha256": sha}
     live = opts.live_head
@@ -224,14 +255,15 @@ def step_base(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[st
             "live_version": None, "live_path": "live", "live_sha256": live_sha}
 
 
-def step_train(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_train(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     from adapt.train import train
     from headspec.validate import validate_head
 
-    d = cycle_dir(cfg, state["cycle_id"])
+    cfg = cx.cfg
+    d = cx.dir(state["cycle_id"])
     snap, base = _out(state, "snapshot"), _out(state, "base")
-    rows = _read_rows(local(cfg, state, snap["train"]["path"]))
-    parent = local(cfg, state, base["parent_path"])
+    rows = _read_rows(cx.local(state, snap["train"]["path"]))
+    parent = cx.local(state, base["parent_path"])
     # The checkpoint in head.run makes an interrupted training resume where it stopped (on this worker).
     res = train(cfg, rows, str(parent) if parent else None, d / "head", run_dir=d / "head.run",
                 target_dir=_target(cfg), progress=False)
@@ -243,120 +275,123 @@ def step_train(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[s
             "data_snapshot": res.data_snapshot, "train_json": "train.json"}
 
 
-def step_evaluate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_evaluate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """Offline acceptance on the held-out snapshot (``evaluation.offline.estimate_acceptance``)."""
     from evaluation.offline import estimate_acceptance, load_jsonl
 
+    cfg = cx.cfg
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
-    rows = load_jsonl(local(cfg, state, snap["heldout"]["jsonl"]))  # the held-out rows the bench replays
+    rows = load_jsonl(cx.local(state, snap["heldout"]["jsonl"]))  # the held-out rows the bench replays
     target = _target(cfg)
 
     def offline_acceptance(head: str) -> dict[str, Any]:
-        return estimate_acceptance(local(cfg, state, head), target, rows, max_new_tokens=cfg.bench.max_tokens,
+        return estimate_acceptance(cx.local(state, head), target, rows, max_new_tokens=cfg.bench.max_tokens,
                                    device=cfg.training.device)
 
     out = {"candidate": offline_acceptance(tr["head_path"])}
     if base["live_path"]:
         out["live"] = offline_acceptance(base["live_path"])
-    d = cycle_dir(cfg, state["cycle_id"])
+    d = cx.dir(state["cycle_id"])
     (d / "offline_eval.json").write_text(json.dumps(out, indent=1, default=str))
     out["json_path"] = "offline_eval.json"
     return out
 
 
-def step_bench(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    """Replay the held-out traffic: candidate vs live (with the A/A control), re-measured while inconclusive.
+def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """Replay the held-out traffic and decide: candidate vs live (with the A/A control), re-measured while inconclusive.
 
-    Each attempt runs with its own seed (another counterbalanced order) and is kept in
-    ``bench-<n>/``; a re-run of this step reuses attempts already written.
+    Every attempt replays the same held-out prompts in another counterbalanced order (its
+    own seed), is kept in ``bench-<n>/``, and is pooled with the earlier ones; the gate
+    (``loop.gate.decide``) looks at the pool after each attempt, at the level that keeps
+    the false-promotion rate of all ``max_attempts`` looks together at ``[gate]``'s. The
+    verdict is recorded here, and the gate step takes it as it is. A re-run of this step
+    reuses attempts already written.
     """
-    from evaluation.bench import run_bench_cli
+    from evaluation.bench import BenchPlan, bench_heads
+    from evaluation.result import BenchResult
 
+    cfg = cx.cfg
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
     if not base["live_path"]:
         return {"skipped": "no live head to compare against (bootstrap)"}
-    d = cycle_dir(cfg, state["cycle_id"])
+    d = cx.dir(state["cycle_id"])
+    results: list[BenchResult] = []
     attempts = []
     for n in range(1, cfg.gate.max_attempts + 1):
-        out_dir = d / f"bench-{n}"
         try:  # an attempt already written (here or by another worker) is not measured again
-            res = json.loads(local(cfg, state, f"bench-{n}/bench.json").read_text())
+            res = BenchResult.load(cx.local(state, f"bench-{n}/bench.json"))
         except FileNotFoundError:
             if opts.progress:
                 opts.progress(f"bench attempt {n} of at most {cfg.gate.max_attempts}")
-            res = run_bench_cli(cfg, candidate=str(local(cfg, state, tr["head_path"])),
-                                live=str(local(cfg, state, base["live_path"])),
-                                heldout=str(local(cfg, state, snap["heldout"]["jsonl"])), url=opts.bench_url,
-                                out=out_dir,
-                                nospec=bool(opts.nospec_url) or None, nospec_url=opts.nospec_url,
-                                seed=cfg.bench.seed + n - 1, heldout_overlap=snap.get("heldout_overlap"),
-                                progress=opts.progress)
-        v = gate_mod.decide(res, cfg.gate)
-        attempts.append({"attempt": n, "json_path": f"bench-{n}/bench.json", "verdict": v.status,
-                         "summary": res["summary"]})
-        if v.status != gate_mod.INCONCLUSIVE:
+            res = bench_heads(cfg, BenchPlan(
+                candidate=str(cx.local(state, tr["head_path"])), live=str(cx.local(state, base["live_path"])),
+                heldout=str(cx.local(state, snap["heldout"]["jsonl"])), out=d / f"bench-{n}", url=opts.bench_url,
+                nospec=bool(opts.nospec_url) or None, nospec_url=opts.nospec_url, seed=cfg.bench.seed + n - 1,
+                heldout_overlap=snap.get("heldout_overlap")), progress=opts.progress)
+        results.append(res)
+        verdict = gate_mod.decide(results, cfg.gate)
+        attempts.append({"attempt": n, "json_path": f"bench-{n}/bench.json", "verdict": verdict.status,
+                         "voided": n in verdict.voided, "summary": res.headline()})
+        if verdict.status != gate_mod.INCONCLUSIVE or verdict.final:
             break
-    last = attempts[-1]
-    n = last["attempt"]
-    return {"json_path": last["json_path"], "plot_path": f"bench-{n}/bench.png", "dir_path": f"bench-{n}",
-            "requests": json.loads(local(cfg, state, last["json_path"]).read_text())["requests"],
-            "summary": last["summary"], "attempts": attempts}
+    n = attempts[-1]["attempt"]
+    return {"json_path": f"bench-{n}/bench.json", "plot_path": f"bench-{n}/bench.png", "dir_path": f"bench-{n}",
+            "requests": results[-1].requests, "summary": attempts[-1]["summary"], "attempts": attempts,
+            "verdict": verdict.to_json()}
 
 
-def step_gate(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_gate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """The verdict the bench step decided (one decision per cycle), or the bootstrap's."""
     b = _out(state, "bench")
     if b.get("skipped"):
         return gate_mod.bootstrap_verdict().to_json()
-    v = gate_mod.decide(json.loads(local(cfg, state, b["json_path"]).read_text()), cfg.gate)
-    out = v.to_json()
-    out["attempts"] = len(b.get("attempts") or [1])
-    if v.status == gate_mod.INCONCLUSIVE:
-        out["reason"] = f"inconclusive after {out['attempts']} benchmark(s): {v.reason}"
-    return out
+    return dict(b["verdict"])
 
 
-def step_log_run(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_log_run(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """The reviewer's files on the cycle's MLflow run (its figures were logged step by step)."""
-    return tracking.CycleRun(cfg, state).artifacts()
+    return tracking.CycleRun(cx.cfg, state, cx.registry, cx.store).artifacts()
 
 
-def step_register(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    reg = reg_mod.Registry(cfg)
+def step_register(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    reg = cx.registry
     run = _out(state, "log_run")
     base, tr, g = (state["steps"][s] for s in ("base", "train", "gate"))
     tags = {reg_mod.T_SHA: tr["head_sha256"], reg_mod.T_K: tr["num_speculative_tokens"],
             reg_mod.T_PARENT: base["parent_version"] or "none", reg_mod.T_GATE: g["verdict"],
             reg_mod.T_REASON: g["reason"][:4900], reg_mod.T_CYCLE: state["cycle_id"]}
-    speedup = speedup_vs_nospec(cfg, state)
+    speedup = speedup_vs_nospec(cx, state)
     if speedup:
         tags[reg_mod.T_SPEEDUP] = json.dumps(speedup, sort_keys=True)
-    mv = reg.register(run["run_id"], tags, model_id=run.get("model_id"), description=tracking.gate_table(g))
+    mv = reg.register(run["run_id"], tags, model_id=run.get("model_id"),
+                      description=tracking.gate_table(gate_mod.Verdict.from_json(g)))
     if opts.fault:
         opts.fault("register.version_created")
     return {"version": mv.version, "model": reg.name, "uri": reg.head_uri(mv.version)}
 
 
-def speedup_vs_nospec(cfg: Config, state: dict[str, Any]) -> dict[str, float]:
+def speedup_vs_nospec(cx: Cycle, state: dict[str, Any]) -> dict[str, float]:
     """The candidate's measured tok/s over no speculation per concurrency (empty: not measured)."""
+    from evaluation.result import BenchResult
+
     b = state["steps"].get("bench") or {}
     if b.get("skipped") or not b.get("json_path"):
         return {}
-    res = json.loads(local(cfg, state, b["json_path"]).read_text())
-    return {c[1:]: round(v["candidate"]["estimate"], 4) for c, v in (res.get("speedup_vs_nospec") or {}).items()
-            if v["candidate"]["estimate"] is not None}
+    res = BenchResult.load(cx.local(state, b["json_path"]))
+    return {str(c): x for c, x in res.speedup().items()}
 
 
-def step_promote(cfg: Config, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+def step_promote(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     g, r = _out(state, "gate"), _out(state, "register")
     if not g["passed"]:
         return {"promoted": False, "reason": g["reason"]}
-    reg = reg_mod.Registry(cfg)
-    out: dict[str, Any] = {"promoted": True, **reg.promote(r["version"], reason=f"cycle {state['cycle_id']}: gate passed")}
+    out: dict[str, Any] = {"promoted": True,
+                           **cx.registry.promote(r["version"], reason=f"cycle {state['cycle_id']}: gate passed")}
     if opts.router_url:
         from rollout.controller import Controller
 
         # One reconcile pass now instead of waiting for the controller's next poll.
-        out["swap"] = Controller(cfg, router_url=opts.router_url).reconcile()
+        out["swap"] = Controller(cx.cfg, router_url=opts.router_url).reconcile()
     return out
 
 
@@ -369,12 +404,17 @@ STEP_FUNCS: dict[str, Callable[[Any, dict[str, Any], CycleOptions], dict[str, An
 
 # --- drivers ---------------------------------------------------------------------------
 
-def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = None) -> dict[str, Any]:
-    """Run one step of ``cycle_id`` unless already recorded; returns its (small) output."""
+def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = None,
+             cx: Cycle | None = None) -> dict[str, Any]:
+    """Run one step of ``cycle_id`` unless already recorded; returns its (small) output.
+
+    ``cx``: the cycle's collaborators when the caller runs several steps (built here otherwise).
+    """
     if step not in STEP_FUNCS:
         raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
     opts = opts or CycleOptions()
-    state = load_state(cfg, cycle_id)
+    cx = cx or Cycle(cfg)
+    state = cx.load_state(cycle_id)
     if step in state["steps"]:
         log.info(json.dumps({"event": "cycle.step.skip", "cycle_id": cycle_id, "step": step}))
         return state["steps"][step]
@@ -385,25 +425,24 @@ def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = 
     t0 = _dt.datetime.now(_dt.timezone.utc)
     if opts.progress:
         opts.progress(f"cycle {cycle_id}: {step} ({STEPS.index(step) + 1}/{len(STEPS)})")
-    run = tracking.CycleRun(cfg, state)
+    run = tracking.CycleRun(cfg, state, cx.registry, cx.store)
     run.open()
-    save_state(cfg, state)  # the run id, so every later step (any worker) logs into the same run
+    cx.save_state(state)  # the run id, so every later step (any worker) logs into the same run
     try:
-        out = STEP_FUNCS[step](cfg, state, opts)
+        out = STEP_FUNCS[step](cx, state, opts)
     except BaseException as exc:
         run.failed(step, exc)
         raise
     out = json.loads(json.dumps(out, default=str))
-    store = CycleStore(cfg)
     for rel in sorted(set(relative_paths(out))):  # what later steps (on any worker) will read
-        store.push(cycle_id, rel)
+        cx.store.push(cycle_id, rel)
     state["steps"][step] = out
     state.setdefault("timings", {})[step] = round((_dt.datetime.now(_dt.timezone.utc) - t0).total_seconds(), 3)
-    save_state(cfg, state)
+    cx.save_state(state)
     run.step_done(step)
     if step == STEPS[-1]:
         run.finished()
-    save_state(cfg, state)
+    cx.save_state(state)
     log.info(json.dumps({"event": "cycle.step.done", "cycle_id": cycle_id, "step": step}))
     if opts.progress:
         opts.progress(f"cycle {cycle_id}: {step} done in {state['timings'][step]:.0f}s")
@@ -412,11 +451,12 @@ def run_step(cfg: Config, cycle_id: str, step: str, opts: CycleOptions | None = 
     return out
 
 
-def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
+def summary(cfg: Config, cycle_id: str, cx: Cycle | None = None) -> dict[str, Any]:
     """The cycle's JSON: every artifact and decision recorded so far (paths on this worker)."""
-    state = load_state(cfg, cycle_id)
+    cx = cx or Cycle(cfg)
+    state = cx.load_state(cycle_id)
     s = state["steps"]
-    d = cycle_dir(cfg, cycle_id)
+    d = cx.dir(cycle_id)
 
     def here(path: str | None) -> str | None:
         return None if path is None else str(d / path) if not Path(path).is_absolute() else path
@@ -425,7 +465,7 @@ def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
     return {
         "cycle_id": cycle_id,
         "complete": all(k in s for k in STEPS),
-        "state_file": str(cycle_dir(cfg, cycle_id) / "state.json"),
+        "state_file": str(d / "state.json"),
         "registered_model": cfg.mlflow.registered_model,
         "version": r.get("version"),
         "verdict": g.get("verdict"),
@@ -452,6 +492,7 @@ def summary(cfg: Config, cycle_id: str) -> dict[str, Any]:
 def run_cycle(cfg: Config, cycle_id: str | None = None, opts: CycleOptions | None = None) -> dict[str, Any]:
     """Run (or resume) a whole cycle; returns :func:`summary`. Default id: resume the newest unfinished cycle."""
     cycle_id = cycle_id or latest_unfinished(cfg) or new_cycle_id()
+    cx = Cycle(cfg)
     for step in STEPS:
-        run_step(cfg, cycle_id, step, opts)
-    return summary(cfg, cycle_id)
+        run_step(cfg, cycle_id, step, opts, cx)
+    return summary(cfg, cycle_id, cx)

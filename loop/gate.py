@@ -1,35 +1,52 @@
-"""Promotion gate: a pure decision over replay-benchmark results and ``[gate]``.
+"""Promotion gate: a pre-registered decision over a cycle's replay benches and ``[gate]``.
 
-A candidate is promoted only if, at once,
-* mean acceptance length improves by more than ``min_acceptance_gain`` (absolute,
-  in tokens per verification step), and
-* output tok/s improves by more than ``min_throughput_gain`` (a fraction of the
-  live head's tok/s) at every benchmarked concurrency.
+The product promises a swap only when the candidate is better on both counts, so a
+candidate is promoted only if, at once,
 
-Each check reads two intervals from the same benchmark run (``evaluation.bench``):
-the paired-bootstrap interval ``[lo, hi]`` of candidate − live, and the A/A
-control's interval (the live head against itself). The A/A spread ``noise`` (the
-largest difference its interval leaves open) is how far apart identical heads
-measure in this run; a machine under load, or an order effect, widens it. So a
-check
+* its mean acceptance length beats the reference by more than ``min_acceptance_gain``
+  tokens, and
+* its output tok/s beats the reference's by more than ``min_throughput_gain`` (a
+  fraction) at **every** benchmarked concurrency
+  (``throughput_test = "non_inferiority"``, an option: is at most
+  ``throughput_tolerance`` worse).
 
-* **passes** when ``lo − noise > margin``: better by the margin, and by more than
-  identical heads differ;
-* **fails** when ``hi + noise ≤ margin``: not better by the margin, even granting
-  the run all of its noise;
-* is **inconclusive** otherwise: the run cannot tell, so it is measured again.
+The reference is the live head and its A/A control pooled (the same head measured twice
+in every slot). Each check is a one-sided test at level ``α = (1 − confidence) / 2``
+(0.05 by default) on a cluster t-interval over prompt groups (``evaluation.stats``). A
+candidate passes only when every check does, so whichever margin it truly misses, the
+chance it is promoted is at most that one check's α: the intersection needs no
+multiplicity correction, and ``α`` is the false-promotion rate of the whole gate.
 
-The verdict is *rejected* if any check fails, *passed* if all pass, else
-*inconclusive*; a point estimate alone never promotes, and neither does an
-inconclusive verdict.
+* **passed**: the check's lower bound is above its margin;
+* **rejected**: its upper bound is at or below the margin (confidently not better by it);
+* **inconclusive**: neither, or fewer than ``min_clusters`` prompt groups.
+
+The verdict is *rejected* if any check is (or if the candidate failed more requests than
+the live head), *passed* if all are, else *inconclusive*.
+
+**Re-measurement adds data.** A cycle benchmarks an inconclusive candidate again, up to
+``max_attempts`` times; every attempt replays the same prompt groups in another order and
+is pooled with the earlier ones. Each look is tested at Pocock's constant nominal level
+for ``max_attempts`` looks (``evaluation.stats.pocock_level``), so all the looks together
+keep the false-promotion rate at ``α``. Rejection is non-binding (stopping early for it
+never adds promotions).
+
+**The A/A control is a diagnostic.** Control − live compares a head with itself: when its
+own interval (at ``aa_confidence``) leaves out 0 for any figure, load changed under that
+benchmark in a way the counterbalancing did not cancel, and the attempt is void: its data
+joins no pool and the look is spent. Against the pooled reference, the A/A contrast is
+orthogonal to the candidate's, so voiding on it does not bias the decision.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from evaluation.stats import aa_noise
+from evaluation.result import BenchResult
+from evaluation.stats import (CANDIDATE, CONTROL, LIVE, Interval, clusters_needed, contrast, pocock_level,
+                              pool_clusters, power, reference)
 
 PASSED = "passed"
 REJECTED = "rejected"
@@ -37,10 +54,44 @@ INCONCLUSIVE = "inconclusive"
 
 
 @dataclass
+class Check:
+    """One gated figure at one look: its interval, margin and status, with a sentence."""
+
+    name: str
+    status: str
+    why: str
+    estimate: float | None = None
+    ci: list[float | None] = field(default_factory=lambda: [None, None])
+    margin: float | None = None
+    unit: str = ""
+    level: float | None = None  # one-sided nominal level of each bound at this look
+    clusters: int = 0
+    aa_ci: list[float | None] | None = None  # the A/A control's interval of the same figure (latest attempt)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == PASSED
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "ok": self.ok, "why": self.why, "estimate": self.estimate,
+                "ci": self.ci, "margin": self.margin, "unit": self.unit, "level": self.level,
+                "clusters": self.clusters, "aa_ci": self.aa_ci}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Check":
+        return cls(d["name"], d["status"], d.get("why", ""), d.get("estimate"), d.get("ci") or [None, None],
+                   d.get("margin"), d.get("unit", ""), d.get("level"), int(d.get("clusters") or 0), d.get("aa_ci"))
+
+
+@dataclass
 class Verdict:
     status: str
     reason: str
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    attempts: int = 0  # benchmarks this verdict looked at
+    level: float | None = None  # the one-sided nominal level of this look
+    voided: list[int] = field(default_factory=list)  # attempts (1-based) the A/A control voided
+    final: bool = False  # no further attempt can change it (e.g. too few prompt groups: more rounds add none)
 
     @property
     def passed(self) -> bool:
@@ -51,64 +102,156 @@ class Verdict:
         return self.status
 
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": self.status, "passed": self.passed, "reason": self.reason, "checks": self.checks}
+        return {"verdict": self.status, "passed": self.passed, "reason": self.reason,
+                "checks": [c.to_json() for c in self.checks], "attempts": self.attempts, "level": self.level,
+                "voided": self.voided, "final": self.final}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Verdict":
+        return cls(d["verdict"], d.get("reason", ""), [Check.from_json(c) for c in d.get("checks") or []],
+                   int(d.get("attempts") or 0), d.get("level"), list(d.get("voided") or []), bool(d.get("final")))
 
 
-def check(name: str, diff: dict[str, Any] | None, aa: dict[str, Any] | None, margin: float,
-          unit: str) -> dict[str, Any]:
-    """One gated figure: passed / rejected / inconclusive, with the numbers and a sentence."""
-    diff = diff or {}
-    est, (lo, hi) = diff.get("estimate"), (diff.get("ci") or [None, None])
-    noise = aa_noise(aa)
-    margin = max(margin, 0.0)
-    out = {"name": name, "estimate": est, "ci": [lo, hi], "aa_ci": (aa or {}).get("ci"), "aa_noise": noise,
-           "margin": margin, "unit": unit}
-    if est is None or lo is None or hi is None:
-        return {**out, "status": INCONCLUSIVE, "ok": False,
-                "why": f"{name}: no confidence interval (too few successful paired requests)"}
-    if noise is None:
-        return {**out, "status": INCONCLUSIVE, "ok": False,
-                "why": f"{name}: no A/A control in this benchmark, so its noise is unknown"}
-    span = f"[{lo:.4g}, {hi:.4g}] (estimate {est:.4g}), A/A noise ±{noise:.3g}, margin {margin:.4g} {unit}"
-    if lo - noise > margin:
-        return {**out, "status": PASSED, "ok": True, "why": f"{name}: better beyond the noise: {span}"}
-    if hi + noise <= margin:
-        return {**out, "status": REJECTED, "ok": False, "why": f"{name}: not better by the margin: {span}"}
-    return {**out, "status": INCONCLUSIVE, "ok": False, "why": f"{name}: within the run's noise: {span}"}
+def _span(iv: Interval, margin: float, unit: str, level: float) -> str:
+    return (f"[{iv.lo:.4g}, {iv.hi:.4g}] (estimate {iv.estimate:.4g}, one-sided level {level:.3g} per bound, "
+            f"{iv.clusters} prompt groups), margin {margin:.4g} {unit}")
 
 
-def decide(bench: dict[str, Any], gate: Any) -> Verdict:
-    """Verdict for one benchmark result (``evaluation.bench`` JSON) under ``gate`` (``GateConfig``)."""
-    diffs = bench.get("differences") or {}
-    aa = bench.get("aa_control") or {}
-    per_head = bench.get("per_head") or {}
-    checks = []
-    failed = {role: sum((v or {}).get("failed", 0)
-                        for v in ((per_head.get(role) or {}).get("by_concurrency") or {}).values())
-              for role in ("candidate", "live")}
-    if failed["candidate"] > failed["live"]:
-        checks.append({"name": "requests", "status": REJECTED, "ok": False,
-                       "why": f"requests: the candidate failed {failed['candidate']} requests, "
-                              f"the live head {failed['live']}"})
-    checks.append(check("mean_acceptance_length", diffs.get("mean_acceptance_length"),
-                        aa.get("mean_acceptance_length"), gate.min_acceptance_gain, "tokens"))
-    concs = sorted((k for k in diffs if k.startswith("c") and k[1:].isdigit()), key=lambda k: int(k[1:]))
-    if not concs:
-        checks.append({"name": "output_tok_per_s", "status": INCONCLUSIVE, "ok": False,
-                       "why": "benchmark has no throughput results"})
-    for c in concs:
-        live = ((per_head.get("live") or {}).get("by_concurrency") or {}).get(c[1:]) or {}
-        live_tps = live.get("output_tok_per_s")
-        # The throughput margin is relative; the paired difference is absolute tok/s.
-        margin = gate.min_throughput_gain * live_tps if live_tps else 0.0
-        checks.append(check(f"output_tok_per_s@{c}", diffs[c].get("output_tok_per_s"),
-                            (aa.get(c) or {}).get("output_tok_per_s"), margin, "tok/s"))
-    statuses = {c["status"] for c in checks}
+def check(name: str, iv: Interval, margin: float, unit: str, level: float, min_clusters: int,
+          aa: Interval | None = None) -> Check:
+    """One gated figure: passed / rejected / inconclusive from its interval at ``level`` per bound."""
+    base = dict(estimate=iv.estimate, ci=[iv.lo, iv.hi], margin=margin, unit=unit, level=level,
+                clusters=iv.clusters, aa_ci=aa.ci if aa is not None else None)
+    if iv.clusters == 0:
+        return Check(name, INCONCLUSIVE, f"{name}: nothing measured that every arm answered (acceptance is read "
+                                         "per request at concurrency 1 only)", **base)
+    if iv.clusters < min_clusters:
+        return Check(name, INCONCLUSIVE, f"{name}: {iv.clusters} prompt groups measured, the gate needs "
+                                         f"{min_clusters} (more held-out prompts, or smaller groups)", **base)
+    if iv.estimate is None or iv.lo is None or iv.hi is None:
+        return Check(name, INCONCLUSIVE, f"{name}: no interval (too few successful paired requests)", **base)
+    span = _span(iv, margin, unit, level)
+    if iv.lo > margin:
+        return Check(name, PASSED, f"{name}: better by more than the margin: {span}", **base)
+    if iv.hi <= margin:
+        return Check(name, REJECTED, f"{name}: not better by the margin: {span}", **base)
+    return Check(name, INCONCLUSIVE, f"{name}: cannot tell yet: {span}", **base)
+
+
+def _refs(clusters_arms: set[str]) -> list[str]:
+    return [LIVE, CONTROL] if CONTROL in clusters_arms else [LIVE]
+
+
+def aa_void(result: BenchResult, gate: Any) -> str | None:
+    """Why the A/A control voids this benchmark (None: it does not).
+
+    Control − live of every gated figure, on this benchmark alone, at ``aa_confidence``:
+    an interval that leaves out 0 says two identical heads measured apart.
+    """
+    if CONTROL not in result.arms:
+        return "no A/A control in this benchmark, so nothing shows the machine held still under it"
+    c1 = min(result.concurrencies)
+    figs = [("mean_acceptance_length", c1, "mean_acceptance_length")]
+    figs += [(f"output_tok_per_s@c{c}", c, "output_tok_per_s") for c in result.concurrencies]
+    for name, c, metric in figs:
+        iv = contrast(result.clusters, metric, c, CONTROL, [LIVE], gate.aa_confidence)
+        if iv.excludes(0.0):
+            return (f"A/A control {name}: the live head measured against itself differs by {iv.estimate:.4g} "
+                    f"[{iv.lo:.4g}, {iv.hi:.4g}] ({gate.aa_confidence:.0%}): load changed under the bench")
+    return None
+
+
+def decide(results: BenchResult | list[BenchResult], gate: Any) -> Verdict:
+    """The verdict after ``len(results)`` benchmarks of one candidate (a cycle's attempts, in order)."""
+    results = [results] if isinstance(results, BenchResult) else list(results)
+    look = len(results)
+    looks = max(gate.max_attempts, look)
+    level = pocock_level(gate.level, looks)
+    last = results[-1]
+    voids = {i + 1: why for i, r in enumerate(results) if (why := aa_void(r, gate)) is not None}
+    kept = [r for i, r in enumerate(results) if i + 1 not in voids]
+    checks: list[Check] = []
+    if look in voids:
+        checks.append(Check("aa_control", INCONCLUSIVE, f"attempt {look} void: {voids[look]}"))
+    else:
+        clusters = pool_clusters([r.clusters for r in kept])
+        arms = set().union(*(r.arms for r in kept))
+        refs = _refs(arms)
+        concs = sorted(set(last.concurrencies))
+        failed = {role: sum(r.failed(role) for r in results) for role in (CANDIDATE, LIVE)}
+        if failed[CANDIDATE] > failed[LIVE]:
+            checks.append(Check("requests", REJECTED, f"requests: the candidate failed {failed[CANDIDATE]} requests, "
+                                                      f"the live head {failed[LIVE]}"))
+        conf = 1.0 - 2.0 * level  # each bound of this two-sided interval is a one-sided bound at `level`
+        aa = last.aa_control
+        if concs:
+            iv = contrast(clusters, "mean_acceptance_length", concs[0], CANDIDATE, refs, conf)
+            checks.append(check("mean_acceptance_length", iv, max(gate.min_acceptance_gain, 0.0), "tokens", level,
+                                gate.min_clusters, aa.mean_acceptance_length if aa else None))
+        else:
+            checks.append(Check("output_tok_per_s", INCONCLUSIVE, "benchmark has no throughput results"))
+        if gate.throughput_test == "non_inferiority":
+            factor = 1.0 - gate.throughput_tolerance
+        else:
+            factor = 1.0 + gate.min_throughput_gain
+        for c in concs:
+            # x > factor·ref, tested exactly; shown as x − ref against the margin (factor − 1)·ref.
+            iv = contrast(clusters, "output_tok_per_s", c, CANDIDATE, refs, conf, ref_factor=factor)
+            ref = [v for v in reference(clusters, "output_tok_per_s", c, refs) if not math.isnan(v)]
+            margin = (factor - 1.0) * (sum(ref) / len(ref)) if ref else 0.0
+            checks.append(check(f"output_tok_per_s@c{c}", iv, margin, "tok/s", level, gate.min_clusters,
+                                aa.tok_per_s(c) if aa else None))
+    statuses = {c.status for c in checks}
     status = REJECTED if REJECTED in statuses else PASSED if statuses == {PASSED} else INCONCLUSIVE
-    shown = [c for c in checks if c["status"] == status] if status != PASSED else checks
-    return Verdict(status, "; ".join(c["why"] for c in shown), checks)
+    shown = [c for c in checks if c.status == status] if status != PASSED else checks
+    reason = "; ".join(c.why for c in shown)
+    # Re-measuring replays the same prompt groups: it cannot add groups to a check that has too few.
+    final = status != INCONCLUSIVE or look >= looks or any(
+        c.status == INCONCLUSIVE and 0 < c.clusters < gate.min_clusters for c in checks)
+    if status == INCONCLUSIVE and final:
+        reason = f"inconclusive after {look} benchmark(s): {reason}"
+    return Verdict(status, reason, checks, look, level, sorted(voids), final)
 
 
 def bootstrap_verdict() -> Verdict:
     """The first head of a registered model has nothing to beat: it passes, and says so."""
     return Verdict(PASSED, "bootstrap: no Production version and no live head to compare against", [])
+
+
+def power_plan(result: BenchResult, gate: Any, tok_gain: float = 0.10, acceptance_gain: float = 0.10,
+               target: float = 0.8) -> dict[str, dict[str, Any]]:
+    """The gate's own power analysis from one bench's noise: per check, its power and the groups it needs.
+
+    For a candidate ``tok_gain`` faster (a fraction of the reference's tok/s) and
+    ``acceptance_gain`` tokens better in acceptance, each check's power at the first look
+    (Pocock's level for ``max_attempts`` looks) with the prompt groups this bench had,
+    and the number of groups that would give ``target`` power at the same rounds and group
+    size, with the held-out prompts that takes (``prompts_for_target``). The per-group noise is the candidate − reference spread where a candidate was measured,
+    else the A/A control's (control − live has 4/3 the variance of candidate − reference).
+    """
+    level = pocock_level(gate.level, gate.max_attempts)
+    refs = _refs(set(result.arms))
+    out: dict[str, dict[str, Any]] = {}
+    c1 = min(result.concurrencies)
+    items = [("mean_acceptance_length", c1, acceptance_gain - gate.min_acceptance_gain)]
+    for c in result.concurrencies:
+        ref = [v for v in reference(result.clusters, "output_tok_per_s", c, refs) if not math.isnan(v)]
+        mean_ref = sum(ref) / len(ref) if ref else math.nan
+        items.append((f"output_tok_per_s@c{c}", c, (tok_gain - gate.min_throughput_gain) * mean_ref))
+    for name, c, effect in items:
+        metric = name.split("@")[0]
+        diff = contrast(result.clusters, metric, c, CANDIDATE, refs, 0.9)
+        aa = contrast(result.clusters, metric, c, CONTROL, [LIVE], 0.9) if CONTROL in result.arms else None
+        sd = diff.sd if diff.sd is not None else (aa.sd * math.sqrt(0.75) if aa and aa.sd is not None else None)
+        j = diff.clusters
+        sizes = [len(cl.prompts) for cl in result.clusters if cl.concurrency == c]
+        row: dict[str, Any] = {"effect_beyond_margin": effect, "sd_per_group": sd, "groups": j,
+                               "prompts_per_group": sum(sizes) / len(sizes) if sizes else None}
+        if sd is not None and not math.isnan(effect):
+            row["power"] = power(effect, sd, j, level)
+            need = clusters_needed(effect, sd, level, target, gate.min_clusters)
+            row["groups_for_target"] = need
+            row["prompts_for_target"] = (math.ceil(need * row["prompts_per_group"])
+                                         if need is not None and sizes else None)
+        out[name] = row
+    return out

@@ -5,8 +5,8 @@ logged the moment the step finishes, the head as a logged model, closed when the
   on any worker, logs into the same run; its status goes back to RUNNING meanwhile);
 * step by step: ingest counts, snapshot sizes and held-out repeats, the parent, the training
   loss per optimizer step, offline acceptance per draft position, the bench (acceptance per
-  position, tok/s and the latency percentiles per arm and concurrency, candidate − live with
-  the A/A control, speed-up over no speculation, one point per bench attempt), the gate's
+  position, tok/s and the latency percentiles per arm and concurrency, candidate − reference
+  (the live head and its A/A control pooled) and the A/A control, speed-up over no speculation, one point per bench attempt), the gate's
   verdict, and each step's duration;
 * the trained head is an MLflow LoggedModel (its files plus the manifest's fields as params
   and tags), which the registered version points at (``models:/<model id>``), and the
@@ -23,8 +23,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rollout import registry as reg_mod
+from loop.gate import Verdict
 from loop.store import CycleStore
+from rollout import registry as reg_mod
 from settings.config import Config
 
 MODEL_TYPE = "p-eagle-head"
@@ -45,32 +46,11 @@ def _flat(prefix: str, obj: Any, out: dict[str, float]) -> None:
             _flat(f"{prefix}_pos{i}" if isinstance(v, (int, float)) else f"{prefix}_{i}", v, out)
 
 
-# Per arm and concurrency, the figures a reviewer compares (the means and the percentiles).
-BENCH_FIGURES = ("output_tok_per_s", "tpot_ms", "ttft_ms", "itl_ms", *(
-    f"{p}_{n}_ms" for n in ("ttft", "tpot", "itl", "e2el") for p in ("median", "p90", "p99")))
+def bench_metrics(path: Path) -> dict[str, float]:
+    """A bench result's metrics (``evaluation.result.BenchResult.metrics``)."""
+    from evaluation.result import BenchResult
 
-
-def bench_metrics(res: dict[str, Any]) -> dict[str, float]:
-    """A bench result as metrics: per arm acceptance and figures, deltas with CIs, A/A, speed-ups."""
-    m: dict[str, float] = {}
-    for role in res.get("arms") or ("candidate", "live"):
-        ph = res["per_head"][role]
-        spec = ph["spec"] or {}
-        _flat(f"replay.{role}", {k: spec.get(k) for k in ("mean_acceptance_length", "acceptance_rate",
-                                                           "acceptance_per_pos")}, m)
-        for c, row in ph["by_concurrency"].items():
-            _flat(f"replay.{role}.c{c}", {k: row.get(k) for k in BENCH_FIGURES}, m)
-    # candidate − live, the A/A control (live − live) beside it, and the speed-up over no speculation.
-    for prefix, block in (("delta", res["differences"]), ("aa", res.get("aa_control") or {}),
-                          ("speedup_vs_nospec", res.get("speedup_vs_nospec") or {})):
-        for name, diff in block.items():
-            if "estimate" in diff:
-                diff = {"": diff}
-            for k, d in diff.items():
-                key = f"{prefix}.{name}" + (f".{k}" if k else "")
-                _flat(key, {"estimate": d.get("estimate"), "ci_low": (d.get("ci") or [None])[0],
-                            "ci_high": (d.get("ci") or [None, None])[1]}, m)
-    return m
+    return BenchResult.load(path).metrics()
 
 
 def run_metrics(state: dict[str, Any], resolve=Path) -> dict[str, float]:
@@ -86,7 +66,7 @@ def run_metrics(state: dict[str, Any], resolve=Path) -> dict[str, float]:
     _flat("offline", {k: v for k, v in (s.get("evaluate") or {}).items() if k != "json_path"}, m)
     b = s.get("bench") or {}
     if b.get("json_path"):
-        m.update(bench_metrics(json.loads(resolve(b["json_path"]).read_text())))
+        m.update(bench_metrics(resolve(b["json_path"])))
         m["bench.attempts"] = float(len(b.get("attempts") or [1]))
     overlap = (s.get("snapshot") or {}).get("heldout_overlap") or {}
     if overlap:
@@ -117,18 +97,24 @@ def run_params(cfg: Config, state: dict[str, Any]) -> dict[str, str]:
     return p
 
 
-def gate_table(g: dict[str, Any]) -> str:
+def gate_table(v: "Verdict") -> str:
     """The gate's checks as a Markdown table (the registered version's description in the MLflow UI)."""
-    lines = [f"**Gate: {g['verdict']}**" + (f" after {g['attempts']} benchmark(s)" if g.get("attempts") else ""), "",
-             "| check | status | candidate − live [CI] | A/A noise | margin |", "|---|---|---|---|---|"]
-    for c in g.get("checks") or []:
-        ci = c.get("ci") or [None, None]
-        span = "-" if c.get("estimate") is None else (
-            f"{c['estimate']:+.4g} [{ci[0]:+.4g}, {ci[1]:+.4g}]" if ci[0] is not None else f"{c['estimate']:+.4g}")
-        noise = "-" if c.get("aa_noise") is None else f"±{c['aa_noise']:.3g}"
-        margin = "-" if c.get("margin") is None else f"{c['margin']:.4g} {c.get('unit', '')}"
-        lines.append(f"| {c['name']} | {c['status']} | {span} | {noise} | {margin} |")
-    lines += ["", g.get("reason", "")[:3000]]
+    head = f"**Gate: {v.status}**" + (f" after {v.attempts} benchmark(s)" if v.attempts else "")
+    if v.level is not None:
+        head += f" (each bound a one-sided {v.level:.3g} test)"
+    lines = [head, "", "| check | status | candidate − reference [bounds] | A/A control | margin | prompt groups |",
+             "|---|---|---|---|---|---|"]
+
+    def fmt(ci) -> str:
+        return "-" if not ci or ci[0] is None else f"[{ci[0]:+.4g}, {ci[1]:+.4g}]"
+
+    for c in v.checks:
+        span = "-" if c.estimate is None else f"{c.estimate:+.4g} {fmt(c.ci)}"
+        margin = "-" if c.margin is None else f"{c.margin:.4g} {c.unit}"
+        lines.append(f"| {c.name} | {c.status} | {span} | {fmt(c.aa_ci)} | {margin} | {c.clusters or '-'} |")
+    if v.voided:
+        lines.append(f"\nVoided by the A/A control: attempt(s) {', '.join(map(str, v.voided))}.")
+    lines += ["", v.reason[:3000]]
     return "\n".join(lines)
 
 
@@ -148,11 +134,12 @@ def _dataset(path: str, name: str, source_uri: str, digest: str):
 class CycleRun:
     """The MLflow run of one cycle; every method is safe to call again after a crash."""
 
-    def __init__(self, cfg: Config, state: dict[str, Any]) -> None:
+    def __init__(self, cfg: Config, state: dict[str, Any], registry: reg_mod.Registry | None = None,
+                 store: CycleStore | None = None) -> None:
         self.cfg, self.state = cfg, state
-        self.reg = reg_mod.Registry(cfg)
+        self.reg = registry or reg_mod.Registry(cfg)
         self.client = self.reg.client
-        self.store = CycleStore(cfg)
+        self.store = store or CycleStore(cfg)
 
     def _p(self, path: str) -> Path:
         """A recorded path, local on this worker."""
@@ -208,7 +195,7 @@ class CycleRun:
             self._metrics(m, model_id=self.state["tracking"].get("model_id"))
         elif step == "bench" and out.get("attempts"):
             for a in out.get("attempts") or []:
-                self._metrics(bench_metrics(json.loads(self._p(a["json_path"]).read_text())), step=a["attempt"],
+                self._metrics(bench_metrics(self._p(a["json_path"])), step=a["attempt"],
                               model_id=self.state["tracking"].get("model_id"))
             self._metrics({"bench.attempts": float(len(out.get("attempts") or [1]))})
         elif step == "gate" and "verdict" in out:
@@ -216,7 +203,7 @@ class CycleRun:
             self.client.set_tag(self.run_id, reg_mod.T_GATE, out["verdict"])
             self.client.set_tag(self.run_id, reg_mod.T_REASON, out["reason"][:4900])
             self.client.log_dict(self.run_id, out, "cycle/gate.json")
-            self.client.log_text(self.run_id, gate_table(out), "cycle/gate.md")
+            self.client.log_text(self.run_id, gate_table(Verdict.from_json(out)), "cycle/gate.md")
 
     def _snapshot(self, out: dict[str, Any]) -> None:
         m = {f"snapshot.{split}_rows": float(out[split]["rows"]) for split in ("train", "heldout") if split in out}

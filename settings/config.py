@@ -27,7 +27,7 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator, model_validator
 
@@ -187,11 +187,13 @@ class BenchConfig(_Section):
     concurrencies: list[int] = [1, 4]
     max_prompts: int = Field(32, ge=1)
     max_tokens: int = Field(128, ge=1)
-    # Each round runs every arm once, in a counterbalanced order (even counts balance exactly).
+    # Each round runs every arm once on every prompt group; a group's even and odd rounds run in
+    # mirrored orders, so an even count balances every group exactly.
     rounds: int = Field(2, ge=1)
-    # Prompts per slot: every arm replays a slot's prompts back to back (at least two waves per concurrency).
+    # About this many prompts per group (slot): every arm replays a group back to back. A group holds at
+    # least one wave at its concurrency; there are [gate] min_clusters groups when the prompts allow.
     group_size: int = Field(4, ge=1)
-    # Seeds the arms' order and the bootstrap (a cycle's re-measurement adds its attempt number).
+    # Seeds the arms' order (a cycle's re-measurement adds its attempt number).
     seed: int = 0
     # Also measure a replica without speculation, for the speed-up over not speculating at all.
     nospec_reference: bool = False
@@ -200,11 +202,31 @@ class BenchConfig(_Section):
 
 
 class GateConfig(_Section):
+    """The promotion rule: pre-registered margins and the false-promotion rate (``loop.gate``)."""
+
+    # Mean acceptance length must beat the live head's by more than this (tokens per verification step).
     min_acceptance_gain: float = 0.02
-    min_throughput_gain: float = 0.0
+    # Output tok/s must beat the live head's by more than this fraction, at every benchmarked concurrency.
+    min_throughput_gain: float = Field(0.0, ge=0)
+    # "superiority": throughput must improve (by min_throughput_gain). "non_inferiority" (an option,
+    # never the default): throughput may be up to throughput_tolerance worse than the live head's.
+    throughput_test: Literal["superiority", "non_inferiority"] = "superiority"
+    throughput_tolerance: float = Field(0.02, ge=0, lt=1)
+    # Every check is a one-sided test at level (1 - confidence) / 2 (0.05 for 0.9): a head that is not
+    # better by a margin passes that check at most that often, over all attempts of a cycle together.
     confidence: float = Field(0.9, gt=0, lt=1)
-    # Benchmarks per cycle: an inconclusive verdict (the A/A control too noisy to decide) measures again.
+    # A check with fewer prompt groups (clusters) than this at its concurrency is inconclusive.
+    min_clusters: int = Field(6, ge=3)
+    # The A/A control voids a benchmark when its own two-sided interval at this confidence leaves out 0
+    # (load changed under the bench); 0.99 voids 1 clean run in 100 per check.
+    aa_confidence: float = Field(0.99, gt=0, lt=1)
+    # Benchmarks per cycle: an inconclusive one is measured again, pooled with the earlier ones.
     max_attempts: int = Field(2, ge=1)
+
+    @property
+    def level(self) -> float:
+        """The one-sided level of each check: its share of false promotions."""
+        return (1.0 - self.confidence) / 2
 
 
 class CycleConfig(_Section):

@@ -1,19 +1,21 @@
-"""Simulated replay-bench measurements for the statistics and cycle tests (no services).
+"""Simple simulated replay-bench measurements for the statistics and cycle tests (no services).
 
 The blocks follow a bench plan (``evaluation.bench.plan``): per slot, each arm replays
 the slot's prompts. A request's speed is the head's speed times the prompt's own
 factor (lengths and difficulty differ a lot between prompts) times the machine at
 that moment: a drift over the run, a load level per slot (shared by the arms of
-the slot) and a jitter per block.
+the slot) and a jitter per block. Each effect can be switched on alone, which the
+tests of single mechanisms need; the simulator that tries to fool the gate (heavy
+tails, autocorrelated load with bursts, head-by-prompt effects) is ``evaluation.simulate``.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
-from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, analyze, headline, plan
+from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, plan
+from evaluation.result import HeadRef, analyze
 from serving.metrics import SpecDelta
 
 N = 24
@@ -57,19 +59,22 @@ def simulate(slots, speed, *, drift=0.0, load=0.0, jitter=0.0, seed=0, al=None):
 
 
 def simulated_bench(runs, calls: list):
-    """A stand-in for run_bench_cli: each call analyzes the next simulated run (load, speeds) for real."""
+    """A stand-in for ``evaluation.bench.bench_heads``: each call analyzes the next simulated run for real.
+
+    ``runs``: (load, candidate speed) per call; the candidate drafts 1.8 against the live head's 1.5.
+    """
     runs = iter(runs)
 
-    def fake_bench(c, *, out, seed, **kw):
+    def fake_bench(cfg, bp, progress=None):
         load, speed = next(runs)
-        calls.append(seed)
-        blocks = simulate(slots_for(seed=seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0}, load=load,
-                          jitter=load / 4, seed=seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
-        res = {"heads": {"candidate": {"sha256": "c" * 64}, "live": {"sha256": "l" * 64}}, "requests": N,
-               **analyze(blocks, ARMS, CONCS, 0.9, 500, seed)}
-        res["summary"] = headline(res)
-        Path(out).mkdir(parents=True)
-        (Path(out) / "bench.json").write_text(json.dumps(res))
+        calls.append(bp.seed)
+        blocks = simulate(slots_for(seed=bp.seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0}, load=load,
+                          jitter=load / 4, seed=bp.seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
+        res = analyze(blocks, ARMS, CONCS, cfg.gate.confidence)
+        res.heads = {"candidate": HeadRef("cand", "c" * 64), "live": HeadRef("live", "l" * 64)}
+        res.requests, res.seed = N, bp.seed
+        Path(bp.out).mkdir(parents=True)
+        res.write(Path(bp.out) / "bench.json")
         return res
 
     return fake_bench

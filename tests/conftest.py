@@ -33,8 +33,9 @@ for _var in [v for v in os.environ if v.startswith("ADAPT__")] + ["MLFLOW_TRACKI
 SERVICE_FIXTURES = frozenset({"s3_server", "postgres_server", "mlflow_server", "start_replica", "vllm_server"})
 
 
-# MLflow client variables that code run in-process may set for itself (app.common.answer_soon, the controller).
-MLFLOW_CLIENT_VARS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+# MLflow client variables that code run in-process may set for itself (app.common.answer_soon, the
+# controller; mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI, which the configuration then reads).
+MLFLOW_CLIENT_VARS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_TRACKING_URI")
 
 
 @pytest.fixture(autouse=True)

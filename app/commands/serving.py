@@ -219,21 +219,21 @@ def bench(
     nospec_url: Annotated[Optional[str], typer.Option(help="Use this replica without speculation as the reference.")] = None,
     train: Annotated[Optional[str], typer.Option(
         help="Training conversations (JSONL): count held-out prompts that repeat them, and drop those.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed of the arms' order and the bootstrap.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the arms' order.")] = None,
 ) -> None:
     """Replay held-out traffic: candidate, live and an A/A control in counterbalanced order; JSON + plot."""
     cfg = get_config(config, json_)
-    from evaluation.bench import run_bench_cli
+    from evaluation.bench import BenchPlan, bench_heads
 
     try:
-        result = run_bench_cli(cfg, candidate=candidate, live=live, heldout=heldout, url=url, out=out,
-                               concurrencies=concurrency, rounds=rounds, max_prompts=max_prompts,
-                               nospec=nospec, nospec_url=nospec_url, seed=seed, train=train, progress=progress)
+        result = bench_heads(cfg, BenchPlan(candidate=candidate, live=live, heldout=heldout, url=url, out=out,
+                                            concurrencies=concurrency, rounds=rounds, max_prompts=max_prompts,
+                                            nospec=nospec, nospec_url=nospec_url, seed=seed, train=train),
+                             progress=progress)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         fail(error_text(exc))
-    s = result["summary"]
-    human = json.dumps(s, indent=2) + f"\nJSON: {result['json_path']}\nplot: {result['plot_path']}"
-    emit(result, json_, human=human)
+    human = json.dumps(result.headline(), indent=2) + f"\nJSON: {result.json_path}\nplot: {result.plot_path}"
+    emit(result.to_json(), json_, human=human)
 
 
 def _target_dir(cfg: Config, target: Optional[str]) -> Path:

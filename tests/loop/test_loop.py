@@ -117,23 +117,28 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.5):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def test_full_cycle_registers_everything_and_rejected_candidate_is_never_served(loop):
+def test_full_cycle_registers_everything_and_an_undecided_candidate_is_never_served(loop):
+    """A real gate on a real bench of 3 held-out prompts: 3 prompt groups are too few for the gate's
+    6, and measuring again would replay the same 3, so the candidate is registered *inconclusive*
+    after one benchmark, nothing forced (tests/loop/test_gate_e2e.py reaches passed and rejected
+    for real)."""
     from loop.cycle import run_cycle
     from rollout.registry import Registry
 
-    # A margin no tiny random head can clear: the candidate must be registered as rejected.
-    cfg = cfg_for(loop, "drafter-cycle", gate={"min_acceptance_gain": 10.0})
+    cfg = cfg_for(loop, "drafter-cycle")
     before = served_sha(loop)
     t0 = time.perf_counter()
     out = run_cycle(cfg, "full-1", opts_for(loop, router_url=loop.url))
     print(f"full cycle: {time.perf_counter() - t0:.1f}s timings={out['timings']}")
-    assert out["complete"] and out["verdict"] == "rejected" and out["promoted"] is False
-    assert "mean_acceptance_length" in out["reason"]
+    assert out["complete"] and out["verdict"] == "inconclusive" and out["promoted"] is False
+    assert out["reason"].startswith("inconclusive after 1 benchmark(s)")
+    assert len(out["steps"]["bench"]["attempts"]) == 1
+    assert "mean_acceptance_length: 3 prompt groups measured, the gate needs 6" in out["reason"]
     reg = Registry(cfg)
     mv = reg.get(out["version"])
     t = mv.tags
     assert t["head_sha256"] == out["artifacts"]["head_sha256"] and t["num_speculative_tokens"] == "3"
-    assert t["parent_version"] == "none" and t["gate_verdict"] == "rejected" and t["gate_reason"] == out["reason"]
+    assert t["parent_version"] == "none" and t["gate_verdict"] == "inconclusive" and t["gate_reason"] == out["reason"]
     assert mv.current_stage == "None" and reg.production() is None and reg.alias_version() is None
 
     run = reg.client.get_run(mv.run_id)
@@ -160,13 +165,13 @@ def test_full_cycle_registers_everything_and_rejected_candidate_is_never_served(
     assert reg.client.get_logged_model(model_id).source_run_id == mv.run_id
     assert {"config.json", "model.safetensors", "manifest.json"} <= {
         f.path for f in reg.client.list_logged_model_artifacts(model_id)}
-    assert "| mean_acceptance_length | rejected |" in mv.description
+    assert "| mean_acceptance_length | inconclusive |" in mv.description
     inputs = run.inputs.dataset_inputs
     assert len(inputs) == 2
     digests = {i.dataset.digest for i in inputs}
     assert digests == {out["artifacts"]["train_snapshot"]["id"][:36], out["artifacts"]["heldout_snapshot"]["id"][:36]}
     assert {tag.value for i in inputs for tag in i.tags if tag.key == "mlflow.data.context"} == {"training", "evaluation"}
-    # Nothing serves the rejected head.
+    # Nothing serves the undecided head.
     assert served_sha(loop) == before and out["artifacts"]["head_sha256"] not in before
     # A re-run of a finished cycle is a no-op: same version, no new one.
     again = run_cycle(cfg, "full-1", opts_for(loop))

@@ -86,7 +86,7 @@ def test_two_workers_sharing_only_s3_and_mlflow_run_one_cycle_alternately(
     write_layout(tmp_path / "cap2", 8, endpoint="ep", seed=4, start=T0 + timedelta(hours=9))
     upload(s3_server, tmp_path / "cap2", "mw-capture")
     calls: list = []
-    monkeypatch.setattr(evaluation.bench, "run_bench_cli", simulated_bench([(0.0, 1.5)], calls))
+    monkeypatch.setattr(evaluation.bench, "bench_heads", simulated_bench([(0.0, 1.5)], calls))
     c2 = "c-mw-2"
     for i, step in enumerate(cycle.STEPS):
         cycle.run_step(b if i % 2 == 0 else a, c2, step)

@@ -37,9 +37,9 @@ def stub_steps(head: Path, tmp: Path, fail_at: str | None = None):
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"content_hash": ["a"], "format": ["chat"], "endpoint": ["ep"]}), tmp / f"{split}.parquet")
-    gate = {"verdict": "passed", "passed": True, "reason": "better beyond the noise", "attempts": 1,
+    gate = {"verdict": "passed", "passed": True, "reason": "better by more than the margin", "attempts": 1,
             "checks": [{"name": "mean_acceptance_length", "status": "passed", "estimate": 0.3, "ci": [0.2, 0.4],
-                        "aa_noise": 0.0, "margin": 0.02, "unit": "tokens"}]}
+                        "aa_ci": [0.0, 0.0], "margin": 0.02, "unit": "tokens", "level": 0.05, "clusters": 8}]}
     outs = {
         "ingest": {"read": 10, "normalized": 9, "duplicates": 1, "quarantined": 0, "skipped": 0},
         "snapshot": {"train": {"path": str(tmp / "train.parquet"), "id": "t" * 64, "rows": 8},
@@ -106,8 +106,12 @@ def test_the_run_opens_at_the_first_step_and_logs_each_step_as_it_finishes(setup
 
 
 def test_gate_table_reads_as_a_review():
-    t = tracking.gate_table({"verdict": "inconclusive", "attempts": 2, "reason": "within the run's noise",
-                             "checks": [{"name": "output_tok_per_s@c1", "status": "inconclusive", "estimate": 1.5,
-                                         "ci": [-0.5, 3.5], "aa_noise": 2.0, "margin": 0.0, "unit": "tok/s"}]})
-    assert t.startswith("**Gate: inconclusive** after 2 benchmark(s)")
-    assert "| output_tok_per_s@c1 | inconclusive | +1.5 [-0.5, +3.5] | ±2 | 0 tok/s |" in t
+    from loop.gate import Verdict
+
+    t = tracking.gate_table(Verdict.from_json({
+        "verdict": "inconclusive", "attempts": 2, "level": 0.0304, "voided": [1], "reason": "cannot tell yet",
+        "checks": [{"name": "output_tok_per_s@c1", "status": "inconclusive", "estimate": 1.5, "ci": [-0.5, 3.5],
+                    "aa_ci": [-2.0, 1.0], "margin": 0.0, "unit": "tok/s", "clusters": 9}]}))
+    assert t.startswith("**Gate: inconclusive** after 2 benchmark(s) (each bound a one-sided 0.0304 test)")
+    assert "| output_tok_per_s@c1 | inconclusive | +1.5 [-0.5, +3.5] | [-2, +1] | 0 tok/s | 9 |" in t
+    assert "Voided by the A/A control: attempt(s) 1." in t

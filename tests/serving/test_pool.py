@@ -74,6 +74,8 @@ def stack(tiny_model: Path, heads, tmp_path_factory):
         "serving": {"replicas": 2, "base_port": base, "router_port": router, "admin_token": TOKEN,
                     "max_model_len": 1024, "capture_endpoint": "test-ep"},
         "bench": {"concurrencies": [1, 2], "max_prompts": 6, "max_tokens": 32, "rounds": 2},
+        # 3 prompt groups of 2 at each concurrency: the CLI's JSON and plot, not a verdict, are under test here
+        "gate": {"min_clusters": 3},
     })
     cfg_file = d / "adapt.toml"
     cfg_file.write_text(dump_toml(cfg))
@@ -341,35 +343,39 @@ def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
     finally:
         stack.pool.undrain(r.url)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    res = json.loads(p.stdout)
-    assert Path(res["plot_path"]).stat().st_size > 10_000
-    assert json.loads(Path(res["json_path"]).read_text())["summary"] == res["summary"]
-    # Every slot runs candidate, live and the A/A control (the live head again), each swapped in before its turn.
-    assert len(res["swaps"]) == 3 * res["slots"] and {s["round"] for s in res["swaps"]} == {0, 1}
+    from evaluation.result import BenchResult
+
+    raw = json.loads(p.stdout)
+    res = BenchResult.from_json(raw)
+    assert Path(res.plot_path).stat().st_size > 10_000
+    assert BenchResult.load(res.json_path).to_json() == raw
+    # Every slot runs candidate, live and the A/A control (the live head again), each loaded before its turn
+    # the same way (after one probe of the candidate).
+    assert len(res.swaps) == 3 * res.slots + 1 and {s["round"] for s in res.swaps} == {-1, 0, 1}
+    assert len({s["how"] for s in res.swaps}) == 1
     by_slot = {}
-    for b in res["blocks"]:
+    for b in res.blocks:
         by_slot.setdefault(b["slot"], []).append(b["role"])
     assert all(sorted(r) == ["candidate", "control", "live"] for r in by_slot.values())
     assert len({tuple(r) for r in by_slot.values()}) > 1  # the order is counterbalanced, not fixed
-    cand, live = res["per_head"]["candidate"], res["per_head"]["live"]
-    assert res["per_head"]["control"]["spec"]["mean_acceptance_length"] == pytest.approx(
-        live["spec"]["mean_acceptance_length"], rel=0.05)  # the same head measures the same
-    assert res["summary"]["delta_mean_acceptance_length"]["aa_spread"] is not None
-    assert res["schema_version"] == 2 and res["environment"]["vllm"] and res["created_at"]
-    assert cand["by_concurrency"]["2"]["p99_e2el_ms"] >= cand["by_concurrency"]["2"]["median_e2el_ms"] > 0
-    assert len(res["request_records"]) == sum(b["requests"] for b in res["blocks"])
-    assert cand["spec"]["mean_acceptance_length"] > live["spec"]["mean_acceptance_length"]
-    assert len(cand["spec"]["acceptance_per_pos"]) == 3
-    for c in ("1", "2"):
-        assert cand["by_concurrency"][c]["failed"] == 0 and cand["by_concurrency"][c]["output_tok_per_s"] > 0
-        for k in ("ttft_ms", "tpot_ms", "itl_ms"):
-            assert cand["by_concurrency"][c][k] > 0
-    d = res["differences"]["mean_acceptance_length"]
-    assert d["ci"][0] <= d["estimate"] <= d["ci"][1] and d["estimate"] > 0
+    cand, live = res.arms["candidate"], res.arms["live"]
+    assert res.arms["control"].mean_acceptance_length == pytest.approx(live.mean_acceptance_length, rel=0.05)
+    assert raw["summary"]["delta_mean_acceptance_length"]["aa"] is not None
+    assert raw["schema_version"] == 3 and res.environment["vllm"] and res.created_at
+    assert cand.by_concurrency[2].e2el.p99 >= cand.by_concurrency[2].e2el.median > 0
+    assert len(res.request_records) == sum(b["requests"] for b in res.blocks)
+    assert cand.mean_acceptance_length > live.mean_acceptance_length
+    assert len(cand.spec.acceptance_per_pos) == 3
+    for c in (1, 2):
+        f = cand.by_concurrency[c]
+        assert f.failed == 0 and f.output_tok_per_s > 0 and f.ttft_ms > 0 and f.tpot_ms > 0 and f.itl_ms > 0
+    d = res.differences.mean_acceptance_length
+    assert d.lo <= d.estimate <= d.hi and d.estimate > 0 and d.clusters == len({c.prompts[0] for c in res.clusters
+                                                                                 if c.concurrency == 1})
     # The bench replica is back on the pool's head.
     assert heads_now(stack)[r.url]["sha256"] == stack.pool.current_head["sha256"]
     if os.environ.get("ADAPT_KEEP_BENCH"):
-        shutil.copytree(Path(res["plot_path"]).parent, os.environ["ADAPT_KEEP_BENCH"], dirs_exist_ok=True)
+        shutil.copytree(Path(res.plot_path).parent, os.environ["ADAPT_KEEP_BENCH"], dirs_exist_ok=True)
 
 
 def test_shape_change_falls_back_to_rolling_restart_without_failures(stack, heads):
