@@ -83,7 +83,7 @@ def save_head(
             "parent": extra.pop("parent", None),
             "data_snapshot": extra.pop("data_snapshot", None),
             "config": extra.pop("config", None),
-            "drafter_config": model.config.to_dict(),
+            "drafter_config": model.config.to_json(),
             "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
         manifest.update(extra)
@@ -116,7 +116,7 @@ def load_head(head_dir: str | Path, device: str | torch.device = "cpu",
     manifest = json.loads((d / MANIFEST).read_text()) if (d / MANIFEST).is_file() else {}
     cfg_json = json.loads((d / "config.json").read_text())
     if manifest.get("drafter_config"):
-        cfg = DrafterConfig.from_dict(manifest["drafter_config"])
+        cfg = DrafterConfig.from_json(manifest["drafter_config"])
     else:
         cfg = config_from_vllm_dict(cfg_json)
     tensors = _read_tensors(d / WEIGHTS)

@@ -42,7 +42,7 @@ def show_config(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     from settings.config import dump_toml
 
     cfg = get_config(config, json_)
-    emit(cfg.to_json_dict(mask_secrets=True), json_, human=dump_toml(cfg, mask_secrets=True))
+    emit(cfg.to_json(mask_secrets=True), json_, human=dump_toml(cfg, mask_secrets=True))
 
 
 for _name in COMMAND_MODULES:

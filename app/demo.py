@@ -87,13 +87,13 @@ def send_phases(stack, model: str, rows: list[dict], dcfg, log: Log, label: str)
 
     n_hold = max(1, round(len(rows) * dcfg.heldout_fraction))
     kw = dict(max_tokens=dcfg.max_tokens, max_turns=dcfg.max_turns, concurrency=dcfg.concurrency, rate=dcfg.rate)
-    a = replay(stack.url, model, rows[:-n_hold], **kw).to_dict()
+    a = replay(stack.url, model, rows[:-n_hold], **kw).to_json()
     log(f"{label}: {a['turns_ok']}/{a['turns_sent']} turns ok in {a['conversations']} conversations "
         f"({a['context_full']} ended at the context limit), {a['output_tokens']} tokens at {a['output_tok_per_s']} tok/s")
     time.sleep(dcfg.gap_seconds / 2)
     gap_mid = dt.datetime.now(dt.timezone.utc)
     time.sleep(dcfg.gap_seconds / 2)
-    b = replay(stack.url, model, rows[-n_hold:], **kw).to_dict()
+    b = replay(stack.url, model, rows[-n_hold:], **kw).to_json()
     log(f"{label} (held-out period): {b['turns_ok']}/{b['turns_sent']} turns ok in {b['conversations']} conversations")
     return {"train_phase": a, "heldout_phase": b, "gap_mid": gap_mid}
 
@@ -186,7 +186,7 @@ def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for role, name in (("live", "before"), ("candidate", "after")):
         arm = full.arms[role]
-        spec = arm.spec.to_dict() if arm.spec else {}
+        spec = arm.spec.to_json() if arm.spec else {}
         out[name] = {
             "head_version": full.heads[role].version,
             "mean_acceptance_length": arm.mean_acceptance_length,

@@ -121,7 +121,7 @@ def on_policy(work: Path, name: str, rows: list[dict], url_fn, args, target_sha:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out))
     os.replace(tmp, path)
-    log(f"{name}: {len(out)} conversations on-policy in {time.perf_counter() - t:.0f}s {stats.to_dict()}")
+    log(f"{name}: {len(out)} conversations on-policy in {time.perf_counter() - t:.0f}s {stats.to_json()}")
     return out
 
 
@@ -199,7 +199,7 @@ def variants(bench) -> dict[str, Any]:
         arm = bench.arms[role]
         v: dict[str, Any] = {"by_concurrency": {str(c): f.figures() for c, f in arm.by_concurrency.items()}}
         if arm.spec is not None and arm.spec.drafts:
-            spec = arm.spec.to_dict()
+            spec = arm.spec.to_json()
             v.update(acceptance_per_pos=spec["acceptance_per_pos"], mean_acceptance_length=spec["mean_acceptance_length"],
                      drafts=spec["drafts"], accepted=spec["accepted_tokens"])
         out[name] = v

@@ -344,7 +344,7 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
         "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "slot": b["slot"],
         "prompts": b["prompts"], "wall_s": b["wall"], "requests": len(b["results"]),
         "failed": sum(not r.ok for r in b["results"]), "errors": sorted({r.error for r in b["results"] if r.error})[:3],
-        "spec": b["spec"].to_dict() if b["spec"] is not None else None,
+        "spec": b["spec"].to_json() if b["spec"] is not None else None,
     } for b in blocks]
     return result
 

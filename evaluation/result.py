@@ -37,7 +37,7 @@ def _num(x: Any) -> float | None:
 
 
 def spec_to_json(s: SpecDelta | None) -> dict | None:
-    return None if s is None else s.to_dict()
+    return None if s is None else s.to_json()
 
 
 def spec_from_json(d: dict | None) -> SpecDelta | None:

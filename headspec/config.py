@@ -80,11 +80,11 @@ class DrafterConfig:
     def fc_input_size(self) -> int:
         return self.n_aux * self.target_hidden_size
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_json(cls, d: dict[str, Any]) -> "DrafterConfig":
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 

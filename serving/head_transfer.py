@@ -173,6 +173,7 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
 
     def _check_shapes(self, draft: torch.nn.Module, head: Path) -> None:
         new_cfg = json.loads((head / "config.json").read_text())
+        # draft.config is vLLM's transformers PretrainedConfig, hence its to_dict (not our to_json).
         cur_sig, new_sig = shape_signature(draft.config.to_dict()), shape_signature(new_cfg)
         k = int(self.vllm_config.speculative_config.num_speculative_tokens)
         new_k = new_sig.pop("num_speculative_tokens")

@@ -103,7 +103,7 @@ class SpecDelta:
     def acceptance_per_pos(self) -> list[float]:
         return [x / self.drafts if self.drafts > 0 else math.nan for x in self.per_pos]
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
         def clean(x: float) -> float | None:
             return None if isinstance(x, float) and math.isnan(x) else x
 

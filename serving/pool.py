@@ -83,7 +83,7 @@ class Replica:
         newest: SpecSnapshot = self.history[-1]
         older = [s for s in self.history if newest.t - s.t <= window_s]
         delta = newest.minus(older[0])
-        return delta.to_dict() if delta.drafts > 0 else {**delta.to_dict(), "mean_acceptance_length": None}
+        return delta.to_json() if delta.drafts > 0 else {**delta.to_json(), "mean_acceptance_length": None}
 
 
 class Pool:

@@ -177,7 +177,7 @@ class ServingStack(LoopService):
         async def swap_handler(body: dict) -> dict:
             rep = await self.controller.swap(str(body["head"]), version=body.get("version"),
                                              force_restart=bool(body.get("restart", False)))
-            return rep.to_dict()
+            return rep.to_json()
 
         app = create_app(self.pool, writer=self.writer, admin_token=cfg.serving.resolved_admin_token(),
                          swap_handler=swap_handler,

@@ -52,7 +52,7 @@ class SwapReport:
     seconds: float = 0.0
     reference_acceptance_length: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
 
 
@@ -126,7 +126,7 @@ class SwapController:
             t0 = time.perf_counter()
             rep = await self._swap(head, version, force_restart, fault)
             rep.seconds = time.perf_counter() - t0
-            self.history.append(rep.to_dict())
+            self.history.append(rep.to_json())
             return rep
 
     async def _swap(self, head: str, version: str | None, force_restart: bool,

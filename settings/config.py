@@ -363,7 +363,7 @@ class Config(_Section):
     def state_path(self) -> Path:
         return Path(self.state_dir)
 
-    def to_json_dict(self, mask_secrets: bool = False) -> dict[str, Any]:
+    def to_json(self, mask_secrets: bool = False) -> dict[str, Any]:
         """The config as plain JSON; with ``mask_secrets``, every secret value (``SECRET_FIELDS``) shows as ``***``."""
         data = self.model_dump(mode="json")
         if mask_secrets:
@@ -613,7 +613,7 @@ def dump_toml(cfg: Config, mask_secrets: bool = False) -> str:
             return "{" + ", ".join(f"{json.dumps(k)} = {val(x)}" for k, x in v.items()) + "}"
         raise TypeError(type(v))
 
-    data = cfg.to_json_dict(mask_secrets=mask_secrets)
+    data = cfg.to_json(mask_secrets=mask_secrets)
     data.pop("source_file", None)
     lines = [f"{k} = {val(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for k, v in data.items():

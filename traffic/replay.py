@@ -34,7 +34,7 @@ class ReplayStats:
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "errors"}
         d["output_tok_per_s"] = round(self.output_tokens / self.seconds, 2) if self.seconds else None
         d["errors"] = self.errors[:5]

@@ -42,7 +42,7 @@ def test_user_config_overrides_only_its_keys_and_roundtrips(tmp_path, monkeypatc
     assert cfg.warehouse.uri == f"{tmp_path}/s/warehouse"
     again = tmp_path / "again.toml"
     again.write_text(dump_toml(cfg))
-    assert load_config(again).to_json_dict() | {"source_file": None} == cfg.to_json_dict() | {"source_file": None}
+    assert load_config(again).to_json() | {"source_file": None} == cfg.to_json() | {"source_file": None}
 
 
 def test_bad_config_is_a_clear_error(tmp_path):
