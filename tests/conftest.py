@@ -98,6 +98,14 @@ def tiny_head(tiny_model: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def heads(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
+    """The heads the serving tests swap, built once a session (``tests.serving_support.make_heads``)."""
+    from tests.serving_support import make_heads
+
+    return make_heads(tiny_model, tmp_path_factory.mktemp("serving-heads"))
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """SeaweedFS with an S3 API and one bucket; boto3/pyarrow env vars exported."""
     server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()

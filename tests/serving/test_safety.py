@@ -14,23 +14,18 @@ import stat
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from serving.admin import ExposureError, check_exposure, token_weakness
 from serving.capture_writer import CaptureWriter
-from serving.pool import Pool
-from serving.router import create_app, server_config
 from settings.config import load_config
 from tests.paths import REPO_ROOT
 from tests.services import LoopbackServer, free_port
+from tests.serving_support import Router, fake_replica
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
 
@@ -96,62 +91,8 @@ def test_controller_health_endpoint_refuses_off_loopback_with_a_weak_token(tmp_p
 
 # -- the router's limits -----------------------------------------------------------------------
 
-def recording_replica() -> FastAPI:
-    app = FastAPI()
-    app.state.seen = []
-
-    @app.get("/health")
-    async def health():
-        return {}
-
-    @app.post("/v1/completions")
-    async def comp(req: Request):
-        app.state.seen.append({"headers": dict(req.headers), "body": await req.body()})
-        return JSONResponse({"choices": [{"text": "ok"}]})
-
-    return app
-
-
-class Router:
-    """The router app served by server_config on loopback, in a thread with its own loop."""
-
-    def __init__(self, replica_url: str, **app_kw):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.pool = Pool(health_interval=0.2)
-        self.pool.attach(replica_url)
-        self.app_kw = app_kw
-        self.holder: dict = {}
-
-    def __enter__(self):
-        deadlines = {k: self.app_kw.pop(k) for k in ("header_timeout", "body_timeout") if k in self.app_kw}
-
-        def run():
-            async def main():
-                await self.pool.start_background()
-                app = create_app(self.pool, admin_token="", **self.app_kw)
-                srv = uvicorn.Server(server_config(app, "127.0.0.1", self.port, log_level="error", **deadlines))
-                srv.install_signal_handlers = lambda: None
-                self.holder["srv"] = srv
-                await srv.serve()
-                await self.pool.close()
-            asyncio.run(main())
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        for _ in range(300):
-            if self.holder.get("srv") and self.holder["srv"].started:
-                return self
-            time.sleep(0.02)
-        raise RuntimeError("router did not start")
-
-    def __exit__(self, *exc):
-        self.holder["srv"].should_exit = True
-        self.thread.join(20)
-
-
 def test_router_limits_body_size_and_rejects_undecodable_or_too_deep_json():
-    rep = recording_replica()
+    rep = fake_replica()
     with LoopbackServer(rep, free_port()) as s, Router(s.url, max_body_bytes=16 << 10) as r:
         ok = httpx.post(r.url + "/v1/completions", json={"prompt": "x" * 1000})
         assert ok.status_code == 200
@@ -175,7 +116,7 @@ def test_router_limits_body_size_and_rejects_undecodable_or_too_deep_json():
 def test_an_over_limit_body_gets_its_413_not_a_reset():
     """A 20 MB body at the default 8 MiB limit: the client reads a 413, declared or streamed (the router
     reads the rest of the body before answering, else the client's write meets a reset)."""
-    rep = recording_replica()
+    rep = fake_replica()
     big = b'{"prompt": "' + b"z" * (20 << 20) + b'"}'
     with LoopbackServer(rep, free_port()) as s, Router(s.url, max_body_bytes=8 << 20) as r:
         for _ in range(2):  # the connection is closed after each: a new one works
@@ -192,7 +133,7 @@ def test_an_over_limit_body_gets_its_413_not_a_reset():
 
 
 def test_router_forwards_only_allowed_headers():
-    rep = recording_replica()
+    rep = fake_replica()
     with LoopbackServer(rep, free_port()) as s, Router(s.url) as r:
         sent = {"Cookie": "session=abc", "X-Api-Key": "k-123", "X-Forwarded-For": "10.0.0.1",
                 "Authorization": "Bearer user-token", "X-Request-Id": "req-7", "Forwarded": "for=1.2.3.4",
@@ -220,7 +161,7 @@ def _read_until_closed(sock: socket.socket, limit: float) -> tuple[bytes, float]
 
 
 def test_slow_clients_are_cut_off_with_408():
-    rep = recording_replica()
+    rep = fake_replica()
     with LoopbackServer(rep, free_port()) as s, Router(s.url, header_timeout=0.5, body_timeout=1.0) as r:
         # Nothing at all, then partial headers, then a partial body: each connection is closed in time.
         idle = socket.create_connection(("127.0.0.1", r.port))

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.capture_writer import CaptureWriter
 from serving.metrics import SpecSnapshot
 from serving.pool import Pool
 from serving.router import create_app
 from tests.services import LoopbackServer, free_port
+from tests.serving_support import Router, fake_replica
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -95,70 +93,18 @@ def test_capture_writer_local_layout_sampling_and_drops(tmp_path: Path):
 
 # -- router with fake replicas ------------------------------------------------------------
 
-def fake_replica(name: str, delay: float = 0.2) -> FastAPI:
-    app = FastAPI()
-    app.state.hits = 0
-
-    @app.get("/health")
-    async def health():
-        return {}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"data": [{"id": "tiny"}]}
-
-    @app.post("/v1/completions")
-    async def comp(req: Request):
-        body = await req.json()
-        app.state.hits += 1
-        if body.get("stream"):
-            async def gen():
-                for w in ("a", "b", "c"):
-                    yield f"data: {json.dumps({'choices': [{'text': w}]})}\n\n"
-                    await asyncio.sleep(0.01)
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream")
-        await asyncio.sleep(delay)
-        return JSONResponse({"choices": [{"text": name}], "usage": {"completion_tokens": 1}})
-
-    return app
-
-
 def test_router_balances_drains_skips_and_guards_admin(tmp_path: Path):
-    a, b = fake_replica("A"), fake_replica("B")
+    a, b = fake_replica("A", delay=0.2), fake_replica("B", delay=0.2)
     with LoopbackServer(a, free_port()) as sa, LoopbackServer(b, free_port()) as sb:
-        pool = Pool(health_interval=0.2)
-        ra, rb = pool.attach(sa.url), pool.attach(sb.url)
-        dead = pool.attach(f"http://127.0.0.1:{free_port()}")  # nothing listens there
-        writer_dir = tmp_path / "cap"
-        port = free_port()
-
         async def swap_handler(body):
             return {"ok": True, "head": body["head"]}
 
-        holder = {}
-
-        def run():
-            async def main():
-                writer = CaptureWriter(str(writer_dir), "ep", flush_seconds=0.05)
-                await pool.start_background()
-                app = create_app(pool, writer=writer, admin_token="s3cret", swap_handler=swap_handler)
-                srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-                srv.install_signal_handlers = lambda: None
-                holder["srv"] = srv
-                await srv.serve()
-                await writer.close()
-                await pool.close()
-            asyncio.run(main())
-
-        th = threading.Thread(target=run, daemon=True)
-        th.start()
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            if holder.get("srv") and holder["srv"].started:
-                break
-            time.sleep(0.02)
-        try:
+        writer_dir = tmp_path / "cap"
+        dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        with Router([sa.url, sb.url, dead_url], capture_dir=writer_dir, admin_token="s3cret",
+                    swap_handler=swap_handler) as router:
+            ra, rb, dead = router.pool.replicas
+            url = router.url
             assert not dead.healthy and ra.healthy and rb.healthy
 
             async def load(n):
@@ -194,9 +140,6 @@ def test_router_balances_drains_skips_and_guards_admin(tmp_path: Path):
             m = httpx.get(url + "/metrics").text
             assert 'adapt_capture_records_total{outcome="written"}' in m
             assert 'adapt_router_requests_total{outcome="ok",route="completions"}' in m
-        finally:
-            holder["srv"].should_exit = True
-            th.join(20)
         lines = [json.loads(x) for f in writer_dir.rglob("*.jsonl") for x in f.read_text().splitlines()]
         assert len(lines) == 8 + 1 + 4 + 6
         streamed = [x for x in lines if x["captureData"]["endpointOutput"]["observedContentType"] == "text/event-stream"]
@@ -259,33 +202,8 @@ def test_router_retries_a_request_its_replica_dropped_once_on_another_and_captur
     crash, crash2, midstream = CrashingReplica(), CrashingReplica(), CrashingReplica(after_first_chunk=True)
     with LoopbackServer(good, free_port()) as sg:
         def serve(urls, writer_dir, fn):
-            pool = Pool(health_interval=0.2)
-            for u in urls:
-                pool.attach(u)
-            port, holder = free_port(), {}
-
-            def run():
-                async def main():
-                    writer = CaptureWriter(str(writer_dir), "ep", flush_seconds=0.05)
-                    await pool.start_background()
-                    srv = uvicorn.Server(uvicorn.Config(create_app(pool, writer=writer), host="127.0.0.1", port=port,
-                                                        log_level="error"))
-                    srv.install_signal_handlers = lambda: None
-                    holder["srv"] = srv
-                    await srv.serve()
-                    await writer.close()
-                    await pool.close()
-                asyncio.run(main())
-
-            th = threading.Thread(target=run, daemon=True)
-            th.start()
-            while not (holder.get("srv") and holder["srv"].started):
-                time.sleep(0.02)
-            try:
-                return fn(f"http://127.0.0.1:{port}")
-            finally:
-                holder["srv"].should_exit = True
-                th.join(20)
+            with Router(urls, capture_dir=writer_dir) as router:
+                return fn(router.url)
 
         def records(d: Path) -> int:
             return sum(len(f.read_text().splitlines()) for f in d.rglob("*.jsonl"))
@@ -375,28 +293,12 @@ def test_capture_writer_s3_is_read_back_by_capture(s3_server, tmp_path: Path):
 def test_steady_load_counts_every_request_and_names_failures():
     from traffic.loadgen import SteadyLoad
 
-    app = FastAPI()
-    app.state.n = 0
-
-    @app.post("/v1/{kind}/completions")
-    @app.post("/v1/completions")
-    async def any_completion(req: Request, kind: str = ""):
-        body = await req.json()
-        app.state.n += 1
-        if app.state.n % 4 == 0:
-            return JSONResponse({"error": "overloaded"}, status_code=503)
-        if body.get("stream"):
-            async def gen():
-                yield f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream")
-        return JSONResponse({"choices": [{"text": "x"}]})
-
+    app = fake_replica("x", fail_every=4)
     with LoopbackServer(app, free_port()) as s:
         with SteadyLoad(s.url, "m", workers=2, max_requests=12) as load:
             for t in load.threads:
                 t.join(30)
-    assert load.ok + len(load.failed) == 24 == app.state.n
+    assert load.ok + len(load.failed) == 24 == app.state.hits
     assert len(load.failed) == 6 and set(load.failed) == {"HTTP 503"}
 
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from tests.services import LoopbackServer, free_port
+from tests.serving_support import fake_replica
 from traffic import sharegpt
 from traffic.public_prompts import PromptSourceError
 from traffic.replay import replay
@@ -58,29 +56,6 @@ def test_the_real_sharegpt_wheel_is_read_to_its_cut(tmp_path_factory):
     assert sharegpt.stable_order(code)[:3] == sharegpt.stable_order(list(reversed(code)))[:3]
 
 
-def _fake_model(context_chars: int = 10_000, delay: float = 0.05) -> FastAPI:
-    """Answers turn n of a conversation with "answer-<n>"; refuses histories over ``context_chars`` like vLLM."""
-    app = FastAPI()
-    app.state.requests = []
-    app.state.in_flight = app.state.peak = 0
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: Request):
-        body = await req.json()
-        app.state.requests.append(body)
-        if sum(len(m["content"]) for m in body["messages"]) > context_chars:
-            return JSONResponse({"error": {"message": "This model's maximum context length is 2048 tokens"}}, 400)
-        app.state.in_flight += 1
-        app.state.peak = max(app.state.peak, app.state.in_flight)
-        await asyncio.sleep(delay)
-        app.state.in_flight -= 1
-        n = sum(m["role"] == "user" for m in body["messages"])
-        return {"choices": [{"message": {"role": "assistant", "content": f"answer-{n}"}}],
-                "usage": {"completion_tokens": 3}}
-
-    return app
-
-
 def conv(cid, *users, dataset_answer="RECORDED"):
     turns = []
     for u in users:
@@ -89,10 +64,10 @@ def conv(cid, *users, dataset_answer="RECORDED"):
 
 
 def test_each_turn_carries_the_served_models_own_earlier_answers():
-    app = _fake_model()
+    app = fake_replica(context_chars=10_000, delay=0.05)
     with LoopbackServer(app, free_port()) as s:
         stats = replay(s.url, "m", [conv("a", "q1", "q2", "q3")], progress=False)
-    msgs = [r["messages"] for r in app.state.requests]
+    msgs = [r["json"]["messages"] for r in app.state.seen]
     assert [[m["content"] for m in ms] for ms in msgs] == [
         ["q1"], ["q1", "answer-1", "q2"], ["q1", "answer-1", "q2", "answer-2", "q3"]]
     assert all("RECORDED" not in json.dumps(ms) for ms in msgs)
@@ -100,7 +75,7 @@ def test_each_turn_carries_the_served_models_own_earlier_answers():
 
 
 def test_a_history_that_outgrows_the_context_ends_its_conversation_not_the_run():
-    app = _fake_model(context_chars=40)
+    app = fake_replica(context_chars=40, delay=0.05)
     with LoopbackServer(app, free_port()) as s:
         stats = replay(s.url, "m", [conv("long", "x" * 15, "y" * 15, "z" * 15), conv("ok", "hi")], progress=False,
                        max_turns=5)
@@ -108,12 +83,12 @@ def test_a_history_that_outgrows_the_context_ends_its_conversation_not_the_run()
 
 
 def test_concurrency_bounds_conversations_in_flight_and_rate_spreads_their_starts():
-    app = _fake_model(delay=0.2)
+    app = fake_replica(context_chars=10_000, delay=0.2)
     rows = [conv(str(i), "q1", "q2") for i in range(8)]
     with LoopbackServer(app, free_port()) as s:
         stats = replay(s.url, "m", rows, concurrency=2, progress=False)
         assert app.state.peak == 2 and stats.completed == 8
-        app.state.requests.clear()
+        app.state.seen.clear()
         t0 = time.perf_counter()
         replay(s.url, "m", rows[:4], concurrency=8, rate=5.0, seed=1, progress=False)
         spread = time.perf_counter() - t0
@@ -121,14 +96,14 @@ def test_concurrency_bounds_conversations_in_flight_and_rate_spreads_their_start
 
 
 def test_max_turns_stops_a_conversation_after_that_many_user_turns():
-    app = _fake_model()
+    app = fake_replica(context_chars=10_000, delay=0.05)
     with LoopbackServer(app, free_port()) as s:
         stats = replay(s.url, "m", [conv("a", "q1", "q2", "q3")], max_turns=2, progress=False)
-    assert stats.turns_sent == 2 and len(app.state.requests) == 2 and stats.completed == 1
+    assert stats.turns_sent == 2 and len(app.state.seen) == 2 and stats.completed == 1
 
 
 def test_transcripts_hold_each_conversation_as_served():
-    app = _fake_model(context_chars=40)
+    app = fake_replica(context_chars=40, delay=0.05)
     out: list = []
     with LoopbackServer(app, free_port()) as s:
         replay(s.url, "m", [conv("a", "q1", "q2"), conv("long", "x" * 50)], progress=False, transcripts=out)
