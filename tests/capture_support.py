@@ -1,4 +1,4 @@
-"""What the capture tests share: configs and capture files, the edge variants and the mutated corpus, and the
+"""What the capture tests share: capture files and the catalog, the edge variants and the mutated corpus, and the
 oracles that compare the decoders (the C decoder, the msgspec batch path, the reference) and the redaction gates.
 
 Not a test module: test modules import it (and the fuzzer, benchmarks/fuzz_decoder.py), never each other.
@@ -23,17 +23,13 @@ from capture.records import Reject, decode_line, make_capture_record
 from capture.redact import Redactor
 from capture.sources import SourceObject
 from capture.synth import FORMATS, TextPool, exchange
-from settings.config import Config, load_config
+from settings.config import Config
 
 T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
 MAX_LINE = 8 << 20
 
 
-# -- configs and capture files ---------------------------------------------------------------
-
-def make_cfg(tmp_path: Path, **capture) -> Config:
-    return load_config(overrides={"state_dir": str(tmp_path / "state"), "capture": capture})
-
+# -- capture files and the catalog -----------------------------------------------------------
 
 def catalog_rows(cfg: Config, sql: str, params: list | None = None) -> list[tuple]:
     """The rows of one query on the warehouse's catalog (its tables by their plain names)."""

@@ -405,7 +405,7 @@ def test_import_drops_tensors_vllm_never_reads(tiny_model, tmp_path):
 
 def test_warm_start_from_an_imported_four_layer_head_keeps_its_shapes(tiny_model, tmp_path):
     from adapt.train import ShapeChangeError, train
-    from settings.config import load_config
+    from tests.config_support import make_cfg
 
     base = import_head(write_published_peagle_head(tiny_model, tmp_path / "pub"), tiny_model, tmp_path / "imported")
     rows = [{"content_hash": f"c{i}", "conversations": [
@@ -413,9 +413,9 @@ def test_warm_start_from_an_imported_four_layer_head_keeps_its_shapes(tiny_model
         {"from": "gpt", "value": "the of and to in is you that it " * (2 + i % 3)}]} for i in range(8)]
 
     def cfg(num_layers):
-        return load_config(None, {"state_dir": str(tmp_path / "s"), "target": {"model": str(tiny_model)},
-                                  "head": {"draft_vocab_size": 256, "num_layers": num_layers},
-                                  "training": {"max_steps": 3, "batch_tokens": 320, "max_seq_len": 160}})
+        return make_cfg(tmp_path, state_dir=tmp_path / "s", target={"model": str(tiny_model)},
+                        head={"draft_vocab_size": 256, "num_layers": num_layers},
+                        training={"max_steps": 3, "batch_tokens": 320, "max_seq_len": 160})
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

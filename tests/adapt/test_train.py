@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from adapt.train import ShapeChangeError, train
 from headspec.validate import validate_head
-from settings.config import load_config
+from tests.config_support import make_cfg, tiny_training
 from tests.paths import REPO_ROOT
 
 WORDS = "the of and to in is you that it def return import class self print for while if else".split()
@@ -43,19 +43,11 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def make_cfg(tmp: Path, tiny_model: Path, **training) -> object:
-    t = {"max_steps": 6, "batch_tokens": 320, "max_seq_len": 160, "warmup_steps": 2, "learning_rate": 2e-3,
-         "checkpoint_steps": 3, "replay_ratio": 0.3}
-    t.update(training)
-    return load_config(None, {"state_dir": str(tmp / "state"), "target": {"model": str(tiny_model)},
-                              "head": {"draft_vocab_size": 256}, "training": t})
-
-
 @pytest.fixture(scope="module")
 def bootstrapped(tiny_model, tmp_path_factory):
     """A head bootstrapped for 30 steps (shared by the learning and warm-start tests)."""
     tmp = tmp_path_factory.mktemp("boot")
-    cfg = make_cfg(tmp, tiny_model, max_steps=30, checkpoint_steps=100)
+    cfg = make_cfg(tmp, **tiny_training(tiny_model, max_steps=30, checkpoint_steps=100))
     res = train(cfg, conversations(24), None, tmp / "head", progress=False)
     return tmp / "head", res
 
@@ -79,7 +71,7 @@ def test_bootstrap_learns_and_exports_a_valid_head(bootstrapped, tiny_model):
 
 def test_same_seed_same_curve_and_resume_equals_uninterrupted(tiny_model, tmp_path):
     rows = conversations(16, seed=1)
-    cfg = make_cfg(tmp_path, tiny_model, depth_keep=[0.7, 0.5])
+    cfg = make_cfg(tmp_path, **tiny_training(tiny_model, depth_keep=[0.7, 0.5]))
     a = train(cfg, rows, None, tmp_path / "a", progress=False)
     b = train(cfg, rows, None, tmp_path / "b", progress=False)
     assert a.loss_curve == b.loss_curve and len(a.loss_curve) == 6
@@ -91,15 +83,15 @@ def test_same_seed_same_curve_and_resume_equals_uninterrupted(tiny_model, tmp_pa
     wa, wc = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "c" / "model.safetensors"))
     assert all(torch.equal(wa[k], wc[k]) for k in wa)
     # A different seed is a different run.
-    d = train(make_cfg(tmp_path, tiny_model, seed=5, depth_keep=[0.7, 0.5]), rows, None, tmp_path / "d",
-              progress=False)
+    d = train(make_cfg(tmp_path, **tiny_training(tiny_model, seed=5, depth_keep=[0.7, 0.5])), rows, None,
+              tmp_path / "d", progress=False)
     assert d.loss_curve != a.loss_curve
 
 
 def test_warm_start_keeps_shapes_and_rejects_shape_changes(bootstrapped, tiny_model, tmp_path):
     base, _ = bootstrapped
     base_info = validate_head(base, tiny_model)
-    cfg = make_cfg(tmp_path, tiny_model, max_steps=3, refresh_draft_vocab=False)
+    cfg = make_cfg(tmp_path, **tiny_training(tiny_model, max_steps=3, refresh_draft_vocab=False))
     res = train(cfg, conversations(8, seed=2), str(base), tmp_path / "warm",
                 replay_conversations=conversations(24), progress=False)
     info = validate_head(tmp_path / "warm", tiny_model)
@@ -112,8 +104,8 @@ def test_warm_start_keeps_shapes_and_rejects_shape_changes(bootstrapped, tiny_mo
     assert res.num_examples == 8 + round(8 * 0.3 / 0.7)
     for override in ({"num_speculative_tokens": 2}, {"draft_vocab_size": 128}, {"num_layers": 2},
                      {"aux_layer_ids": [0, 1, 2]}):
-        bad = load_config(None, {"state_dir": str(tmp_path / "s"), "target": {"model": str(tiny_model)},
-                                 "head": {"draft_vocab_size": 256, **override}, "training": {"max_steps": 1}})
+        bad = make_cfg(tmp_path, state_dir=tmp_path / "s", target={"model": str(tiny_model)},
+                       head={"draft_vocab_size": 256, **override}, training={"max_steps": 1})
         with pytest.raises(ShapeChangeError):
             train(bad, conversations(4), str(base), tmp_path / "bad", progress=False)
 
@@ -136,7 +128,7 @@ def test_warm_start_refreshes_the_draft_vocabulary_for_drifted_traffic(bootstrap
     new_tokens = {int(t) for ex in tokenize_rows(tok, drift, 160) for t in ex.input_ids[ex.loss_mask]} - old_ids
     assert new_tokens, "the drift must use tokens outside the bootstrap vocabulary for this test to mean anything"
 
-    res = train(make_cfg(tmp_path, tiny_model, max_steps=2), drift, str(base), tmp_path / "warm",
+    res = train(make_cfg(tmp_path, **tiny_training(tiny_model, max_steps=2)), drift, str(base), tmp_path / "warm",
                 replay_conversations=conversations(24), progress=False)
     info = validate_head(tmp_path / "warm", tiny_model)  # vLLM-valid d2t/t2d, same shapes
     warm, _ = load_head(tmp_path / "warm")
@@ -254,7 +246,8 @@ def test_training_releases_its_feature_cache_when_done(tiny_model, tmp_path, mon
     monkeypatch.setattr(R, "TargetFeatures", Recording)
     monkeypatch.setattr(M, "trim_heap", trim)  # the loop's heap context
     monkeypatch.setattr(F, "trim_heap", trim)  # the cache's release
-    res = train(make_cfg(tmp_path, tiny_model, max_steps=3), conversations(8), None, tmp_path / "head", progress=False)
+    res = train(make_cfg(tmp_path, **tiny_training(tiny_model, max_steps=3)), conversations(8), None,
+                tmp_path / "head", progress=False)
     assert len(made) == 1 and made[0].cache == {} and made[0].used_bytes == 0
     # The loop's heap context trims with the cache still held; the release trims once it is gone.
     assert trims[0] > 0 and trims[-1] == 0 and res.featurize_seconds > 0
@@ -277,7 +270,7 @@ def test_a_failed_run_still_releases_its_feature_cache(tiny_model, tmp_path, mon
 
     monkeypatch.setattr(R, "TargetFeatures", Recording)
     with pytest.raises(RuntimeError, match="estimate failed"):
-        train(make_cfg(tmp_path, tiny_model, max_steps=1), conversations(4), None, tmp_path / "head",
+        train(make_cfg(tmp_path, **tiny_training(tiny_model, max_steps=1)), conversations(4), None, tmp_path / "head",
               progress=False, after_export=broken)
     assert made[0].cache == {} and made[0].used_bytes == 0
     assert (tmp_path / "head" / "model.safetensors").is_file()
@@ -347,14 +340,15 @@ def test_schedule_warms_up_decays_by_steps_and_anneals_before_a_time_cap():
 def test_schedule_needs_a_bound_and_its_clock_starts_with_the_loop(tiny_model, tmp_path, monkeypatch):
     import adapt.schedule as S
 
-    unbounded = make_cfg(tmp_path, tiny_model, max_steps=0, max_minutes=0)
+    unbounded = make_cfg(tmp_path, **tiny_training(tiny_model, max_steps=0, max_minutes=0))
     with pytest.raises(ValueError, match="needs a bound"):
         S.Schedule(unbounded.training)
     with pytest.raises(ValueError, match="needs a bound"):  # before anything is loaded
         train(unbounded, [], None, tmp_path / "none", progress=False)
     now = {"t": 100.0}
     monkeypatch.setattr(S.time, "monotonic", lambda: now["t"])
-    capped = S.Schedule(make_cfg(tmp_path, tiny_model, max_steps=0, max_minutes=2, warmup_steps=0).training)
+    capped = S.Schedule(make_cfg(tmp_path, **tiny_training(tiny_model, max_steps=0, max_minutes=2,
+                                                           warmup_steps=0)).training)
     assert capped.capped and capped.max_steps > 1 << 60 and capped.time_used() == 0.0
     now["t"] = 500.0  # setup time does not count
     capped.start()
@@ -392,8 +386,8 @@ def test_the_target_featurizes_in_the_steps_precision(tiny_model, tmp_path, monk
             made.append(self)
 
     monkeypatch.setattr(R, "TargetFeatures", Recording)
-    train(make_cfg(tmp_path, tiny_model, max_steps=1, dtype=dtype), conversations(4), None, tmp_path / "head",
-          progress=False)
+    train(make_cfg(tmp_path, **tiny_training(tiny_model, max_steps=1, dtype=dtype)), conversations(4), None,
+          tmp_path / "head", progress=False)
     assert made[0].runner.model.dtype == want and made[0].output_rows.dtype == want
 
 
@@ -504,7 +498,7 @@ def test_cli_train_on_jsonl_reports_losses_and_offline_acceptance(tiny_model, tm
     from app.cli import app
     from settings.config import dump_toml
 
-    cfg = make_cfg(tmp_path, tiny_model)
+    cfg = make_cfg(tmp_path, **tiny_training(tiny_model))
     cfg.bench.max_tokens = 8
     conf = tmp_path / "adapt.toml"
     conf.write_text(dump_toml(cfg))

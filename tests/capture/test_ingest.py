@@ -19,7 +19,8 @@ from capture.split import export, load_split, stats
 from capture.synth import write_layout
 from capture.warehouse import SCHEMA, Warehouse
 from settings.config import dump_toml
-from tests.capture_support import T0, catalog_rows, chat, layout_file, make_cfg, reconciles, write
+from tests.capture_support import T0, catalog_rows, chat, layout_file, reconciles, write
+from tests.config_support import make_cfg
 from tests.paths import DATACAPTURE
 
 
@@ -257,7 +258,7 @@ def test_vanished_object_is_reported_and_the_run_completes(tmp_path, monkeypatch
 def test_redaction_on_by_default_and_switchable(tmp_path):
     text = "I am bob@example.com, card 4111 1111 1111 1111, key AKIAIOSFODNN7EXAMPLE"
     for redact, tag in ((True, "on"), (False, "off")):
-        cfg = make_cfg(tmp_path / tag, redact=redact)
+        cfg = make_cfg(tmp_path / tag, capture={"redact": redact})
         layout_file(tmp_path / tag / "cap", T0, "p.jsonl", [chat(1, T0, text=text), chat(2, T0, text=text + " again")])
         res = ingest(cfg, source=str(tmp_path / tag / "cap"))
         value = load_split(cfg, "train", heldout_hours=0)[0]["conversations"][0]["value"]
@@ -269,7 +270,7 @@ def test_redaction_on_by_default_and_switchable(tmp_path):
 
 
 def test_heldout_split_by_time_export_and_stats(tmp_path):
-    cfg = make_cfg(tmp_path, heldout_hours=2)
+    cfg = make_cfg(tmp_path, capture={"heldout_hours": 2})
     src = tmp_path / "cap"
     for h in range(6):
         t = T0 + timedelta(hours=h)

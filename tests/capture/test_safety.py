@@ -16,7 +16,8 @@ import pytest
 from capture.ingest import EXCERPT_BYTES, ingest
 from capture.records import make_capture_record
 from capture.sources import LongLine, _blocks, iter_blocks, iter_lines
-from tests.capture_support import T0, catalog_rows, chat, layout_file, make_cfg, reconciles
+from tests.capture_support import T0, catalog_rows, chat, layout_file, reconciles
+from tests.config_support import make_cfg
 from tests.paths import REPO_ROOT
 
 GHP = "ghp_" + "A1b2C3d4E5" * 4
@@ -55,7 +56,7 @@ def test_quarantine_excerpts_and_details_are_redacted(tmp_path):
     assert "[REDACTED_API_KEY]" in rows[2][2]
     assert all(len(r[3]) <= EXCERPT_BYTES + 1 for r in rows)
     # Redaction off (capture.redact = false) keeps them as they came.
-    cfg2 = make_cfg(tmp_path / "off", redact=False)
+    cfg2 = make_cfg(tmp_path / "off", capture={"redact": False})
     ingest(cfg2, source=str(tmp_path / "cap"))
     assert GHP in quarantine_rows(cfg2)[0][3]
 

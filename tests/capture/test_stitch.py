@@ -24,8 +24,9 @@ from capture import ingest as ingest_mod
 from capture.ingest import content_hash, ingest, process_file
 from capture.split import export, load_split, split_table, stats
 from capture.warehouse import TURN
-from tests.capture_support import (T0, catalog_rows, chain, layout_file, make_cfg, obj_of, reconciles, record,
+from tests.capture_support import (T0, catalog_rows, chain, layout_file, obj_of, reconciles, record,
                                    same_file_result, write)
+from tests.config_support import make_cfg
 from tests.paths import DATACAPTURE
 
 
@@ -272,7 +273,7 @@ def test_many_interleaved_chains_across_files_and_runs_match_one_big_file(tmp_pa
 @pytest.mark.parametrize("runs", ["one", "prefix-first", "extension-first"])
 def test_split_never_divides_a_conversation(tmp_path, runs):
     """Turns 1-2 before the held-out cut, turn 3 after it: only the 3-turn row exists, held out."""
-    cfg, src = make_cfg(tmp_path, heldout_hours=2), tmp_path / "cap"
+    cfg, src = make_cfg(tmp_path, capture={"heldout_hours": 2}), tmp_path / "cap"
     t3 = T0 + timedelta(hours=5)
     lines = [record([("user", Q[0])], "c answer 0", T0, "c-0"),
              record([("user", Q[0]), ("assistant", "c answer 0"), ("user", Q[1])], "c answer 1",

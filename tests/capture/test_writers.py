@@ -22,7 +22,8 @@ from capture.catalog import CatalogError, probe
 from capture.ingest import ingest
 from capture.warehouse import Warehouse
 from settings.config import dump_toml, load_config
-from tests.capture_support import T0, catalog_rows, chain, chat, layout_file, make_cfg, reconciles
+from tests.capture_support import T0, catalog_rows, chain, chat, layout_file, reconciles
+from tests.config_support import make_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 

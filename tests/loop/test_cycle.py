@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from loop import cycle, tracking
-from settings.config import load_config
 from tests.bench_sim import simulated_bench
+from tests.config_support import make_cfg
 
 
 @pytest.fixture
 def cfg(tmp_path: Path):
-    return load_config(overrides={"state_dir": str(tmp_path / "state")})
+    return make_cfg(tmp_path)
 
 
 def test_steps_run_in_order_once_and_resume(cfg, monkeypatch):

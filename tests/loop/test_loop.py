@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from settings.config import dump_toml, load_config
+from tests.config_support import config_overrides, merged
 from tests.paths import REPO_ROOT
 from tests.services import ManagedProcess, MlflowServer, free_ports
 
@@ -44,22 +45,6 @@ def trained_like(src: Path, dst: Path, delta: float) -> Path:
     return save_head(model, dst, {"parent": None, "target": target, "init": {"kind": "trained-like", "delta": delta}})
 
 
-def make_cfg(base_dir: Path, tracking_uri: str, model: str, **over):
-    d = {
-        "state_dir": str(base_dir),
-        "capture": {"source": str(base_dir / "capture"), "endpoint": "ep", "redact": False, "heldout_hours": 1},
-        "mlflow": {"tracking_uri": tracking_uri, "artifact_location": "", "registered_model": model},
-        "head": {"num_speculative_tokens": 3, "draft_vocab_size": 256},
-        "training": {"max_steps": 3, "batch_tokens": 256, "max_seq_len": 128, "warmup_steps": 0,
-                     "checkpoint_steps": 1, "device": "cpu", "seed": 0},
-        "bench": {"concurrencies": [1], "max_prompts": 3, "max_tokens": 8, "rounds": 1},
-        "controller": {"poll_seconds": 1.0},
-    }
-    for k, v in over.items():
-        d.setdefault(k, {}).update(v) if isinstance(v, dict) else d.__setitem__(k, v)
-    return d
-
-
 @pytest.fixture(scope="module")
 def loop(tiny_model: Path, mlflow_server, tmp_path_factory):
     """State dir with captured traffic (a training hour and a later held-out hour) + a serving pool."""
@@ -74,10 +59,17 @@ def loop(tiny_model: Path, mlflow_server, tmp_path_factory):
     raw = init_random_head(tiny_model, d / "heads" / "random", k=3, seed=0, draft_vocab_size=256)
     live = trained_like(raw, d / "heads" / "live", 0.01)
     base, router = free_ports(2)
-    over = make_cfg(d, mlflow_server.tracking_uri, "drafter-loop")
-    over["target"] = {"model": str(tiny_model)}
-    over["serving"] = {"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN,
-                       "max_model_len": 512}
+    over = config_overrides(
+        d, state_dir=d, target={"model": str(tiny_model)},
+        capture={"source": str(d / "capture"), "endpoint": "ep", "redact": False, "heldout_hours": 1},
+        mlflow={"tracking_uri": mlflow_server.tracking_uri, "artifact_location": "",
+                "registered_model": "drafter-loop"},
+        head={"num_speculative_tokens": 3, "draft_vocab_size": 256},
+        training={"max_steps": 3, "batch_tokens": 256, "max_seq_len": 128, "warmup_steps": 0, "checkpoint_steps": 1,
+                  "device": "cpu", "seed": 0},
+        bench={"concurrencies": [1], "max_prompts": 3, "max_tokens": 8, "rounds": 1},
+        controller={"poll_seconds": 1.0},
+        serving={"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN, "max_model_len": 512})
     cfg = load_config(overrides=over)
     stack = ServingStack(cfg, head_dir=live, target_dir=tiny_model, capture_dest="")
     stack.start()
@@ -89,11 +81,8 @@ def loop(tiny_model: Path, mlflow_server, tmp_path_factory):
 
 
 def cfg_for(loop, model: str, **over):
-    o = json.loads(json.dumps(loop.overrides))
-    o["mlflow"]["registered_model"] = model
-    for k, v in over.items():
-        o.setdefault(k, {}).update(v)
-    return load_config(overrides=o)
+    """The loop's config registering ``model``, with the sections ``over`` merged in."""
+    return load_config(overrides=merged(merged(loop.overrides, mlflow={"registered_model": model}), **over))
 
 
 def opts_for(loop, **kw):

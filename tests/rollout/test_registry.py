@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 from settings.config import dump_toml, load_config
+from tests.config_support import make_cfg
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,9 @@ def registry_db(tiny_model, tmp_path_factory):
 def cfg(registry_db, tiny_model, tmp_path, request):
     db, _ = registry_db
     name = "drafter-" + request.node.name[5:45].replace("_", "-")
-    return load_config(overrides={"state_dir": str(tmp_path), "target": {"model": str(tiny_model)},
-                                  "mlflow": {"tracking_uri": f"sqlite:///{db / 'mlflow.db'}",
-                                             "artifact_location": str(db / "artifacts"), "registered_model": name}})
+    return make_cfg(tmp_path, state_dir=tmp_path, target={"model": str(tiny_model)},
+                    mlflow={"tracking_uri": f"sqlite:///{db / 'mlflow.db'}", "artifact_location": str(db / "artifacts"),
+                            "registered_model": name})
 
 
 def versions(cfg, heads) -> list[str]:

@@ -41,8 +41,8 @@ from headspec.config import DrafterConfig, default_aux_layer_ids
 from headspec.validate import validate_head
 from serving.admin import ReplicaAdmin
 from serving.metrics import SpecDelta
-from settings.config import load_config
 from targets.model_zoo import PREDICTABLE_RESIDUAL_SCALE, TINY_ARCHS, build_tiny_target
+from tests.config_support import make_cfg, merged, tiny_training
 from tests.peagle_support import write_published_peagle_head
 from tests.target_support import self_answered, serve_greedy
 
@@ -66,14 +66,9 @@ class Case:
     result: TrainResult
 
 
-def _cfg(work: Path, target: Path, num_layers: int, **training):
-    t = {"max_steps": 60, "max_minutes": 1.0, "batch_tokens": 1024, "max_seq_len": 256, "warmup_steps": 5,
-         "learning_rate": 3e-3, "checkpoint_steps": 1000}
-    t.update(training)
-    return load_config(None, {"state_dir": str(work / "state"), "target": {"model": str(target)},
-                              "head": {"draft_vocab_size": 256, "num_layers": num_layers,
-                                       "num_speculative_tokens": K},
-                              "training": t})
+# At most a minute of training a head.
+TRAINING = {"max_steps": 60, "max_minutes": 1.0, "batch_tokens": 1024, "max_seq_len": 256, "warmup_steps": 5,
+            "learning_rate": 3e-3, "checkpoint_steps": 1000}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -90,17 +85,19 @@ def case(request, model_cache, tmp_path_factory) -> Case:
         runner = TargetRunner(target, default_aux_layer_ids(L), device="cpu", dtype=torch.float32)
         rows = self_answered(runner, 24, seed=0)
         held = [runner.prompt_ids(r) for r in self_answered(runner, 3, seed=1)]
+        run = tiny_training(target, base=TRAINING,
+                            head={"num_layers": 4 if arch == MULTI_LAYER_ARCH else 1, "num_speculative_tokens": K})
         if arch == MULTI_LAYER_ARCH:
             published = write_published_peagle_head(target, work / "published", num_layers=4, k=K)
             base = import_head(published, target, work / "imported")
-            res = train(_cfg(work, target, 4), rows, str(base), work / "trained", progress=False)
+            res = train(make_cfg(work, **run), rows, str(base), work / "trained", progress=False)
             second = base
         else:
             base = None
-            res = train(_cfg(work, target, 1), rows, None, work / "trained", progress=False)
+            res = train(make_cfg(work, **run), rows, None, work / "trained", progress=False)
             # The second head: a warm start of the first on the held-out traffic, as a cycle makes one.
-            train(_cfg(work, target, 1, max_steps=10), self_answered(runner, 6, seed=2), str(work / "trained"),
-                  work / "second", progress=False)
+            train(make_cfg(work, **merged(run, training={"max_steps": 10})), self_answered(runner, 6, seed=2),
+                  str(work / "trained"), work / "second", progress=False)
             second = work / "second"
     finally:
         torch.set_num_threads(before)
