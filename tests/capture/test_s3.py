@@ -10,23 +10,16 @@ import pytest
 
 from capture import ingest as ingest_mod
 from capture.ingest import ingest
-from capture.records import make_capture_record
 from capture.sources import iter_lines, list_objects
 from capture.split import export, load_split, stats
 from capture.warehouse import Warehouse
 from settings.config import load_config
-from tests.capture_support import catalog_rows
+from tests.capture_support import catalog_rows, chat
 from tests.paths import DATACAPTURE
 
 pytestmark = pytest.mark.services
 
 T0 = datetime(2025, 6, 1, 8, 0, tzinfo=timezone.utc)
-
-
-def chat(i: int, t: datetime) -> str:
-    req = {"messages": [{"role": "user", "content": f"s3 question {i}"}]}
-    resp = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"s3 answer {i}"}}]}
-    return make_capture_record(req, resp, event_id=f"s3-{i}", inference_time=t)
 
 
 @pytest.fixture
