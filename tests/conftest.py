@@ -98,6 +98,15 @@ def tiny_head(tiny_model: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def random_head(tiny_model: Path, tmp_path_factory) -> Path:
+    """An untrained head (K=3, a 256-token draft vocabulary) for the tiny target: the head-file tests'
+    subject. Read-only: copy it to change it."""
+    from adapt.checkpoint import init_random_head
+
+    return init_random_head(tiny_model, tmp_path_factory.mktemp("ckpt") / "head", k=3, draft_vocab_size=256, seed=3)
+
+
+@pytest.fixture(scope="session")
 def heads(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
     """The heads the serving tests swap, built once a session (``tests.serving_support.make_heads``)."""
     from tests.serving_support import make_heads

@@ -5,7 +5,7 @@ One vLLM server (float32: the random tiny target has near-tied logits, so bf16
 batching noise could flip a greedy token and hide real mismatches) serves a head
 that starts from ``init_random_head`` and is distilled for a few seconds on the
 target's own greedy text, so drafts are partly accepted and the counters and the
-draft-vocab mapping (d2t) are exercised.
+draft-vocab mapping (d2t) are exercised. The session's ``vllm_server`` (an untrained head) drafts too.
 """
 
 from __future__ import annotations
@@ -134,3 +134,15 @@ def test_vllm_serves_head_and_matches_offline_acceptance(trained, spec_server):
     assert abs(off["num_drafts"] - vllm["num_drafts"]) <= 0.05 * vllm["num_drafts"]
     for o, v in zip(off["accepted_per_pos"], vllm_pos):
         assert abs(o - v) <= max(2, 0.05 * v)
+
+
+def test_vllm_server_serves_tiny_model_with_peagle_head(vllm_server):
+    models = httpx.get(vllm_server.url + "/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == "target"
+    body = {"model": "target", "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0}
+    r = httpx.post(vllm_server.url + "/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    assert r.json()["usage"]["completion_tokens"] > 0
+    metrics = vllm_server.metrics()
+    drafts = [l for l in metrics.splitlines() if l.startswith("vllm:spec_decode_num_drafts")]
+    assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0, "the P-EAGLE head did not draft"

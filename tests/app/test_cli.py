@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import tomllib
 
 import pytest
@@ -282,3 +283,25 @@ def test_a_registry_command_against_an_mlflow_that_does_not_answer_fails_in_seco
     err = json.loads(r.stdout)["error"]
     assert r.exit_code == 1 and err.startswith("MLflow: ") and uri in err, err
     assert time.monotonic() - t0 < 60  # MLflow's own default retries for minutes
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[serving]\nreplicas = -1\n")
+    res = runner.invoke(app, ["config", "--config", str(bad), "--json"])
+    assert res.exit_code == 2
+    assert "replicas" in json.loads(res.stdout)["error"] and "Traceback" not in res.stderr  # --json: a JSON error
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[serving]\nreplicaz = 1\n")
+    res = runner.invoke(app, ["config", "--config", str(unknown)])
+    assert res.exit_code == 2 and "replicaz" in res.stderr
+
+
+def test_cli_validate_reports_error_as_json(random_head, tiny_model, tmp_path):
+    copy = tmp_path / "h"
+    shutil.copytree(random_head, copy)
+    (copy / "model.bin").write_bytes(b"x")
+    res = runner.invoke(app, ["head", "validate", str(copy), "--target", str(tiny_model), "--json"])
+    assert res.exit_code == 1
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"] is False and "pickle" in out["error"]

@@ -3,16 +3,20 @@ driver and CUDA where a GPU exists, MLflow, Airflow), and that it changes nothin
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
 from settings.config import load_config
+from tests.paths import REPO_ROOT
 
 
 def test_a_missing_internal_is_named_with_what_was_looked_for(monkeypatch):
     """The table's mechanics, on stdlib stand-ins (importing vLLM costs tens of seconds here): the real table
-    against the installed vLLM is checked by tests/app/test_foundation.py's doctor run."""
+    against the installed vLLM is checked by test_doctor_reports_every_component_ok below."""
     from app import supported
     from app.commands import doctor
 
@@ -97,3 +101,45 @@ def test_the_driver_version_is_read_from_the_kernel_modules_proc_entry(text, ver
     from app.commands.doctor import driver_from_proc
 
     assert driver_from_proc(text) == version
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+def test_doctor_reports_every_component_ok(tmp_path, smollm2_model, s3_server):
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path}/state"\n[target]\nmodel_cache = "{smollm2_model.parent}"\n'
+        f'[s3]\nendpoint_url = "{s3_server.endpoint_url}"\n[capture]\nsource = "s3://{s3_server.bucket}/capture"\n'
+    )
+    res = run_cli("doctor", "--config", str(cfg), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert report["ok"] is True
+    for name in ("python", "vllm", "model_cache", "s3", "catalog", "mlflow", "airflow"):
+        assert report["components"][name]["ok"], (name, report["components"][name])
+    assert report["components"]["vllm"]["info"]["parallel_drafting"] is True
+    assert s3_server.bucket in report["components"]["s3"]["info"]["buckets"]
+
+
+def test_doctor_fails_clearly_when_model_cache_missing_and_changes_nothing(tmp_path):
+    from app.supported import VLLM_INTERNALS
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/state"\n[target]\nmodel_cache = "{tmp_path}/nothing"\n')
+    res = run_cli("doctor", "--config", str(cfg), "--json", env={"AIRFLOW_HOME": str(tmp_path / "airflow-home")})
+    assert res.returncode == 1
+    report = json.loads(res.stdout)
+    assert report["ok"] is False
+    assert "adapt models prepare" in report["components"]["model_cache"]["detail"]
+    # The installed vLLM has every internal the hot-swap uses; no GPU here, so nothing of CUDA is checked.
+    assert report["components"]["vllm"]["info"]["internals"] == {it.what: "ok" for it in VLLM_INTERNALS}
+    assert report["components"]["vllm"]["ok"] and report["components"]["gpu"]["detail"].startswith("no NVIDIA GPU")
+    # Read-only: no state directory (no MLflow database), no Airflow home.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.toml"]

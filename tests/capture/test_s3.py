@@ -1,4 +1,5 @@
-"""Ingest from and into S3 (a real SeaweedFS server): listing, streaming, vanished objects, S3 warehouse."""
+"""Ingest from and into S3 (a real SeaweedFS server): listing, streaming, vanished objects, S3 warehouse;
+and the server itself keeps what is put."""
 
 from __future__ import annotations
 
@@ -140,3 +141,10 @@ def test_s3_warehouse_crash_leaves_orphans_invisible_then_cleans_them(s3env, mon
     assert export(cfg, "train", out, heldout_hours=0) == 3
     assert json.loads(out.read_text().splitlines()[0])["conversations"][0]["from"] == "human"
     assert catalog_rows(cfg, "SELECT count(*) FROM parquet_files WHERE path LIKE ?", [f"{bucket}/{prefix}/warehouse/%"]) == [(1,)]
+
+
+def test_s3_server_roundtrip(s3_server):
+    c = s3_server.client()
+    c.put_object(Bucket=s3_server.bucket, Key="foundation/hello.txt", Body=b"hello")
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=s3_server.bucket, Prefix="foundation/")["Contents"]]
+    assert keys == ["foundation/hello.txt"]

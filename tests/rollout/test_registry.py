@@ -1,5 +1,6 @@
 """The registry: the champion alias, the previous one and the Production stage kept together, rollback by
-alias, the record of a benchmark against no speculation, and what `adapt pool status` says of it."""
+alias, the record of a benchmark against no speculation, and what `adapt pool status` says of it; and the
+MLflow server the tests start keeps its artifacts in S3, as a deployed registry does."""
 
 from __future__ import annotations
 
@@ -123,3 +124,18 @@ def test_pool_status_survives_an_unreachable_registry(tmp_path):
     finally:
         os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
     assert len(w) == 1 and w[0].startswith("registry unreachable")
+
+
+def test_mlflow_server_stores_artifacts_in_s3(mlflow_server, s3_server, tmp_path):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server.tracking_uri)
+    exp = client.create_experiment("foundation-smoke")
+    run = client.create_run(exp)
+    client.log_metric(run.info.run_id, "acceptance_length", 2.5)
+    f = tmp_path / "note.txt"
+    f.write_text("artifact")
+    client.log_artifact(run.info.run_id, str(f))
+    assert client.get_run(run.info.run_id).data.metrics["acceptance_length"] == 2.5
+    objs = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="mlflow-artifacts/")
+    assert any(o["Key"].endswith("note.txt") for o in objs.get("Contents", []))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from settings.config import ConfigError, env_overrides, load_config
+from settings.config import ConfigError, dump_toml, env_overrides, load_config
 
 
 @pytest.fixture()
@@ -102,3 +102,27 @@ def test_env_overrides_reads_only_the_double_underscore_prefix():
     frag, origin = env_overrides({"ADAPT_CONFIG": "x.toml", "ADAPT_ADMIN_TOKEN": "t", "ADAPT__GATE__MAX_ATTEMPTS": "3",
                                   "AIRFLOW__CORE__EXECUTOR": "LocalExecutor"})
     assert frag == {"gate": {"max_attempts": "3"}} and origin == {("gate", "max_attempts"): "ADAPT__GATE__MAX_ATTEMPTS"}
+
+
+def test_default_config_keeps_state_under_one_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("ADAPT_CONFIG", raising=False)
+    cfg = load_config()
+    state = str(tmp_path / "state")
+    assert cfg.state_dir == state
+    for value in (cfg.capture.source, cfg.warehouse.uri, cfg.warehouse.catalog, cfg.mlflow.artifact_location, cfg.head.heads_dir):
+        assert value.startswith(state), value
+    assert cfg.mlflow.tracking_uri == f"sqlite:///{state}/mlflow/mlflow.db"
+
+
+def test_user_config_overrides_only_its_keys_and_roundtrips(tmp_path, monkeypatch):
+    monkeypatch.delenv("ADAPT_CONFIG", raising=False)
+    user = tmp_path / "cfg.toml"
+    user.write_text(f'state_dir = "{tmp_path}/s"\n[serving]\nreplicas = 3\n[capture]\nsource = "s3://bucket/capture"\n')
+    cfg = load_config(user)
+    assert cfg.serving.replicas == 3 and cfg.capture.source == "s3://bucket/capture"
+    assert cfg.serving.router_port == 8000  # untouched default
+    assert cfg.warehouse.uri == f"{tmp_path}/s/warehouse"
+    again = tmp_path / "again.toml"
+    again.write_text(dump_toml(cfg))
+    assert load_config(again).to_json() | {"source_file": None} == cfg.to_json() | {"source_file": None}
