@@ -1,4 +1,5 @@
-"""Heads written the way the published P-EAGLE checkpoints are (speculators ``peagle`` format).
+"""P-EAGLE drafters for tests: a small random one in memory (:func:`small_drafter`), and heads written the
+way the published P-EAGLE checkpoints are (speculators ``peagle`` format).
 
 Not a test module: test modules import it, never each other.
 
@@ -22,7 +23,25 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from headspec.config import default_aux_layer_ids, pick_mask_token
+from headspec.config import DrafterConfig, default_aux_layer_ids, pick_mask_token
+
+
+def small_drafter(k: int = 3, num_layers: int = 1, seed: int = 0):
+    """A random drafter of a few thousand weights (hidden 32 over a 16-wide target, vocab 40, a 24-token draft
+    vocabulary that skips ids 20-29, mask token 39), in eval mode; weights drawn N(0, 0.3) so that its
+    outputs are far from uniform."""
+    from adapt.drafter import PEagleDrafter
+
+    cfg = DrafterConfig(hidden_size=32, target_hidden_size=16, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=40, draft_vocab_size=24,
+                        aux_layer_ids=[1, 2, 3], ptd_token_id=39, num_speculative_tokens=k, num_layers=num_layers)
+    torch.manual_seed(seed)
+    m = PEagleDrafter(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    m.set_draft_vocab(torch.cat([torch.arange(0, 20), torch.arange(30, 34)]))
+    return m.eval()
 
 
 def write_published_peagle_head(target_dir: Path, out_dir: Path, *, num_layers: int = 4, k: int = 3,

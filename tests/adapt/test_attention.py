@@ -9,23 +9,9 @@ import pytest
 import torch
 
 from adapt.attention import SHAPES, SlotAttention, candidates, pick_backend, unavailable_reason
-from adapt.drafter import PEagleDrafter
 from adapt.layout import attention_mask, build_layout
 from adapt.loss import Features, collate, peagle_loss
-from headspec.config import DrafterConfig
-
-
-def drafter(k: int, num_layers: int) -> PEagleDrafter:
-    cfg = DrafterConfig(hidden_size=32, target_hidden_size=16, intermediate_size=48, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, vocab_size=40, draft_vocab_size=24,
-                        aux_layer_ids=[1, 2, 3], ptd_token_id=39, num_speculative_tokens=k, num_layers=num_layers)
-    torch.manual_seed(k * 10 + num_layers)
-    m = PEagleDrafter(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-    m.set_draft_vocab(torch.cat([torch.arange(0, 20), torch.arange(30, 34)]))
-    return m.train()
+from tests.peagle_support import small_drafter
 
 
 def random_rows(seed: int, fc_in: int, rows: int = 2) -> list[list[Features]]:
@@ -75,7 +61,7 @@ def grads_of(m, batch, **kw):
 @pytest.mark.parametrize("k, num_layers", [(2, 1), (4, 2), (7, 2)])
 def test_every_cpu_backend_trains_like_the_dense_reference(k, num_layers):
     """Loss and gradients of each backend, on its own layout (rows or one flat row), equal the dense pass's."""
-    m = drafter(k, num_layers)
+    m = small_drafter(k, num_layers, seed=k * 10 + num_layers).train()
     keep = [0.8, 0.5] if k > 2 else []
     for seed in range(2):
         rows = random_rows(100 + seed, m.config.fc_input_size)
@@ -100,7 +86,7 @@ def test_flex_block_mask_is_the_layout_rule_and_its_forward_matches_the_dense_pa
     benchmarks/train_step.py on CUDA, whose max_abs_diff covers loss and gradients.)"""
     from torch.nn.attention.flex_attention import create_mask
 
-    m = drafter(3, 2).eval()
+    m = small_drafter(3, 2, seed=32)
     rows = random_rows(7, m.config.fc_input_size)
     flat = collate(rows, 3, 39, [0.7], torch.Generator().manual_seed(1), flat=True, **{"pad_multiple": SHAPES["flex"].pad_multiple})
     assert flat.depth.shape == (1, 128) and (flat.seg < 0).any()

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from adapt.data import Example, StepBatches, build_draft_vocab, make_batches, mix_replay, pack_rows, token_counts
-from adapt.drafter import PEagleDrafter, build_draft_inputs
+from adapt.drafter import build_draft_inputs
 from adapt.layout import build_layout, chain_depths
 from adapt.loss import Features, collate, label_rows, peagle_loss
-from headspec.config import DrafterConfig
+from tests.peagle_support import small_drafter
 
 T, F = True, False
 
@@ -69,23 +69,10 @@ def test_depth_keep_gives_nested_chains():
         assert deep <= set(lay.anchor[lay.depth == d - 1].tolist())
 
 
-def _tiny_drafter(k: int = 3, num_layers: int = 1) -> PEagleDrafter:
-    cfg = DrafterConfig(hidden_size=32, target_hidden_size=16, intermediate_size=48, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, vocab_size=40, draft_vocab_size=24,
-                        aux_layer_ids=[1, 2, 3], ptd_token_id=39, num_speculative_tokens=k, num_layers=num_layers)
-    torch.manual_seed(0)
-    m = PEagleDrafter(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.3)
-    m.set_draft_vocab(torch.cat([torch.arange(0, 20), torch.arange(30, 34)]))
-    return m.eval()
-
-
 def test_packed_training_equals_vllm_inference_pass():
     """Every chain of the packed layout reproduces vLLM's one-pass parallel draft exactly."""
     k = 3
-    m = _tiny_drafter(k)
+    m = small_drafter(k)
     n = 9
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 39, (n,), generator=g)
@@ -111,7 +98,7 @@ def test_packed_training_equals_vllm_inference_pass():
 
 
 def test_loss_zero_when_drafter_matches_target_and_counts_agreement():
-    m = _tiny_drafter(2)
+    m = small_drafter(2)
     n = 6
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 39, (n,), generator=g)
@@ -136,7 +123,7 @@ def test_loss_zero_when_drafter_matches_target_and_counts_agreement():
 
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_loss_over_selected_slots_equals_loss_over_all_slots(num_layers):
-    m = _tiny_drafter(3, num_layers)
+    m = small_drafter(3, num_layers)
     g = torch.Generator().manual_seed(5)
     feats = []
     for n, mask in ((7, [F, F, F, T, T, T, T]), (5, [F, T, T, F, T])):
@@ -161,7 +148,7 @@ def test_loss_over_selected_slots_equals_loss_over_all_slots(num_layers):
 
 def test_segment_attention_equals_the_dense_masked_pass():
     """Example-by-example attention (causal real slots, masked chains) gives the dense pass's logits and grads."""
-    m = _tiny_drafter(3).train()
+    m = small_drafter(3).train()
     g = torch.Generator().manual_seed(7)
 
     def feat(n, mask):
