@@ -322,3 +322,41 @@ class LoopbackServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(5)
+
+
+class JsonHTTPServer:
+    """A JSON-over-HTTP stand-in (an Airflow API, a chat webhook) on a loopback port, in a thread
+    (stdlib http.server, no event loop). Each POST's path, headers and parsed JSON body go to
+    :meth:`handle`, whose status and JSON (``None``: an empty body) are the answer."""
+
+    def __init__(self) -> None:
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, obj = outer.handle(self.path, self.headers, body)
+                data = b"" if obj is None else json.dumps(obj).encode()
+                self.send_response(status)
+                if obj is not None:
+                    self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def handle(self, path: str, headers, body) -> tuple[int, object]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tests.paths import REPO_ROOT
+from tests.services import JsonHTTPServer
 
 PROBE = r"""
 import json, os, sys
@@ -165,33 +166,17 @@ def test_a_scheduled_run_ingests_its_data_interval_plus_the_late_hours(tmp_path,
     assert at.snapshot_event(cid, {"config": str(cfg_file)}) == {"cycle_id": cid}
 
 
-class Webhook:
+class Webhook(JsonHTTPServer):
     """A chat webhook on loopback that records what it is sent."""
 
     def __init__(self) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
         self.posts: list[dict] = []
-        outer = self
+        super().__init__()
+        self.url += "/hook"
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                outer.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def handle(self, path: str, headers, body) -> tuple[int, None]:
+        self.posts.append(body)
+        return 200, None
 
 
 def test_a_failed_step_under_dag_test_is_announced_and_recorded_in_the_cycle(tmp_path: Path, airflow_home: Path):

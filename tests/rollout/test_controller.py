@@ -7,13 +7,12 @@ same decisions from a real pool's counters (the rollback) end to end.
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 from settings.config import load_config
+from tests.services import JsonHTTPServer
 
 
 def jwt(exp: float, n: int) -> str:
@@ -26,7 +25,7 @@ def jwt(exp: float, n: int) -> str:
     return f"{b64({'alg': 'HS512'})}.{b64({'sub': 'adapt', 'exp': exp, 'n': n})}.sig"
 
 
-class FakeAirflow:
+class FakeAirflow(JsonHTTPServer):
     """Airflow 3's ``POST /api/v2/dags/{dag}/dagRuns`` (and ``POST /auth/token`` for ``user``/``pw``, issuing
     JWTs valid ``token_ttl`` seconds), recording what it was sent. ``status`` answers every trigger; with
     ``statuses``, the triggers take them in turn."""
@@ -34,45 +33,23 @@ class FakeAirflow:
     def __init__(self, status: int = 200, statuses: list[int] | None = None, token_ttl: float = 3600) -> None:
         self.requests: list[dict[str, Any]] = []
         self.issued: list[str] = []
-        outer = self
-        statuses = list(statuses or [])
+        self.status, self.statuses, self.token_ttl = status, list(statuses or []), token_ttl
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/auth/token":
-                    ok = body == {"username": "user", "password": "pw"}
-                    if ok:
-                        import time
+    def handle(self, path: str, headers, body) -> tuple[int, dict]:
+        if path == "/auth/token":
+            ok = body == {"username": "user", "password": "pw"}
+            if ok:
+                import time
 
-                        outer.issued.append(jwt(time.time() + token_ttl, len(outer.issued)))
-                    return self.reply(201 if ok else 401, {"access_token": outer.issued[-1]} if ok
-                                      else {"detail": "Invalid credentials"})
-                outer.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-                code = statuses.pop(0) if statuses else status
-                if outer.issued and self.headers.get("Authorization") != f"Bearer {outer.issued[-1]}":
-                    code = 401  # a stale token
-                self.reply(code, {"dag_run_id": f"manual__{len(outer.requests)}"} if code == 200
-                           else {"detail": "Not authenticated" if code == 401 else "Service Unavailable"})
-
-            def reply(self, status: int, obj: dict) -> None:
-                reply = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+                self.issued.append(jwt(time.time() + self.token_ttl, len(self.issued)))
+            return (201, {"access_token": self.issued[-1]}) if ok else (401, {"detail": "Invalid credentials"})
+        self.requests.append({"path": path, "auth": headers.get("Authorization"), "body": body})
+        code = self.statuses.pop(0) if self.statuses else self.status
+        if self.issued and headers.get("Authorization") != f"Bearer {self.issued[-1]}":
+            code = 401  # a stale token
+        return code, ({"dag_run_id": f"manual__{len(self.requests)}"} if code == 200
+                      else {"detail": "Not authenticated" if code == 401 else "Service Unavailable"})
 
 
 @pytest.fixture(scope="module")
