@@ -38,6 +38,21 @@ def versions(cfg, heads) -> list[str]:
     return [str(import_head(cfg, h).version) for h in heads]
 
 
+def test_mlflow_server_stores_artifacts_in_s3(mlflow_server, s3_server, tmp_path):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server.tracking_uri)
+    exp = client.create_experiment("foundation-smoke")
+    run = client.create_run(exp)
+    client.log_metric(run.info.run_id, "acceptance_length", 2.5)
+    f = tmp_path / "note.txt"
+    f.write_text("artifact")
+    client.log_artifact(run.info.run_id, str(f))
+    assert client.get_run(run.info.run_id).data.metrics["acceptance_length"] == 2.5
+    objs = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="mlflow-artifacts/")
+    assert any(o["Key"].endswith("note.txt") for o in objs.get("Contents", []))
+
+
 def test_promotion_moves_alias_and_stage_and_keeps_the_previous_champion(cfg, registry_db):
     from rollout.registry import PREVIOUS_ALIAS, T_PREVIOUS, Registry
 
@@ -124,18 +139,3 @@ def test_pool_status_survives_an_unreachable_registry(tmp_path):
     finally:
         os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
     assert len(w) == 1 and w[0].startswith("registry unreachable")
-
-
-def test_mlflow_server_stores_artifacts_in_s3(mlflow_server, s3_server, tmp_path):
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=mlflow_server.tracking_uri)
-    exp = client.create_experiment("foundation-smoke")
-    run = client.create_run(exp)
-    client.log_metric(run.info.run_id, "acceptance_length", 2.5)
-    f = tmp_path / "note.txt"
-    f.write_text("artifact")
-    client.log_artifact(run.info.run_id, str(f))
-    assert client.get_run(run.info.run_id).data.metrics["acceptance_length"] == 2.5
-    objs = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="mlflow-artifacts/")
-    assert any(o["Key"].endswith("note.txt") for o in objs.get("Contents", []))
