@@ -222,6 +222,9 @@ class GateConfig(_Section):
     aa_confidence: float = Field(0.99, gt=0, lt=1)
     # Benchmarks per cycle: an inconclusive one is measured again, pooled with the earlier ones.
     max_attempts: int = Field(2, ge=1)
+    # Compare offline acceptance (candidate vs live, paired by held-out prompt) before benchmarking,
+    # and reject a candidate confidently not better by min_acceptance_gain without spending engine time.
+    offline_prescreen: bool = True
 
     @property
     def level(self) -> float:
