@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,18 +124,29 @@ class Traffic:
         return mid
 
     def during(self, rows: list[dict], label: str, action: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
-        """Run ``action`` while ``rows`` replay in the background; returns its result and the replay's counts."""
+        """Run ``action`` while ``rows`` replay in the background, again and again until it is done (every
+        pass whole); returns its result and the replay's counts over all passes."""
         import threading
 
-        out: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: out.update(self.send(rows, label)), name="demo-traffic", daemon=True)
+        done = threading.Event()
+        passes: list[dict[str, Any]] = []
+
+        def replay_until_done() -> None:
+            while True:
+                passes.append(self.send(rows, f"{label} (pass {len(passes) + 1})"))
+                if done.is_set():
+                    return
+
+        t = threading.Thread(target=replay_until_done, name="demo-traffic", daemon=True)
         t.start()
         time.sleep(min(3.0, self.d.gap_seconds))  # requests in flight before the action starts
         try:
             result = action()
         finally:
+            done.set()
             t.join()
-        return result, out
+        keys = ("turns_sent", "turns_ok", "failed", "output_tokens")
+        return result, {**{k: sum(p[k] for p in passes) for k in keys}, "passes": len(passes)}
 
     def captured(self, timeout: float = 120) -> dict[str, int]:
         return wait_captured(self.stack, self.turns_ok, timeout)
@@ -186,11 +197,12 @@ async def _status(stack) -> dict[str, Any]:
     return stack.pool.status()
 
 
-def wait_pool_serves(stack, sha256: str, timeout: float) -> float:
+def wait_pool_serves(stack, sha256: str, timeout: float, done: Callable[[], bool] = lambda: True) -> float:
+    """Seconds until every healthy replica reports ``sha256`` and ``done()`` holds."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         heads = pool_heads(stack)
-        if heads and all(h["head_sha256"] == sha256[:12] for h in heads if h["healthy"]):
+        if heads and all(h["head_sha256"] == sha256[:12] for h in heads if h["healthy"]) and done():
             return time.monotonic() - t0
         time.sleep(0.25)
     raise TimeoutError(f"pool did not serve {sha256[:12]} within {timeout}s: {pool_heads(stack)}")
@@ -214,6 +226,7 @@ def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
         spec = arm.spec.to_dict() if arm.spec else {}
         out[name] = {
             "head_version": full.heads[role].version,
+            "head_sha256": full.heads[role].sha256,
             "mean_acceptance_length": arm.mean_acceptance_length,
             "acceptance_per_position": spec.get("acceptance_per_pos"),
             "output_tok_per_s": {str(c): f.output_tok_per_s for c, f in arm.by_concurrency.items()},
@@ -268,6 +281,12 @@ class Demo:
     log: Log
     report: dict[str, Any]
     before_bench: Callable[[], None] | None = None  # once, before the first benchmark (engines ready)
+    names: dict[str, str] = field(default_factory=dict)  # head sha256 → what the summary calls it
+
+    def name(self, figures: dict[str, Any]) -> None:
+        """Label a bench figure's head by its registry version (or as the cold-start head)."""
+        sha = figures.get("head_sha256") or ""
+        figures["head"] = self.names.get(sha, f"sha {sha[:12]}" if sha else str(figures.get("head_version")))
 
     def cycle(self, key: str, title: str, gap_mid: dt.datetime, steps: int, minutes: float) -> dict[str, Any]:
         """One real cycle over what was captured, holding out what came after ``gap_mid``."""
@@ -287,10 +306,15 @@ class Demo:
             run_step(cfg, cycle_id, step, self.opts, cx)
         c = summary(cfg, cycle_id, cx)
         self.log(f"{key}: version {c['version']} {c['verdict']}: {c['reason']}")
+        if c["artifacts"].get("head_sha256"):
+            self.names[c["artifacts"]["head_sha256"]] = f"v{c['version']}"
         rec = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
         rec.update(title=title, ingest=ingested, seconds=round(time.monotonic() - t0, 1),
                    bench=bench_figures(c), offline=offline_figures(c),
                    train={k: (c["steps"].get("train") or {}).get(k) for k in ("steps", "tokens", "tokens_per_s")})
+        for name in ("before", "after"):
+            if name in rec["bench"]:
+                self.name(rec["bench"][name])
         self.report["cycles"][key] = rec
         for w in slower_than_nospec(rec["bench"]):
             self.log(f"{key}: version {c['version']}: {w}")
@@ -306,15 +330,27 @@ class Demo:
         ctl = Controller(self.cfg, router_url=self.stack.url)
         self.log(f"hot-swapping the pool to version {rec['version']} while {label} replays")
         t0 = time.monotonic()
-        ev, st = self.traffic.during(rows, label, ctl.reconcile)
+
+        def reconcile() -> dict[str, Any]:
+            # A failed swap (its canary rolled back) is tried again on the controller's next pass.
+            ev: dict[str, Any] = {}
+            for _ in range(3):
+                ev = ctl.reconcile()
+                if ev.get("event") == "in_sync":
+                    break
+            return ev
+
+        ev, st = self.traffic.during(rows, label, reconcile)
         swapped = [e for e in ctl.events if e.get("event") in ("swapped", "swap_failed")]
         rec["swap"] = {"ok": ev.get("event") == "in_sync", "seconds": round(time.monotonic() - t0, 2),
                        "swap_seconds": swapped[-1].get("seconds") if swapped else None,
                        "mode": swapped[-1].get("mode") if swapped else None,
+                       "failed_attempts": [e.get("error") for e in swapped if e.get("event") == "swap_failed"],
                        "requests_failed_during": st.get("failed"), "turns_answered_during": st.get("turns_ok"),
                        "pool": pool_heads(self.stack)}
-        self.log(f"pool serves version {rec['version']}: swap {rec['swap']['swap_seconds']}s "
-                 f"({rec['swap']['mode']}), {st.get('failed')} of {st.get('turns_sent')} requests failed meanwhile")
+        self.log(f"pool {'serves' if rec['swap']['ok'] else 'does NOT serve'} version {rec['version']}: swap "
+                 f"{rec['swap']['swap_seconds']}s ({rec['swap']['mode']}, {len(rec['swap']['failed_attempts'])} "
+                 f"failed tries), {st.get('failed')} of {st.get('turns_sent')} requests failed meanwhile")
 
 
 def move_stage_by_hand(cfg: Config, version: str) -> None:
@@ -365,12 +401,18 @@ def show_rollback(demo: Demo, rows: list[dict]) -> dict[str, Any]:
 
     def follow(how: str, version: str, move: Callable[[Config, str], None]) -> None:
         demo.log(f"rollback: {how}: version {version} → Production; waiting for the controller")
+        n_events = len(controller.events)
         t0 = time.monotonic()
         move(demo.cfg, version)
-        after = wait_pool_serves(demo.stack, sha[version], timeout=120)
-        demo.log(f"rollback: the pool serves version {version} {after:.1f}s after the {how}")
+        # Served means the controller's swap finished (canary and smoke check passed) and every
+        # healthy replica reports the head: a replica reports a new head before its smoke check.
+        after = wait_pool_serves(demo.stack, sha[version], timeout=180,
+                                 done=lambda: str(controller.serving_version) == version)
+        failed = [e.get("error") for e in list(controller.events)[n_events:] if e.get("event") == "swap_failed"]
+        demo.log(f"rollback: the pool serves version {version} {after:.1f}s after the {how}"
+                 + (f" ({len(failed)} failed swap tries first)" if failed else ""))
         moves.append({"how": how, "to_version": version, "pool_followed_after_s": round(after, 2),
-                      "seconds": round(time.monotonic() - t0, 2)})
+                      "seconds": round(time.monotonic() - t0, 2), "failed_tries": failed})
 
     try:
         def both() -> None:
@@ -393,7 +435,7 @@ def head_speeds(cycles: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for name in ("before", "after"):
             f = b.get(name)
             if f:
-                out[str(f["head_version"])] = {"mean_acceptance_length": f["mean_acceptance_length"],
+                out[str(f.get("head") or f["head_version"])] = {"mean_acceptance_length": f["mean_acceptance_length"],
                                                "speedup_vs_nospec": f.get("speedup_vs_nospec") or {},
                                                "output_tok_per_s": f["output_tok_per_s"]}
     return out
@@ -405,7 +447,7 @@ def where_speculation_loses(speeds: dict[str, dict[str, Any]]) -> list[str]:
     for version, s in speeds.items():
         slow = {c: x for c, x in (s.get("speedup_vs_nospec") or {}).items() if x is not None and x < 1.0}
         if slow:
-            out.append(f"version {version} runs at " + ", ".join(f"{x:.2f}x at c={c}" for c, x in slow.items())
+            out.append(f"{version} runs at " + ", ".join(f"{x:.2f}x at c={c}" for c, x in slow.items())
                        + " of serving without speculation: while it serves, `adapt pool status` warns; "
                        "[serving] num_speculative_tokens_per_batch_size lowers K at those batch sizes")
     return out
@@ -438,6 +480,7 @@ def summary_views(cfg: Config, stack) -> dict[str, Any]:
 def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``<state_dir>/demo/report.json``)."""
     from adapt.checkpoint import init_random_head
+    from headspec.validate import validate_head
     from loop.cycle import CycleOptions
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
@@ -485,6 +528,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         opts = CycleOptions(live_head=str(cold), bench_url=bench.url, nospec_url=nospec.url,
                             progress=lambda m: log(f"  {m}"))
         demo = Demo(cfg, d, stack, traffic, opts, log, report)
+        demo.names[validate_head(cold).sha256] = "cold-start"
 
         # --- general chat; the bench engines finish starting meanwhile ---
         train, held = split_heldout(rows["general"], d.heldout_fraction)
@@ -566,7 +610,7 @@ def render_cycle(key: str, c: dict[str, Any]) -> list[str]:
             per_pos = ", ".join(_num(x) for x in (f["acceptance_per_position"] or []))
             tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in f["output_tok_per_s"].items())
             sp = ", ".join(f"c{c_}={_num(v)}x" for c_, v in (f.get("speedup_vs_nospec") or {}).items())
-            lines.append(f"  {name:<6} head {str(f['head_version'])[:14]:<14} acceptance length "
+            lines.append(f"  {name:<6} head {str(f.get('head') or f['head_version'])[:16]:<16} acceptance length "
                          f"{_num(f['mean_acceptance_length'])}  per position [{per_pos}]  tok/s {tps}"
                          + (f"  vs no speculation {sp}" if sp else ""))
     if "nospec" in b:
@@ -609,7 +653,7 @@ def render(report: dict[str, Any]) -> str:
         lines += ["", "speed-up over serving without speculation (each head's latest benchmark):"]
         for v, s in heads.items():
             sp = ", ".join(f"c{c}={_num(x)}x" for c, x in (s["speedup_vs_nospec"] or {}).items()) or "not measured"
-            lines.append(f"  version {v:<10} acceptance length {_num(s['mean_acceptance_length'])}  {sp}")
+            lines.append(f"  {v:<12} acceptance length {_num(s['mean_acceptance_length'])}  {sp}")
     for w in report.get("where_speculation_loses") or []:
         lines.append(f"  NOTE: {w}")
     reg = report.get("registry") or {}

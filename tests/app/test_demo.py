@@ -110,7 +110,8 @@ def test_demo_shows_promotion_refusal_and_rollback_on_the_tiny_target(model_cach
     assert all(m["pool_followed_after_s"] < 60 for m in moves) and report["rollback"]["requests_failed_during"] == 0
     assert report["requests_failed"] == 0
     # Every head the run served has its speed-up over no speculation measured.
-    assert {"cold", v1, v3} <= set(report["heads"]) and all(h["speedup_vs_nospec"] for h in report["heads"].values())
+    assert {"cold-start", f"v{v1}", f"v{v3}"} <= set(report["heads"])
+    assert all(h["speedup_vs_nospec"] for h in report["heads"].values())
 
     # The summary is what `adapt registry list` says now, and the pool served what the registry names.
     reg = registry_list(load_config(cfg_file, overrides={"state_dir": str(tmp_path / "state" / "demo")}))
@@ -179,6 +180,7 @@ def test_report_of_a_run_that_showed_no_rollback_says_what_happened(tmp_path):
         c = _cycle_summary(tmp_path, key, speed, al, verdict, promoted, version)
         cycles[key] = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted")}
         cycles[key].update(title=f"the {key} cycle", seconds=60.0, bench=bench_figures(c), offline={})
+        cycles[key]["bench"]["before"]["head"], cycles[key]["bench"]["after"]["head"] = "cold-start", f"v{version}"
     cycles["drift"]["swap"] = {"swap_seconds": 1.2, "mode": "in_place", "requests_failed_during": 0,
                                "turns_answered_during": 14}
     plan = rollback_plan(cycles)
@@ -196,7 +198,8 @@ def test_report_of_a_run_that_showed_no_rollback_says_what_happened(tmp_path):
     assert "hot-swap under traffic: 1.2s (in_place), 0 requests failed of 14 answered meanwhile" in text
     assert text.count("  no speculation") == 3 and "(A/A [" in text and "candidate − live: acceptance length" in text
     assert "rollback: not shown: 1 version(s) served" in text and "rollback: NOT SHOWN" in text
-    assert "NOTE: version 1 runs at 0.73x at c=1, 0.73x at c=4 of serving without speculation" in text  # named
+    assert "NOTE: v1 runs at 0.73x at c=1, 0.73x at c=4 of serving without speculation" in text  # named
+    assert "  before head cold-start" in text and "  after  head v3" in text
 
 
 def test_rollback_goes_from_the_newest_served_version_to_the_one_before():
