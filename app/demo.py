@@ -1,18 +1,22 @@
-"""`adapt demo`: the whole product on one machine, end to end, with real parts.
+"""`adapt demo`: the whole loop on one machine, end to end, with real parts, both ways.
 
-1. start a pool of the target in vLLM behind the capturing router, serving a cold-start
-   (untrained) P-EAGLE head, plus a dedicated bench replica;
-2. replay general ShareGPT conversations (real users' multi-turn chat, turn by turn with the
-   target's own answers) through the router, so they are captured;
-3. cycle 1 bootstraps a base head from that traffic, benchmarks it against the cold head,
-   gates, registers and promotes it, and the pool hot-swaps to it;
-4. replay drifted traffic (code-heavy ShareGPT conversations, BFCL tool calls) through the router;
-5. cycle 2 adapts the Production head to the captured drift: train, offline eval, replay
-   benchmark against the live head, gate, register, promote, hot-swap;
-6. roll back by moving the previous version to Production in the registry, and time how
-   long the controller takes to make the pool follow.
+setup      a pool of the target in vLLM behind the capturing router, serving a cold-start
+           (untrained) P-EAGLE head; a bench replica and one without speculation (the
+           speed-up reference) start beside it while the first traffic replays;
+general    real users' chat (ShareGPT) replayed turn by turn, the last part after a quiet gap
+           (held out by time);
+cycle 1    bootstrap: a head trained on that traffic, benchmarked against the cold head,
+           gated, registered, promoted; the pool hot-swaps to it while traffic flows;
+nightly    more general chat (the traffic did not drift), then the nightly cycle: a short
+           fine-tune of the Production head, refused when it is not better;
+drift      code-heavy conversations and tool calls, then cycle 3 adapts the Production head
+           to them: promoted and hot-swapped under traffic when the gate says it is better;
+rollback   the earlier version moved back to Production by stage (as in the MLflow UI), then
+           the champion alias moved back: each time the controller makes the pool follow.
 
-Sizes live in ``[demo]`` of the config; progress goes to stderr, the report to stdout.
+Nothing is forced: every verdict is the gate's own on what was measured, and the report
+says plainly which of promotion / refusal / rollback a run showed. Sizes live in ``[demo]``;
+progress goes to stderr, the report to stdout (``--json`` for scripts).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import shutil
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,16 +45,20 @@ def stderr_log(t0: float) -> Log:
 
 
 def demo_config(cfg: Config) -> Config:
-    """The demo's own config: the user's, with state in ``<state_dir>/demo``.
+    """The demo's own config: the user's, with state in ``<state_dir>/demo`` and the bench sized by ``[demo]``.
 
     Swaps are admin actions and the router refuses them without a token, so when none is
-    configured the demo makes a one-off token for its own pool and controller.
+    configured the demo makes a one-off token for its own pool and controller. The bench
+    always measures no speculation beside the heads: the demo reports every head's speed-up.
     """
     import secrets
 
+    d = cfg.demo
     token = cfg.serving.resolved_admin_token() or secrets.token_urlsafe(24)
-    return load_config(cfg.source_file, overrides={"state_dir": str(Path(cfg.state_dir) / "demo"),
-                                                   "serving": {"admin_token": token}})
+    return load_config(cfg.source_file, overrides={
+        "state_dir": str(Path(cfg.state_dir) / "demo"), "serving": {"admin_token": token},
+        "bench": {"concurrencies": d.bench_concurrencies, "max_tokens": d.bench_max_tokens,
+                  "nospec_reference": True}})
 
 
 def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
@@ -64,7 +73,8 @@ def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
 
 
 def demo_traffic(cache_dir: str, d) -> dict[str, list[dict]]:
-    """The demo's conversations as ShareGPT rows: general ones, and the drift (code-heavy + tool calls)."""
+    """The demo's conversations as ShareGPT rows: general chat, more general chat for the nightly run
+    (disjoint from the first), and the drift (code-heavy conversations mixed with tool calls)."""
     from traffic import public_prompts, sharegpt
 
     convs = [c for c in sharegpt.stable_order(sharegpt.load(cache_dir).conversations, "demo")
@@ -75,27 +85,71 @@ def demo_traffic(cache_dir: str, d) -> dict[str, list[dict]]:
              for p in public_prompts.bfcl(cache_dir)[: d.tool_prompts]]
     drift = [c.to_row() for c in code[: d.drifted_conversations]] + tools
     drift.sort(key=lambda r: r["id"])  # code and tool calls mixed, the same way every run
-    return {"general": [c.to_row() for c in general[: d.general_conversations]], "drifted": drift}
+    n, m = d.general_conversations, d.nightly_conversations
+    return {"general": [c.to_row() for c in general[:n]], "nightly": [c.to_row() for c in general[n:n + m]],
+            "drifted": drift}
 
 
-def send_phases(stack, model: str, rows: list[dict], dcfg, log: Log, label: str) -> dict[str, Any]:
-    """Replay ``rows`` turn by turn through the router: the first part, a quiet gap, then the held-out part.
+def split_heldout(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """The part replayed before the quiet gap (trained on) and the part after it (held out)."""
+    n_hold = max(1, round(len(rows) * fraction))
+    return rows[:-n_hold], rows[-n_hold:]
 
-    Returns the replay counts and the gap's midpoint (UTC): what came after it is held out.
-    """
-    from traffic.replay import replay
 
-    n_hold = max(1, round(len(rows) * dcfg.heldout_fraction))
-    kw = dict(max_tokens=dcfg.max_tokens, max_turns=dcfg.max_turns, concurrency=dcfg.concurrency, rate=dcfg.rate)
-    a = replay(stack.url, model, rows[:-n_hold], **kw).to_json()
-    log(f"{label}: {a['turns_ok']}/{a['turns_sent']} turns ok in {a['conversations']} conversations "
-        f"({a['context_full']} ended at the context limit), {a['output_tokens']} tokens at {a['output_tok_per_s']} tok/s")
-    time.sleep(dcfg.gap_seconds / 2)
-    gap_mid = dt.datetime.now(dt.timezone.utc)
-    time.sleep(dcfg.gap_seconds / 2)
-    b = replay(stack.url, model, rows[-n_hold:], **kw).to_json()
-    log(f"{label} (held-out period): {b['turns_ok']}/{b['turns_sent']} turns ok in {b['conversations']} conversations")
-    return {"train_phase": a, "heldout_phase": b, "gap_mid": gap_mid}
+class Traffic:
+    """Replays conversations through the router, turn by turn, counting every turn the capture must hold."""
+
+    def __init__(self, stack, model: str, d, log: Log) -> None:
+        self.stack, self.model, self.d, self.log = stack, model, d, log
+        self.turns_ok = 0
+        self.failed = 0
+
+    def send(self, rows: list[dict], label: str) -> dict[str, Any]:
+        from traffic.replay import replay
+
+        st = replay(self.stack.url, self.model, rows, max_tokens=self.d.max_tokens, max_turns=self.d.max_turns,
+                    concurrency=self.d.concurrency, rate=self.d.rate, progress=False).to_json()
+        self.turns_ok += st["turns_ok"]
+        self.failed += st["failed"]
+        self.log(f"{label}: {st['turns_ok']}/{st['turns_sent']} turns answered in {st['conversations']} "
+                 f"conversations ({st['failed']} failed, {st['context_full']} ended at the context limit), "
+                 f"{st['output_tokens']} tokens at {st['output_tok_per_s']} tok/s")
+        return st
+
+    def gap(self) -> dt.datetime:
+        """A quiet gap; its midpoint (UTC) is where the held-out period starts."""
+        time.sleep(self.d.gap_seconds / 2)
+        mid = dt.datetime.now(dt.timezone.utc)
+        time.sleep(self.d.gap_seconds / 2)
+        return mid
+
+    def during(self, rows: list[dict], label: str, action: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+        """Run ``action`` while ``rows`` replay in the background, again and again until it is done (every
+        pass whole); returns its result and the replay's counts over all passes."""
+        import threading
+
+        done = threading.Event()
+        passes: list[dict[str, Any]] = []
+
+        def replay_until_done() -> None:
+            while True:
+                passes.append(self.send(rows, f"{label} (pass {len(passes) + 1})"))
+                if done.is_set():
+                    return
+
+        t = threading.Thread(target=replay_until_done, name="demo-traffic", daemon=True)
+        t.start()
+        time.sleep(min(3.0, self.d.gap_seconds))  # requests in flight before the action starts
+        try:
+            result = action()
+        finally:
+            done.set()
+            t.join()
+        keys = ("turns_sent", "turns_ok", "failed", "output_tokens")
+        return result, {**{k: sum(p[k] for p in passes) for k in keys}, "passes": len(passes)}
+
+    def captured(self, timeout: float = 120) -> dict[str, int]:
+        return wait_captured(self.stack, self.turns_ok, timeout)
 
 
 def wait_captured(stack, expected: int, timeout: float = 60) -> dict[str, int]:
@@ -133,13 +187,6 @@ def heldout_hours_for(cfg: Config, gap_mid: dt.datetime) -> tuple[float, dict[st
 # --- registry / pool views ---------------------------------------------------------------
 
 
-def registry_view(cfg: Config) -> list[dict[str, Any]]:
-    from rollout.registry import Registry
-
-    reg = Registry(cfg)
-    return reg.describe_all()
-
-
 def pool_heads(stack) -> list[dict[str, Any]]:
     st = stack.run_coro(_status(stack))
     return [{"url": r["url"], "head_version": r["head_version"], "head_sha256": (r["head_sha256"] or "")[:12],
@@ -150,22 +197,12 @@ async def _status(stack) -> dict[str, Any]:
     return stack.pool.status()
 
 
-def move_to_production_by_hand(cfg: Config, version: str) -> None:
-    """What a person does in the MLflow UI: transition a version's stage to Production."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        client.transition_model_version_stage(cfg.mlflow.registered_model, version, "Production",
-                                              archive_existing_versions=True)
-
-
-def wait_pool_serves(stack, sha256: str, timeout: float) -> float:
+def wait_pool_serves(stack, sha256: str, timeout: float, done: Callable[[], bool] = lambda: True) -> float:
+    """Seconds until every healthy replica reports ``sha256`` and ``done()`` holds."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         heads = pool_heads(stack)
-        if heads and all(h["head_sha256"] == sha256[:12] for h in heads if h["healthy"]):
+        if heads and all(h["head_sha256"] == sha256[:12] for h in heads if h["healthy"]) and done():
             return time.monotonic() - t0
         time.sleep(0.25)
     raise TimeoutError(f"pool did not serve {sha256[:12]} within {timeout}s: {pool_heads(stack)}")
@@ -189,6 +226,7 @@ def bench_figures(summary: dict[str, Any]) -> dict[str, Any]:
         spec = arm.spec.to_json() if arm.spec else {}
         out[name] = {
             "head_version": full.heads[role].version,
+            "head_sha256": full.heads[role].sha256,
             "mean_acceptance_length": arm.mean_acceptance_length,
             "acceptance_per_position": spec.get("acceptance_per_pos"),
             "output_tok_per_s": {str(c): f.output_tok_per_s for c, f in arm.by_concurrency.items()},
@@ -216,39 +254,233 @@ def slower_than_nospec(figures: dict[str, Any], name: str = "after") -> list[str
             for c, x in sp.items() if x is not None and x < 1.0]
 
 
-def _demo_cycle(cfg: Config, opts, stack, gap_mid: dt.datetime, steps: int, report: dict[str, Any],
-                key: str, log: Log) -> dict[str, Any]:
-    """One cycle over what was captured, holding out what came after ``gap_mid``; records it in ``report``."""
-    from loop.cycle import run_cycle
-
-    hours, ingested = heldout_hours_for(cfg, gap_mid)
-    log(f"{key}: ingested {json.dumps(ingested)}")
-    c = run_cycle(with_overrides(cfg, capture={"heldout_hours": hours},
-                                 training={"max_steps": steps, "max_minutes": cfg.demo.train_minutes}), opts=opts)
-    log(f"{key}: version {c['version']} {c['verdict']} ({c['reason']}); pool: {pool_heads(stack)}")
-    report[key] = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
-    report[key]["ingest"] = ingested
-    report[key]["bench"] = bench_figures(c)
-    for w in slower_than_nospec(report[key]["bench"]):
-        log(f"{key}: version {c['version']}: {w}")
-    return c
+def offline_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate step's offline acceptance of both heads and the pre-screen's difference, where it ran."""
+    ev = summary["steps"].get("evaluate") or {}
+    if ev.get("skipped") or "candidate" not in ev:
+        return {}
+    check = ev.get("check") or {}
+    return {"candidate": ev["candidate"].get("mean_acceptance_length"),
+            "live": ev["live"].get("mean_acceptance_length"), "difference": check.get("estimate"),
+            "ci": check.get("ci"), "margin": check.get("margin"), "status": check.get("status"),
+            "prompts": check.get("clusters")}
 
 
-def rollback_skip_reason(c1: dict[str, Any], c2: dict[str, Any]) -> str | None:
-    """Why the demo cannot show a rollback after these two cycles (None: it can)."""
-    if not c2["promoted"]:
-        return f"cycle 2 did not promote a new version ({c2['verdict']}), so there is nothing newer to roll back from"
-    if not c1["promoted"]:
-        return (f"cycle 1's version was {c1['verdict']} and never served, so there is no earlier Production "
-                "version to roll back to")
-    return None
+# --- the steps of the demo --------------------------------------------------------------------
+
+
+@dataclass
+class Demo:
+    """What every step of the demo works with: configs, the pool, traffic, the report being written."""
+
+    cfg: Config
+    d: Any  # the user's [demo] section
+    stack: Any
+    traffic: Traffic
+    opts: Any  # loop.cycle.CycleOptions
+    log: Log
+    report: dict[str, Any]
+    before_bench: Callable[[], None] | None = None  # once, before the first benchmark (engines ready)
+    names: dict[str, str] = field(default_factory=dict)  # head sha256 → what the summary calls it
+
+    def name(self, figures: dict[str, Any]) -> None:
+        """Label a bench figure's head by its registry version (or as the cold-start head)."""
+        sha = figures.get("head_sha256") or ""
+        figures["head"] = self.names.get(sha, f"sha {sha[:12]}" if sha else str(figures.get("head_version")))
+
+    def cycle(self, key: str, title: str, gap_mid: dt.datetime, steps: int, minutes: float) -> dict[str, Any]:
+        """One real cycle over what was captured, holding out what came after ``gap_mid``."""
+        from loop.cycle import STEPS, Cycle, new_cycle_id, run_step, summary
+
+        self.traffic.captured()
+        hours, ingested = heldout_hours_for(self.cfg, gap_mid)
+        self.log(f"{key}: {title}: ingested {json.dumps(ingested)}")
+        t0 = time.monotonic()
+        cfg = with_overrides(self.cfg, capture={"heldout_hours": hours},
+                             training={"max_steps": steps, "max_minutes": minutes})
+        cycle_id, cx = new_cycle_id(), Cycle(cfg)
+        for step in STEPS:  # step by step, as the DAG runs them
+            if step == "bench" and self.before_bench is not None:
+                self.before_bench()
+                self.before_bench = None
+            run_step(cfg, cycle_id, step, self.opts, cx)
+        c = summary(cfg, cycle_id, cx)
+        self.log(f"{key}: version {c['version']} {c['verdict']}: {c['reason']}")
+        if c["artifacts"].get("head_sha256"):
+            self.names[c["artifacts"]["head_sha256"]] = f"v{c['version']}"
+        rec = {k: c[k] for k in ("cycle_id", "version", "verdict", "reason", "promoted", "artifacts", "timings")}
+        rec.update(title=title, ingest=ingested, seconds=round(time.monotonic() - t0, 1),
+                   bench=bench_figures(c), offline=offline_figures(c),
+                   train={k: (c["steps"].get("train") or {}).get(k) for k in ("steps", "tokens", "tokens_per_s")})
+        for name in ("before", "after"):
+            if name in rec["bench"]:
+                self.name(rec["bench"][name])
+        self.report["cycles"][key] = rec
+        for w in slower_than_nospec(rec["bench"]):
+            self.log(f"{key}: version {c['version']}: {w}")
+        return rec
+
+    def swap_under_traffic(self, rec: dict[str, Any], rows: list[dict], label: str) -> None:
+        """Hot-swap the pool to a promoted version while ``rows`` replay through the router; timed."""
+        from rollout.controller import Controller
+
+        if not rec["promoted"]:
+            self.traffic.send(rows, label)
+            return
+        ctl = Controller(self.cfg, router_url=self.stack.url)
+        self.log(f"hot-swapping the pool to version {rec['version']} while {label} replays")
+        t0 = time.monotonic()
+
+        def reconcile() -> dict[str, Any]:
+            # A failed swap (its canary rolled back) is tried again on the controller's next pass.
+            ev: dict[str, Any] = {}
+            for _ in range(3):
+                ev = ctl.reconcile()
+                if ev.get("event") == "in_sync":
+                    break
+            return ev
+
+        ev, st = self.traffic.during(rows, label, reconcile)
+        swapped = [e for e in ctl.events if e.get("event") in ("swapped", "swap_failed")]
+        rec["swap"] = {"ok": ev.get("event") == "in_sync", "seconds": round(time.monotonic() - t0, 2),
+                       "swap_seconds": swapped[-1].get("seconds") if swapped else None,
+                       "mode": swapped[-1].get("mode") if swapped else None,
+                       "failed_attempts": [e.get("error") for e in swapped if e.get("event") == "swap_failed"],
+                       "requests_failed_during": st.get("failed"), "turns_answered_during": st.get("turns_ok"),
+                       "pool": pool_heads(self.stack)}
+        self.log(f"pool {'serves' if rec['swap']['ok'] else 'does NOT serve'} version {rec['version']}: swap "
+                 f"{rec['swap']['swap_seconds']}s ({rec['swap']['mode']}, {len(rec['swap']['failed_attempts'])} "
+                 f"failed tries), {st.get('failed')} of {st.get('turns_sent')} requests failed meanwhile")
+
+
+def move_stage_by_hand(cfg: Config, version: str) -> None:
+    """What a person does in the MLflow UI: transition a version's stage to Production."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        client.transition_model_version_stage(cfg.mlflow.registered_model, version, "Production",
+                                              archive_existing_versions=True)
+
+
+def move_alias_by_hand(cfg: Config, version: str) -> None:
+    """MLflow 3's way: point the ``champion`` alias at a version."""
+    from mlflow import MlflowClient
+
+    from rollout.registry import ALIAS
+
+    MlflowClient(tracking_uri=cfg.mlflow.tracking_uri).set_registered_model_alias(
+        cfg.mlflow.registered_model, ALIAS, version)
+
+
+def rollback_plan(cycles: dict[str, dict[str, Any]]) -> tuple[str, str] | str:
+    """(the newest served version, the one that served before it), or why there is no rollback to show."""
+    served = [c["version"] for c in cycles.values() if c.get("promoted")]
+    if len(served) < 2:
+        return (f"{len(served)} version(s) served during this run ({', '.join(map(str, served)) or 'none'}): "
+                "a rollback needs an earlier served version to go back to")
+    return str(served[-1]), str(served[-2])
+
+
+def show_rollback(demo: Demo, rows: list[dict]) -> dict[str, Any]:
+    """Move the earlier version back by stage, then the newest back by alias; the controller follows each."""
+    from headspec.validate import validate_head
+    from rollout.controller import Controller
+    from rollout.registry import Registry
+
+    plan = rollback_plan(demo.report["cycles"])
+    if isinstance(plan, str):
+        demo.log(f"rollback: not shown: {plan}")
+        return {"skipped": plan}
+    newest, earlier = plan
+    reg = Registry(demo.cfg)
+    sha = {v: validate_head(reg.download_head(v)).sha256 for v in (newest, earlier)}
+    controller = Controller(demo.cfg, router_url=demo.stack.url, poll_seconds=1.0).start()
+    moves = []
+
+    def follow(how: str, version: str, move: Callable[[Config, str], None]) -> None:
+        demo.log(f"rollback: {how}: version {version} → Production; waiting for the controller")
+        n_events = len(controller.events)
+        t0 = time.monotonic()
+        move(demo.cfg, version)
+        # Served means the controller's swap finished (canary and smoke check passed) and every
+        # healthy replica reports the head: a replica reports a new head before its smoke check.
+        after = wait_pool_serves(demo.stack, sha[version], timeout=180,
+                                 done=lambda: str(controller.serving_version) == version)
+        failed = [e.get("error") for e in list(controller.events)[n_events:] if e.get("event") == "swap_failed"]
+        demo.log(f"rollback: the pool serves version {version} {after:.1f}s after the {how}"
+                 + (f" ({len(failed)} failed swap tries first)" if failed else ""))
+        moves.append({"how": how, "to_version": version, "pool_followed_after_s": round(after, 2),
+                      "seconds": round(time.monotonic() - t0, 2), "failed_tries": failed})
+
+    try:
+        def both() -> None:
+            follow("stage change (as in the MLflow UI)", earlier, move_stage_by_hand)
+            follow("champion alias moved", newest, move_alias_by_hand)
+
+        _, st = demo.traffic.during(rows, "traffic during the rollback", both)
+    finally:
+        controller.stop()
+    return {"moves": moves, "requests_failed_during": st.get("failed"), "turns_answered_during": st.get("turns_ok"),
+            "controller_events": [e for e in controller.events if e.get("event") in ("registry_synced", "swapped",
+                                                                                     "swap_failed")][-6:]}
+
+
+def head_speeds(cycles: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every head the run measured, with its latest acceptance and speed-up over no speculation."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in cycles.values():
+        b = c.get("bench") or {}
+        for name in ("before", "after"):
+            f = b.get(name)
+            if f:
+                out[str(f.get("head") or f["head_version"])] = {"mean_acceptance_length": f["mean_acceptance_length"],
+                                               "speedup_vs_nospec": f.get("speedup_vs_nospec") or {},
+                                               "output_tok_per_s": f["output_tok_per_s"]}
+    return out
+
+
+def where_speculation_loses(speeds: dict[str, dict[str, Any]]) -> list[str]:
+    """Each measured head slower than no speculation somewhere, with what the pool does about it."""
+    out = []
+    for version, s in speeds.items():
+        slow = {c: x for c, x in (s.get("speedup_vs_nospec") or {}).items() if x is not None and x < 1.0}
+        if slow:
+            out.append(f"{version} runs at " + ", ".join(f"{x:.2f}x at c={c}" for c, x in slow.items())
+                       + " of serving without speculation: while it serves, `adapt pool status` warns; "
+                       "[serving] num_speculative_tokens_per_batch_size lowers K at those batch sizes")
+    return out
+
+
+def shown(report: dict[str, Any]) -> dict[str, Any]:
+    """Which of promotion, refusal and rollback this run showed, each with the cycle or move behind it."""
+    cycles = report["cycles"]
+    promoted = [k for k, c in cycles.items() if c.get("promoted")]
+    refused = [k for k, c in cycles.items() if not c.get("promoted")]
+    rb = report.get("rollback") or {}
+    return {"promotion": promoted, "refusal": refused, "rollback": [m["how"] for m in rb.get("moves", [])],
+            "all": bool(promoted and refused and rb.get("moves"))}
+
+
+def summary_views(cfg: Config, stack) -> dict[str, Any]:
+    """What `adapt registry list --json` and `adapt pool status --json` print, read the same way."""
+    from app.commands.loop import registry_list
+    from rollout.registry import Registry, slower_than_nospec as registry_warnings
+
+    st = stack.run_coro(_status(stack))
+    prod = Registry(cfg).production()
+    st["warnings"] = registry_warnings(prod.version, prod.tags) if prod is not None else []
+    return {"registry": registry_list(cfg), "pool": st}
+
+
+# --- the recipe -----------------------------------------------------------------------------------
 
 
 def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``<state_dir>/demo/report.json``)."""
     from adapt.checkpoint import init_random_head
     from headspec.validate import validate_head
-    from rollout.controller import Controller
     from loop.cycle import CycleOptions
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
@@ -263,152 +495,184 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         log(f"removing the previous demo state in {root}")
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"state_dir": str(root), "target": cfg.target.model,
-                              "config": {"demo": d.model_dump(), "head": cfg.head.model_dump()}}
+    report: dict[str, Any] = {"state_dir": str(root), "target": cfg.target.model, "cycles": {},
+                              "config": {"demo": d.model_dump(), "head": cfg.head.model_dump(),
+                                         "bench": cfg.bench.model_dump(), "gate": cfg.gate.model_dump()}}
 
-    log(f"target model: {cfg.target.model}")
+    # --- setup: the target, the traffic, a cold head; engines start while the first traffic replays ---
+    log(f"setup: target model {cfg.target.model}")
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
-    traffic = demo_traffic(cfg.cache_dir, d)
-    log(f"traffic: {len(traffic['general'])} general ShareGPT conversations, then {len(traffic['drifted'])} "
-        "drifted ones (code-heavy ShareGPT and BFCL tool calls), replayed turn by turn")
-
+    rows = demo_traffic(cfg.cache_dir, d)
+    log(f"setup: {len(rows['general'])} general ShareGPT conversations, {len(rows['nightly'])} more for the "
+        f"nightly run, then {len(rows['drifted'])} drifted ones (code-heavy ShareGPT and BFCL tool calls)")
     cold = init_random_head(target, Path(cfg.head.heads_dir) / "cold-start", k=cfg.head.num_speculative_tokens,
                             draft_vocab_size=cfg.head.draft_vocab_size,
                             aux_layer_ids=cfg.head.aux_layer_ids or None, num_layers=cfg.head.num_layers)
     model = served_name(cfg.target)
     k, concs = cfg.head.num_speculative_tokens, cfg.bench.concurrencies
-    bench_spec = bench_replica_spec(cfg.serving, k, target, cold, model, concs)
-    nospec_spec = bench_replica_spec(cfg.serving, k, target, None, model, concs)
-    bench = ReplicaProcess(bench_spec, root / "serving" / "logs" / "bench-replica.log")
-    nospec = ReplicaProcess(nospec_spec, root / "serving" / "logs" / "bench-nospec-replica.log")
-    log(f"starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port}, "
-        f"a bench replica and a replica without speculation as the bench's reference "
-        f"(vLLM engine start takes about a minute each)")
-    bench.start()
-    nospec.start()
+    bench = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, cold, model, concs),
+                           root / "serving" / "logs" / "bench-replica.log")
+    nospec = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, None, model, concs),
+                            root / "serving" / "logs" / "bench-nospec-replica.log")
     stack = ServingStack(cfg, head_dir=cold, target_dir=target)
-    controller = None
     try:
+        log(f"setup: starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port}")
         stack.start()
-        bench.wait_healthy()
-        nospec.wait_healthy()
-        log(f"pool up at {stack.url}: {pool_heads(stack)}")
-        opts = CycleOptions(live_head=str(cold), bench_url=bench_spec.url, nospec_url=nospec_spec.url,
-                            router_url=stack.url, progress=lambda m: log(f"  {m}"))
+        log(f"setup: pool up at {stack.url}, serving the cold-start head: {pool_heads(stack)}")
+        # The bench engines are needed only at cycle 1's benchmark: they start while traffic replays,
+        # is ingested and trains, instead of competing with the pool's own start for the cores.
+        log("setup: starting the bench replica and a replica without speculation (the speed-up reference)")
+        bench.start()
+        nospec.start()
+        traffic = Traffic(stack, model, d, log)
+        opts = CycleOptions(live_head=str(cold), bench_url=bench.url, nospec_url=nospec.url,
+                            progress=lambda m: log(f"  {m}"))
+        demo = Demo(cfg, d, stack, traffic, opts, log, report)
+        demo.names[validate_head(cold).sha256] = "cold-start"
 
-        # --- general chat → bootstrap ---
-        g = send_phases(stack, model, traffic["general"], d, log, "general chat")
-        sent = g["train_phase"]["turns_ok"] + g["heldout_phase"]["turns_ok"]
-        wait_captured(stack, sent)
-        log("cycle 1 (bootstrap from general chat): ingest → snapshot → train → eval → bench → gate → register → promote")
-        c1 = _demo_cycle(cfg, opts, stack, g["gap_mid"], d.bootstrap_steps, report, "cycle1", log)
+        # --- general chat; the bench engines finish starting meanwhile ---
+        train, held = split_heldout(rows["general"], d.heldout_fraction)
+        traffic.send(train, "general chat")
+        gap = traffic.gap()
+        traffic.send(held, "general chat (held-out period)")
 
-        # --- drifted traffic → adaptation ---
-        t = send_phases(stack, model, traffic["drifted"], d, log, "drifted traffic (code, tool calls)")
-        wait_captured(stack, sent + t["train_phase"]["turns_ok"] + t["heldout_phase"]["turns_ok"])
-        report["traffic"] = {"general": _strip(g), "drifted": _strip(t)}
-        log("cycle 2 (nightly adaptation to the drift), training from the Production head")
-        c2 = _demo_cycle(cfg, opts, stack, t["gap_mid"], d.adapt_steps, report, "cycle2", log)
-        report["registry_after_cycles"] = registry_view(cfg)
-        report["pool_after_cycles"] = pool_heads(stack)
+        # --- cycle 1: bootstrap, swapped in while the nightly traffic starts ---
+        def engines_ready() -> None:
+            bench.wait_healthy()
+            nospec.wait_healthy()
 
-        # --- rollback by stage change, followed by the controller daemon ---
-        skip = rollback_skip_reason(c1, c2)
-        if skip:
-            report["rollback"] = {"skipped": skip}
-        else:
-            controller = Controller(cfg, router_url=stack.url, poll_seconds=1.0).start()
-            old = str(c1["version"])
-            sha = validate_head(report["cycle1"]["artifacts"]["head"]).sha256
-            log(f"rollback: moving version {old} to Production in the registry (as in the MLflow UI)")
-            t_move = time.monotonic()
-            move_to_production_by_hand(cfg, old)
-            follow = wait_pool_serves(stack, sha, timeout=60)
-            log(f"the pool serves version {old} again after {follow:.1f}s")
-            report["rollback"] = {"to_version": old, "pool_followed_after_s": round(follow, 2),
-                                  "pool": pool_heads(stack), "registry": registry_view(cfg),
-                                  "controller_events": list(controller.events)[-5:]}
-            del t_move
+        demo.before_bench = engines_ready
+        c1 = demo.cycle("bootstrap", "bootstrap from general chat, against the cold-start head", gap,
+                        d.bootstrap_steps, d.train_minutes)
+        train, held = split_heldout(rows["nightly"], d.heldout_fraction)
+        demo.swap_under_traffic(c1, train, "nightly general chat")
+        gap = traffic.gap()
+        traffic.send(held, "nightly general chat (held-out period)")
+
+        # --- cycle 2: the nightly run on traffic that did not drift ---
+        demo.cycle("nightly", "nightly fine-tune on traffic that did not drift", gap, d.nightly_steps,
+                   d.nightly_minutes)
+
+        # --- drift, and cycle 3: adaptation to it ---
+        train, held = split_heldout(rows["drifted"], d.heldout_fraction)
+        traffic.send(train, "drifted traffic (code, tool calls)")
+        gap = traffic.gap()
+        traffic.send(held, "drifted traffic (held-out period)")
+        c3 = demo.cycle("drift", "adaptation of the Production head to the drift", gap, d.adapt_steps,
+                        d.train_minutes)
+        demo.swap_under_traffic(c3, held, "drifted traffic, again")
+
+        # --- rollback by stage and by alias, followed by the controller ---
+        report["rollback"] = show_rollback(demo, held)
+        report["heads"] = head_speeds(report["cycles"])
+        report["where_speculation_loses"] = where_speculation_loses(report["heads"])
+        report.update(summary_views(cfg, stack))
+        report["requests_failed"] = traffic.failed
     finally:
-        if controller is not None:
-            controller.stop()
         stack.stop()
         bench.stop()
         nospec.stop()
+    report["shown"] = shown(report)
     report["total_seconds"] = round(time.monotonic() - t_start, 1)
     (root / "report.json").write_text(json.dumps(report, indent=2, default=str))
     return report
 
 
-def _strip(phases: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in phases.items() if k != "gap_mid"}
+# --- the summary ----------------------------------------------------------------------------------
 
 
 def _num(x: Any, fmt: str = ".2f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _ci(iv: dict | None, fmt: str) -> str:
+    ci = (iv or {}).get("ci") or [None, None]
+    return "n/a" if ci[0] is None else f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
+def render_cycle(key: str, c: dict[str, Any]) -> list[str]:
+    b, off = c.get("bench") or {}, c.get("offline") or {}
+    tries = f", {b['attempts']} benchmark runs" if b.get("attempts", 1) > 1 else ""
+    lines = [f"{key}: {c['title']}: version {c['version']} → {c['verdict']}{tries}"
+             f"{', promoted' if c.get('promoted') else ', not promoted'} ({c['seconds']:.0f}s)",
+             f"  why: {c['reason']}"]
+    i = c.get("ingest") or {}
+    if i:
+        lines.append(f"  ingest: read {i['read']}, normalized {i['normalized']}, duplicates {i['duplicates']}, "
+                     f"quarantined {i['quarantined']}, skipped {i['skipped']}")
+    if off:
+        lines.append(f"  offline acceptance length on {off['prompts']} held-out prompts: live {_num(off['live'])} → "
+                     f"candidate {_num(off['candidate'])} ({_num(off['difference'], '+.3f')} {_ci(off, '+.3f')}, "
+                     f"margin {off['margin']})")
+    for name in ("before", "after"):
+        if name in b:
+            f = b[name]
+            per_pos = ", ".join(_num(x) for x in (f["acceptance_per_position"] or []))
+            tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in f["output_tok_per_s"].items())
+            sp = ", ".join(f"c{c_}={_num(v)}x" for c_, v in (f.get("speedup_vs_nospec") or {}).items())
+            lines.append(f"  {name:<6} head {str(f.get('head') or f['head_version'])[:16]:<16} acceptance length "
+                         f"{_num(f['mean_acceptance_length'])}  per position [{per_pos}]  tok/s {tps}"
+                         + (f"  vs no speculation {sp}" if sp else ""))
+    if "nospec" in b:
+        tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in b["nospec"]["output_tok_per_s"].items())
+        lines.append(f"  no speculation{'':<12}tok/s {tps}")
+    if b.get("differences"):
+        d, aa = b["differences"], b.get("aa_control") or {}
+        parts = [f"acceptance length {_num(d['mean_acceptance_length']['estimate'], '+.3f')} "
+                 f"{_ci(d['mean_acceptance_length'], '+.3f')} (A/A {_ci(aa.get('mean_acceptance_length'), '+.3f')})"]
+        parts += [f"tok/s c{c_} {_num(v['output_tok_per_s']['estimate'], '+.1f')} {_ci(v['output_tok_per_s'], '+.1f')} "
+                  f"(A/A {_ci(((aa.get('by_concurrency') or {}).get(c_) or {}).get('output_tok_per_s'), '+.1f')})"
+                  for c_, v in d["by_concurrency"].items()]
+        lines.append("  candidate − live: " + ", ".join(parts))
+    sw = c.get("swap")
+    if sw:
+        lines.append(f"  hot-swap under traffic: {sw['swap_seconds']}s ({sw['mode']}), "
+                     f"{sw['requests_failed_during']} requests failed of {sw['turns_answered_during']} answered meanwhile")
+    if b.get("plot"):
+        lines.append(f"  plot: {b['plot']}")
+    return lines
+
+
 def render(report: dict[str, Any]) -> str:
     """A person-readable summary of the demo report."""
-    lines = [f"drafter-adapt demo — target {report['target']}, {report['total_seconds']:.0f}s total", ""]
-    for key, title in (("cycle1", "cycle 1: bootstrap from general chat"), ("cycle2", "cycle 2: adapt to drifted traffic")):
-        c = report.get(key)
-        if not c:
-            continue
-        b = c.get("bench") or {}
-        tries = f", {b['attempts']} benchmark runs" if b.get("attempts", 1) > 1 else ""
-        lines.append(f"{title}: version {c['version']} → {c['verdict']}{tries}"
-                     f"{' and promoted' if c.get('promoted') else ', not promoted'} ({c['reason']})")
-        if c.get("ingest"):
-            i = c["ingest"]
-            lines.append(f"  ingest: read {i['read']}, normalized {i['normalized']}, duplicates {i['duplicates']}, "
-                         f"quarantined {i['quarantined']}, skipped {i['skipped']}")
-        for name in ("before", "after"):
-            if name in b:
-                f = b[name]
-                per_pos = ", ".join(_num(x) for x in (f["acceptance_per_position"] or []))
-                tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in f["output_tok_per_s"].items())
-                sp = ", ".join(f"c{c_}={_num(v)}x" for c_, v in (f.get("speedup_vs_nospec") or {}).items())
-                lines.append(f"  {name:<6} head {str(f['head_version'])[:14]:<14} acceptance length "
-                             f"{_num(f['mean_acceptance_length'])}  per position [{per_pos}]  tok/s {tps}"
-                             + (f"  vs no speculation {sp}" if sp else ""))
-        if "nospec" in b:
-            tps = ", ".join(f"c{c_}={_num(v, '.1f')}" for c_, v in b["nospec"]["output_tok_per_s"].items())
-            lines.append(f"  no speculation{'':<12}tok/s {tps}")
-        if b.get("differences"):
-            d, aa = b["differences"], b.get("aa_control") or {}
-
-            def aa_ci(iv: dict | None, fmt: str) -> str:
-                ci = (iv or {}).get("ci") or [None, None]
-                return "n/a" if ci[0] is None else f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
-
-            parts = [f"acceptance length {_num(d['mean_acceptance_length']['estimate'], '+.3f')} "
-                     f"(A/A {aa_ci(aa.get('mean_acceptance_length'), '+.3f')})"]
-            parts += [f"tok/s c{c_} {_num(v['output_tok_per_s']['estimate'], '+.1f')} "
-                      f"(A/A {aa_ci(((aa.get('by_concurrency') or {}).get(c_) or {}).get('output_tok_per_s'), '+.1f')})"
-                      for c_, v in d["by_concurrency"].items()]
-            lines.append("  after − before (live and its A/A control pooled): " + ", ".join(parts))
-        ov = b.get("heldout_overlap") or {}
-        if ov:
-            lines.append(f"  held-out: {ov.get('repeats_training', 0)} of {ov.get('heldout', 0)} conversations repeat "
-                         f"a training prompt{' (left out of the bench)' if ov.get('excluded') else ''}")
-        for w in slower_than_nospec(b):
-            lines.append(f"  NOTE: {w}")
-        if b.get("plot"):
-            lines.append(f"  plot: {b['plot']}")
-    serving = report.get("pool_after_cycles") or []
-    if serving:
-        lines.append("")
-        lines.append("pool after the cycles serves version(s) "
-                     + ", ".join(sorted({str(h["head_version"]) for h in serving})))
+    lines = [f"drafter-adapt demo — target {report['target']}, {report['total_seconds'] / 60:.1f} min", ""]
+    for key, c in report["cycles"].items():
+        lines += render_cycle(key, c)
     rb = report.get("rollback") or {}
     lines.append("")
-    if "to_version" in rb:
-        lines.append(f"rollback: version {rb['to_version']} moved to Production; pool followed in {rb['pool_followed_after_s']}s")
-    else:
-        lines.append(f"rollback: {rb.get('skipped')}")
-    lines.append("registry:")
-    for v in rb.get("registry") or report.get("registry_after_cycles") or []:
-        lines.append(f"  {json.dumps(v, default=str)}")
+    for m in rb.get("moves", []):
+        lines.append(f"rollback by {m['how']}: version {m['to_version']} → Production; the pool followed in "
+                     f"{m['pool_followed_after_s']}s")
+    if rb.get("skipped"):
+        lines.append(f"rollback: not shown: {rb['skipped']}")
+    if rb.get("moves"):
+        lines.append(f"  {rb['requests_failed_during']} requests failed of {rb['turns_answered_during']} "
+                     "answered meanwhile")
+    heads = report.get("heads") or {}
+    if heads:
+        lines += ["", "speed-up over serving without speculation (each head's latest benchmark):"]
+        for v, s in heads.items():
+            sp = ", ".join(f"c{c}={_num(x)}x" for c, x in (s["speedup_vs_nospec"] or {}).items()) or "not measured"
+            lines.append(f"  {v:<12} acceptance length {_num(s['mean_acceptance_length'])}  {sp}")
+    for w in report.get("where_speculation_loses") or []:
+        lines.append(f"  NOTE: {w}")
+    reg = report.get("registry") or {}
+    if reg:
+        lines += ["", f"registry ({reg['model']}, as `adapt registry list`): champion {reg['champion']}, "
+                      f"Production {reg['production']}, previous {reg['previous']}"]
+        for v in reg["versions"]:
+            t = v["tags"]
+            lines.append(f"  v{v['version']:>3} {v['stage']:<10} {','.join(v['aliases']):<18} "
+                         f"sha {t.get('head_sha256', '')[:12]}  parent {t.get('parent_version')}  {t.get('gate_verdict')}")
+    pool = report.get("pool") or {}
+    for r in pool.get("replicas", []):
+        lines.append(f"pool (as `adapt pool status`): {r['url']} {'healthy' if r['healthy'] else 'DOWN'} "
+                     f"head {str(r['head_sha256'])[:12]} v{r['head_version']}")
+    for w in pool.get("warnings") or []:
+        lines.append(f"  WARNING: {w}")
+    s = report.get("shown") or {}
+    lines += ["", "shown in this run: " + "; ".join(
+        f"{what}: {', '.join(s.get(what) or []) or 'NOT SHOWN'}" for what in ("promotion", "refusal", "rollback"))]
+    lines.append(f"requests failed over the whole run: {report.get('requests_failed')}")
     lines.append(f"report: {report['state_dir']}/report.json")
     return "\n".join(lines)

@@ -165,6 +165,7 @@ def acceptance(model: PEagleDrafter, sequences: Sequence[EvalSequence], max_new_
     """vLLM's counters for ``model`` drafting on prepared sequences, summarized (see :func:`summarize`)."""
     K = model.config.num_speculative_tokens
     total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * K}
+    per_prompt = []  # [drafts, accepted] per prompt: the clusters of a paired comparison of two heads
     for s in sequences:
         n = s.prompt_len
         end = min(n + max_new_tokens, len(s.seq) - 1)
@@ -173,7 +174,9 @@ def acceptance(model: PEagleDrafter, sequences: Sequence[EvalSequence], max_new_
         for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             total[key] += c[key]
         total["accepted_per_pos"] = [x + y for x, y in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
+        per_prompt.append([c["num_drafts"], c["num_accepted_tokens"]])
     out = summarize(total)
+    out["per_prompt"] = per_prompt
     out.update({"num_prompts": len(sequences), "num_generated_tokens": sum(s.generated for s in sequences), "k": K,
                 "max_new_tokens": max_new_tokens})
     return out
@@ -219,6 +222,33 @@ def estimate_acceptance(
     stop_ids = () if ignore_eos or eos is None else (eos,)
     out = acceptance(model, sequences, max_new_tokens, stop_ids)
     out["head_sha256"] = manifest.get("sha256")
+    return out
+
+
+def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversations: Sequence[dict[str, Any]],
+                  max_new_tokens: int = 64, *, device: str = "auto", batch_size: int = 8) -> dict[str, dict[str, Any]]:
+    """Offline acceptance of several heads (role → head dir) on the same held-out conversations.
+
+    The target's greedy continuations and aux states do not depend on the head, so they are
+    computed once (``batch_size`` prompts at a time) and every head drafts on the same
+    sequences: per-prompt counts then pair up across heads. The heads must share K and aux layers.
+    """
+    if not heads:
+        raise ValueError("no heads to compare")
+    models = {role: load_head(path) for role, path in heads.items()}
+    first = next(iter(models.values()))[0].config
+    for role, (m, _) in models.items():
+        if (m.config.num_speculative_tokens, sorted(m.config.aux_layer_ids)) != (
+                first.num_speculative_tokens, sorted(first.aux_layer_ids)):
+            raise ValueError(f"head {role!r} differs from the others in K or aux layers: no shared sequences")
+    runner = TargetRunner(target_dir, first.aux_layer_ids, device=device, dtype=torch.float32)
+    sequences = prepare_sequences(runner, [runner.prompt_ids(r) for r in conversations], max_new_tokens,
+                                  first.num_speculative_tokens, batch_size)
+    eos = runner.tokenizer.eos_token_id
+    out = {}
+    for role, (model, manifest) in models.items():
+        out[role] = acceptance(model.to(runner.device), sequences, max_new_tokens, () if eos is None else (eos,))
+        out[role]["head_sha256"] = manifest.get("sha256")
     return out
 
 

@@ -276,21 +276,30 @@ def step_train(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
 
 
 def step_evaluate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
-    """Offline acceptance on the held-out snapshot (``evaluation.offline.estimate_acceptance``)."""
-    from evaluation.offline import estimate_acceptance, load_jsonl
+    """Offline acceptance of the candidate and the live head on the held-out snapshot, and the pre-screen.
+
+    It runs only where it can change a decision: with no live head (bootstrap) nothing is
+    compared, and with ``[gate] offline_prescreen`` off the bench decides alone. The target's
+    greedy answers are computed once for both heads (``evaluation.offline.compare_heads``);
+    a candidate confidently not better in offline acceptance is rejected here
+    (``loop.gate.prescreen``), and the bench step does not run.
+    """
+    from evaluation.offline import compare_heads, load_jsonl
 
     cfg = cx.cfg
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
+    if not base["live_path"]:
+        return {"skipped": "no live head to compare against (bootstrap)"}
+    if not cfg.gate.offline_prescreen:
+        return {"skipped": "[gate] offline_prescreen is off: the replay benchmark decides alone"}
     rows = load_jsonl(cx.local(state, snap["heldout"]["jsonl"]))  # the held-out rows the bench replays
-    target = _target(cfg)
-
-    def offline_acceptance(head: str) -> dict[str, Any]:
-        return estimate_acceptance(cx.local(state, head), target, rows, max_new_tokens=cfg.bench.max_tokens,
-                                   device=cfg.training.device)
-
-    out = {"candidate": offline_acceptance(tr["head_path"])}
-    if base["live_path"]:
-        out["live"] = offline_acceptance(base["live_path"])
+    out: dict[str, Any] = compare_heads({"candidate": cx.local(state, tr["head_path"]),
+                                         "live": cx.local(state, base["live_path"])},
+                                        _target(cfg), rows, max_new_tokens=cfg.bench.max_tokens,
+                                        device=cfg.training.device)
+    verdict = gate_mod.prescreen(out, cfg.gate)
+    out["check"] = gate_mod.offline_check(out, cfg.gate).to_json()
+    out["prescreen"] = verdict.to_json() if verdict else None
     d = cx.dir(state["cycle_id"])
     (d / "offline_eval.json").write_text(json.dumps(out, indent=1, default=str))
     out["json_path"] = "offline_eval.json"
@@ -314,6 +323,9 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
     if not base["live_path"]:
         return {"skipped": "no live head to compare against (bootstrap)"}
+    rejected = (state["steps"].get("evaluate") or {}).get("prescreen")
+    if rejected:
+        return {"skipped": "the offline pre-screen rejected the candidate", "verdict": rejected}
     d = cx.dir(state["cycle_id"])
     results: list[BenchResult] = []
     attempts = []
@@ -343,6 +355,8 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
 def step_gate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """The verdict the bench step decided (one decision per cycle), or the bootstrap's."""
     b = _out(state, "bench")
+    if b.get("verdict"):
+        return dict(b["verdict"])
     if b.get("skipped"):
         return gate_mod.bootstrap_verdict().to_json()
     return dict(b["verdict"])

@@ -46,7 +46,7 @@ from typing import Any
 
 from evaluation.result import BenchResult
 from evaluation.stats import (CANDIDATE, CONTROL, LIVE, Interval, clusters_needed, contrast, pocock_level,
-                              pool_clusters, power, reference)
+                              pool_clusters, power, reference, t_interval)
 
 PASSED = "passed"
 REJECTED = "rejected"
@@ -211,6 +211,37 @@ def decide(results: BenchResult | list[BenchResult], gate: Any) -> Verdict:
     if status == INCONCLUSIVE and final:
         reason = f"inconclusive after {look} benchmark(s): {reason}"
     return Verdict(status, reason, checks, look, level, sorted(voids), final)
+
+
+def offline_check(offline: dict[str, Any], gate: Any) -> Check:
+    """The candidate's offline acceptance against the live head's, paired by held-out prompt.
+
+    ``offline`` is ``evaluation.offline.compare_heads``' output for roles candidate and live.
+    Each prompt is a cluster (one held-out conversation each); the per-prompt difference in
+    mean acceptance length gets a t-interval at the gate's one-sided level per bound.
+    """
+    cand, live = offline.get(CANDIDATE) or {}, offline.get(LIVE) or {}
+    pairs = [(1 + ca / cd) - (1 + la / ld) for (cd, ca), (ld, la)
+             in zip(cand.get("per_prompt") or [], live.get("per_prompt") or []) if cd and ld]
+    iv = t_interval(pairs, 1.0 - 2.0 * gate.level)
+    return check("offline_acceptance_length", iv, max(gate.min_acceptance_gain, 0.0), "tokens", gate.level,
+                 gate.min_clusters)
+
+
+def prescreen(offline: dict[str, Any], gate: Any) -> Verdict | None:
+    """A rejection before any replay benchmark, or None to go on and measure.
+
+    Acceptance length is one of the gate's must-pass figures, and the offline estimate of
+    it replays the same held-out prompts through the target's own greedy answers. When that
+    estimate is confidently *not* better than the live head's by the margin, benchmarking
+    cannot change the verdict's direction on that figure, so the cycle stops here and spends
+    no engine time. Only rejection is taken from offline figures: a promotion always needs
+    the replay benchmark, so the false-promotion rate stays the bench's.
+    """
+    c = offline_check(offline, gate)
+    if c.status != REJECTED:
+        return None
+    return Verdict(REJECTED, f"offline, before benchmarking: {c.why}", [c], 0, gate.level, [], True)
 
 
 def bootstrap_verdict() -> Verdict:

@@ -46,6 +46,19 @@ def _flat(prefix: str, obj: Any, out: dict[str, float]) -> None:
             _flat(f"{prefix}_pos{i}" if isinstance(v, (int, float)) else f"{prefix}_{i}", v, out)
 
 
+OFFLINE_FIGURES = ("mean_acceptance_length", "acceptance_rate_per_pos", "draft_acceptance_rate", "num_prompts")
+
+
+def offline_metrics(out: dict[str, Any]) -> dict[str, float]:
+    """The evaluate step's figures per head (not its per-prompt counts), and the pre-screen's difference."""
+    m: dict[str, float] = {}
+    for role in ("candidate", "live"):
+        _flat(f"offline.{role}", {k: v for k, v in (out.get(role) or {}).items() if k in OFFLINE_FIGURES}, m)
+    check = out.get("check") or {}
+    _flat("offline.difference", {"estimate": check.get("estimate"), "ci": check.get("ci")}, m)
+    return m
+
+
 def bench_metrics(path: Path) -> dict[str, float]:
     """A bench result's metrics (``evaluation.result.BenchResult.metrics``)."""
     from evaluation.result import BenchResult
@@ -63,7 +76,7 @@ def run_metrics(state: dict[str, Any], resolve=Path) -> dict[str, float]:
     tr = s.get("train") or {}
     _flat("train", {k: tr.get(k) for k in ("steps", "tokens", "tokens_per_s", "final_depth_loss",
                                            "final_depth_acc")}, m)
-    _flat("offline", {k: v for k, v in (s.get("evaluate") or {}).items() if k != "json_path"}, m)
+    m.update(offline_metrics(s.get("evaluate") or {}))
     b = s.get("bench") or {}
     if b.get("json_path"):
         m.update(bench_metrics(resolve(b["json_path"])))
@@ -190,9 +203,7 @@ class CycleRun:
         elif step == "train" and out.get("head_path"):
             self._train(out)
         elif step == "evaluate":
-            m: dict[str, float] = {}
-            _flat("offline", {k: v for k, v in out.items() if k != "json_path"}, m)
-            self._metrics(m, model_id=self.state["tracking"].get("model_id"))
+            self._metrics(offline_metrics(out), model_id=self.state["tracking"].get("model_id"))
         elif step == "bench" and out.get("attempts"):
             for a in out.get("attempts") or []:
                 self._metrics(bench_metrics(self._p(a["json_path"])), step=a["attempt"],
@@ -260,7 +271,8 @@ class CycleRun:
         if not b.get("skipped"):
             self.client.log_artifacts(self.run_id, str(self._p(b["json_path"]).parent), "bench")
         self.client.log_artifact(self.run_id, str(self._p(s["train"]["train_json"])), "cycle")
-        self.client.log_artifact(self.run_id, str(self._p(s["evaluate"]["json_path"])), "cycle")
+        if (s.get("evaluate") or {}).get("json_path"):
+            self.client.log_artifact(self.run_id, str(self._p(s["evaluate"]["json_path"])), "cycle")
         run = self.client.get_run(self.run_id)
         if not run.inputs or not run.inputs.dataset_inputs:
             mlflow.set_tracking_uri(self.reg.tracking_uri)

@@ -192,14 +192,19 @@ class Registry:
     def alias_version(self, alias: str = ALIAS) -> str | None:
         return self.aliases().get(alias)
 
-    def _resolve(self) -> tuple[str | None, str]:
-        """The champion version and which side decided it: "alias", "stage" or "agreed" (read-only)."""
+    def _read(self) -> tuple[str | None, str | None, str | None, bool]:
+        """One read of the champion alias, the Production stage and the last synced version (and whether
+        the model exists): everything a decision takes comes from the same read."""
         model = self._model()
         if model is None:
-            return None, "agreed"
+            return None, None, None, False
         alias = {k: str(v) for k, v in (getattr(model, "aliases", None) or {}).items()}.get(ALIAS)
-        stage = self.stage_version()
         synced = (getattr(model, "tags", None) or {}).get(T_SYNCED)
+        return alias, self.stage_version(), synced, True
+
+    @staticmethod
+    def _decide(alias: str | None, stage: str | None, synced: str | None) -> tuple[str | None, str]:
+        """The champion version and which side decided it: "alias", "stage" or "agreed"."""
         if alias == stage:
             return alias, "agreed"
         if alias is None:
@@ -210,6 +215,11 @@ class Registry:
         if alias == synced:
             return stage, "stage"
         return alias, "alias"  # the alias moved, or both did: MLflow 3's mechanism wins
+
+    def _resolve(self) -> tuple[str | None, str]:
+        """The champion version and which side decided it (read-only)."""
+        alias, stage, synced, exists = self._read()
+        return self._decide(alias, stage, synced) if exists else (None, "agreed")
 
     def champion(self):
         """The model version that serves (``champion``, or the Production stage where a person moved it since
@@ -227,12 +237,12 @@ class Registry:
         A moved alias moves the stage (archiving the rest), a moved stage moves the alias; either way the
         version they left keeps the ``previous`` alias and is recorded on the new one (``T_PREVIOUS``), so an
         automatic rollback knows where to go."""
-        version, side = self._resolve()
+        # Decide and compare on one read: reading the stage again after deciding would see a person's
+        # move made in between as a disagreement, and undo it.
+        alias, stage, synced, exists = self._read()
+        version, side = self._decide(alias, stage, synced) if exists else (None, "agreed")
         if version is None:
             return None
-        model = self._model()
-        synced = (getattr(model, "tags", None) or {}).get(T_SYNCED)
-        alias, stage = self.alias_version(), self.stage_version()
         moved: dict[str, Any] = {}
         if stage != version:
             with warnings.catch_warnings():

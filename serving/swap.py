@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,28 @@ SMOKE_PROMPTS = [
     "def return import class self print",
     "user question answer code python please help",
 ]
+
+
+def greedy_divergence(ref: list[str], got: list[str]) -> str | None:
+    """Why greedy texts after a swap show a broken target or head, or None.
+
+    Greedy decoding with speculation is the target's own greedy text only up to rounding: the
+    verification forward's shape depends on how many drafts the head got accepted, so a near
+    tie can flip one token late in a continuation, and a different head flips different ones.
+    A swap that broke something (target weights overwritten, a head drafting into the wrong
+    vocabulary) changes text from the start and on several prompts. So a prompt counts
+    against the swap when it leaves the reference within the first half of its text, and the
+    swap fails on any such prompt or when more than a third of the prompts differ at all.
+    """
+    differ = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b] + list(range(min(len(ref), len(got)),
+                                                                                max(len(ref), len(got))))
+    early = [i for i in differ if i >= len(ref) or i >= len(got)
+             or len(os.path.commonprefix([ref[i], got[i]])) < len(ref[i]) / 2]
+    if early:
+        return f"greedy text leaves the reference within the first half on smoke prompts {early}"
+    if len(differ) * 3 > len(ref):
+        return f"greedy text differs from the reference on smoke prompts {differ} (more than a third)"
+    return None
 
 
 class SwapError(RuntimeError):
@@ -109,9 +132,9 @@ class SwapController:
                 "drafts": d.drafts}
 
     def _check_smoke(self, ref: dict, got: dict) -> str | None:
-        if got["texts"] != ref["texts"]:
-            bad = [i for i, (a, b) in enumerate(zip(ref["texts"], got["texts"])) if a != b]
-            return f"greedy text differs from the no-spec reference on smoke prompts {bad}"
+        problem = greedy_divergence(ref["texts"], got["texts"])
+        if problem:
+            return problem
         old, new = ref.get("mean_acceptance_length"), got.get("mean_acceptance_length")
         # Only judge when the old head accepted something measurable on the smoke prompts.
         if old is not None and new is not None and old > 1.02 and (new - 1.0) < (old - 1.0) * self.collapse_fraction:

@@ -222,6 +222,9 @@ class GateConfig(_Section):
     aa_confidence: float = Field(0.99, gt=0, lt=1)
     # Benchmarks per cycle: an inconclusive one is measured again, pooled with the earlier ones.
     max_attempts: int = Field(2, ge=1)
+    # Compare offline acceptance (candidate vs live, paired by held-out prompt) before benchmarking,
+    # and reject a candidate confidently not better by min_acceptance_gain without spending engine time.
+    offline_prescreen: bool = True
 
     @property
     def level(self) -> float:
@@ -312,24 +315,37 @@ class AirflowConfig(_Section):
 class DemoConfig(_Section):
     """Sizes of `adapt demo` (its run time scales with them)."""
 
-    # Real users' conversations (ShareGPT), replayed turn by turn: general ones, then code-heavy ones
-    # plus single-turn tool calls (BFCL) as the drift.
-    general_conversations: int = Field(24, ge=4)
-    drifted_conversations: int = Field(32, ge=2)
-    tool_prompts: int = Field(16, ge=0)
-    # The last fraction of each phase is sent after a quiet gap and held out by time.
-    heldout_fraction: float = Field(0.25, gt=0, lt=1)
+    # Real users' conversations (ShareGPT), replayed turn by turn: general ones, more general ones for
+    # the nightly run (traffic that did not drift), then code-heavy ones plus single-turn tool calls
+    # (BFCL) as the drift.
+    general_conversations: int = Field(36, ge=4)
+    nightly_conversations: int = Field(24, ge=2)
+    drifted_conversations: int = Field(24, ge=2)
+    tool_prompts: int = Field(12, ge=0)
+    # The last fraction of each phase is sent after a quiet gap and held out by time: the bench's
+    # prompts (one per conversation), so at least [gate] min_clusters per concurrency wave.
+    heldout_fraction: float = Field(1 / 3, gt=0, lt=1)
     max_turns: int = Field(3, ge=1)
     # Conversations whose first user turn is longer are skipped (they would not fit the served context).
     max_turn_chars: int = Field(2000, ge=16)
     # Conversation arrivals per second (Poisson); 0 sends them back to back.
     rate: float = Field(0.0, ge=0)
-    max_tokens: int = Field(96, ge=8)
+    max_tokens: int = Field(64, ge=8)
     concurrency: int = Field(8, ge=1)
-    gap_seconds: float = Field(20.0, ge=2)
+    gap_seconds: float = Field(10.0, ge=2)
+    # Training of each cycle: steps and a wall-time cap (minutes), whichever comes first. The nightly
+    # run is a short fine-tune of the Production head, standing in for a converged head's nightly run on
+    # traffic that did not drift (a head trained for minutes on 2 cores still gains from any more of the
+    # same traffic); bootstrap and drift adaptation train longer.
     bootstrap_steps: int = Field(400, ge=1)
+    nightly_steps: int = Field(10, ge=1)
     adapt_steps: int = Field(300, ge=1)
-    train_minutes: float = Field(4.0, gt=0)  # wall-time cap of each cycle's training
+    train_minutes: float = Field(2.0, gt=0)
+    nightly_minutes: float = Field(1.0, gt=0)
+    # The demo's replay benchmark (the rest of [bench] applies): concurrencies and answer length. Each
+    # concurrency c needs [gate] min_clusters * c held-out prompts; every one adds minutes on 2 cores.
+    bench_concurrencies: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    bench_max_tokens: int = Field(32, ge=8)
     fresh: bool = True
 
 

@@ -109,3 +109,20 @@ def test_simulate_stops_at_the_first_wrong_draft():
     # m=5 (sampled 13): the true continuation 14 15 16 -> 3 accepted, m=9, 8 tokens generated: stop.
     c = simulate(seq, drafts, prompt_len=prompt_len, max_new_tokens=8)
     assert c == {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 4, "accepted_per_pos": [2, 1, 1]}
+
+
+def test_heads_compared_on_shared_sequences_count_as_each_alone(tiny_model, tmp_path):
+    """compare_heads computes the target's answers once; each head's figures equal its own estimate."""
+    from adapt.checkpoint import init_random_head
+    from evaluation.offline import compare_heads, estimate_acceptance
+
+    heads = {role: init_random_head(tiny_model, tmp_path / role, k=3, seed=i, draft_vocab_size=256)
+             for i, role in enumerate(("candidate", "live"))}
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"tell me about the number {i}"},
+                                              {"from": "gpt", "value": "ok"}]} for i in range(5)]
+    both = compare_heads(heads, tiny_model, rows, max_new_tokens=12, device="cpu", batch_size=1)
+    for role, head in heads.items():
+        alone = estimate_acceptance(head, tiny_model, rows, max_new_tokens=12, device="cpu")
+        assert both[role]["per_prompt"] == alone["per_prompt"] and len(alone["per_prompt"]) == 5
+        assert both[role]["mean_acceptance_length"] == alone["mean_acceptance_length"]
+        assert sum(d for d, _ in alone["per_prompt"]) == alone["num_drafts"]

@@ -61,7 +61,11 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
         "base": {"parent_version": "4", "parent_sha256": "p", "live_version": "4", "live_sha256": "p"},
         "train": {"steps": 3, "tokens": 100, "tokens_per_s": 9.0, "final_depth_loss": [1.0, 2.0],
                   "final_depth_acc": [0.5, 0.25], "head_sha256": "h"},
-        "evaluate": {"candidate": {"acceptance_per_pos": [0.7, 0.5]}, "live": None, "json_path": "x"},
+        "evaluate": {"candidate": {"acceptance_rate_per_pos": [0.7, 0.5], "mean_acceptance_length": 2.2,
+                                   "per_prompt": [[10, 12], [8, 9]]},
+                     "live": {"acceptance_rate_per_pos": [0.6, 0.4], "mean_acceptance_length": 2.0,
+                              "per_prompt": [[10, 10], [8, 8]]},
+                     "check": {"estimate": 0.2, "ci": [0.1, 0.3], "status": "inconclusive"}, "json_path": "x"},
         "bench": {"json_path": str(tmp_path / "bench.json"), "attempts": [{"attempt": 1}, {"attempt": 2}]},
         "gate": {"passed": True},
     }}
@@ -71,7 +75,9 @@ def test_metrics_and_params_name_every_figure(cfg, tmp_path: Path):
     assert m["replay.candidate.acceptance_per_pos_pos1"] == pytest.approx(0.2)
     assert m["delta.mean_acceptance_length.ci_low"] == pytest.approx(0.3)
     assert m["delta.c4.output_tok_per_s.ci_high"] == bench.differences.tok_per_s(4).hi
-    assert m["offline.candidate.acceptance_per_pos_pos0"] == 0.7 and m["train.final_depth_acc_pos1"] == 0.25
+    assert m["offline.candidate.acceptance_rate_per_pos_pos0"] == 0.7 and m["train.final_depth_acc_pos1"] == 0.25
+    assert m["offline.live.mean_acceptance_length"] == 2.0 and m["offline.difference.ci_pos1"] == 0.3
+    assert not any("per_prompt" in k for k in m)  # per-prompt counts stay in offline_eval.json
     assert m["gate.passed"] == 1.0
     assert m["aa.c1.output_tok_per_s.ci_high"] == bench.aa_control.tok_per_s(1).hi
     assert m["aa.mean_acceptance_length.estimate"] == 0.0

@@ -11,7 +11,8 @@ import pytest
 
 from evaluation.result import Arm, ArmFigures, BenchResult, compare_all
 from evaluation.stats import CANDIDATE, CONTROL, LIVE, Cluster, ClusterSums, pocock_level
-from loop.gate import INCONCLUSIVE, PASSED, REJECTED, Verdict, bootstrap_verdict, decide, power_plan
+from loop.gate import (INCONCLUSIVE, PASSED, REJECTED, Verdict, bootstrap_verdict, decide, offline_check, power_plan,
+                       prescreen)
 from settings.config import GateConfig
 
 BASE = [30.0, 28.0, 33.0, 31.0, 29.0, 35.0, 27.0, 32.0]  # the live head's tok/s per prompt group
@@ -166,3 +167,27 @@ def test_power_plan_from_a_bench():
     assert tps["prompts_for_target"] == tps["groups_for_target"]  # one prompt per group in this bench
     noisy = power_plan(bench(gain=(8.0, -6.0, 9.0, -5.0, 7.0, -4.0, 6.0, -3.0)), GateConfig())["output_tok_per_s@c1"]
     assert noisy["power"] < tps["power"] and noisy["groups_for_target"] > tps["groups_for_target"]
+
+
+def offline(cand: list[tuple[int, int]], live: list[tuple[int, int]]) -> dict:
+    """compare_heads' shape: per-prompt [drafts, accepted] of each head."""
+    return {CANDIDATE: {"per_prompt": [list(x) for x in cand]}, LIVE: {"per_prompt": [list(x) for x in live]}}
+
+
+def test_the_offline_prescreen_rejects_a_candidate_confidently_not_better():
+    live = [(50, 10 + i) for i in range(8)]  # acceptance length 1.2 .. 1.34 per prompt
+    same = offline([(50, a + (1 if i % 2 else -1)) for i, (_, a) in enumerate(live)], live)  # ±0.02 per prompt
+    v = prescreen(same, GateConfig())
+    assert v is not None and v.status == REJECTED and v.final and "offline" in v.reason
+    c = offline_check(same, GateConfig())
+    assert c.ci[1] <= 0.02  # the rejection's reason: the upper bound is at or below the margin
+
+
+def test_the_offline_prescreen_never_promotes_and_lets_the_bench_decide_otherwise():
+    live = [(50, 10 + i) for i in range(8)]
+    better = offline([(50, a + 10) for _, a in live], live)  # +0.2 per prompt
+    assert offline_check(better, GateConfig()).status == PASSED and prescreen(better, GateConfig()) is None
+    noisy = offline([(50, a + (15 if i % 2 else -14)) for i, (_, a) in enumerate(live)], live)
+    assert offline_check(noisy, GateConfig()).status == INCONCLUSIVE and prescreen(noisy, GateConfig()) is None
+    few = offline([(50, 10)] * 3, [(50, 10)] * 3)  # fewer prompts than min_clusters: no decision
+    assert offline_check(few, GateConfig()).status == INCONCLUSIVE and prescreen(few, GateConfig()) is None

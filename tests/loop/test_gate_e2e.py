@@ -44,7 +44,7 @@ def prompts(n: int, seed: int) -> list[dict]:
 def gated(tmp_path_factory, model_cache):
     """A pool (cold head) with captured traffic, a bench replica, and the config of the cycles."""
     from adapt.checkpoint import init_random_head
-    from app.demo import send_phases, wait_captured
+    from app.demo import Traffic, split_heldout
     from serving.pool import bench_replica_spec
     from serving.replica import ReplicaProcess
     from serving.serve import ServingStack, served_name
@@ -78,10 +78,14 @@ def gated(tmp_path_factory, model_cache):
     try:
         stack.start()
         bench.wait_healthy()
-        sent = send_phases(stack, model, prompts(96, 0) + prompts(16, 1), cfg.demo, print, "traffic")
-        wait_captured(stack, 112)
-        yield {"cfg": cfg, "stack": stack, "cold": cold, "bench_url": spec.url, "gap_mid": sent["gap_mid"],
-               "dir": d}
+        traffic = Traffic(stack, model, cfg.demo, print)
+        train, held = split_heldout(prompts(96, 0) + prompts(16, 1), cfg.demo.heldout_fraction)
+        traffic.send(train, "traffic")
+        gap_mid = traffic.gap()
+        traffic.send(held, "traffic (held-out period)")
+        traffic.captured()
+        assert traffic.turns_ok == 112
+        yield {"cfg": cfg, "stack": stack, "cold": cold, "bench_url": spec.url, "gap_mid": gap_mid, "dir": d}
     finally:
         stack.stop()
         bench.stop()

@@ -139,3 +139,31 @@ def test_pool_status_survives_an_unreachable_registry(tmp_path):
     finally:
         os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
     assert len(w) == 1 and w[0].startswith("registry unreachable")
+
+
+def test_a_move_by_hand_during_a_sync_is_never_undone(cfg, registry_db):
+    """A person moves the stage while the controller syncs, right after it read the registry: the sync
+    decides on that one read (nothing to do) and leaves the move for the next sync, which follows it."""
+    from rollout.registry import Registry
+
+    v1, v2, _ = versions(cfg, registry_db[1])
+    reg = Registry(cfg)
+    reg.promote(v1)
+    read_stage = reg.stage_version
+    calls = []
+
+    def stage_then_person_moves():
+        seen = read_stage()
+        if not calls:  # the person's click lands just after the controller's first read
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                reg.client.transition_model_version_stage(reg.name, v2, "Production", archive_existing_versions=True)
+        calls.append(seen)
+        return seen
+
+    reg.stage_version = stage_then_person_moves
+    assert reg.sync() is None  # it saw the agreed state, and wrote nothing
+    assert read_stage() == v2  # the person's move stands
+    moved = reg.sync()
+    assert moved["alias"] == {"from": v1, "to": v2} and moved["decided_by"] == "stage"
+    assert str(reg.champion().version) == v2 and reg.alias_version() == v2

@@ -1,0 +1,95 @@
+"""vLLM engine start-up and decode speed, compiled (vLLM's default) vs ``--enforce-eager``, side by side.
+
+A replica's start-up is a fixed cost every pool, bench replica and restart pays; its decode
+speed is what every request pays. This starts one replica of the target with a (cold) P-EAGLE
+head in each mode, one after the other on an otherwise idle machine, times it to /health,
+then replays the same ShareGPT first turns at concurrency 1 and 2 and reports output tok/s
+and mean acceptance length, so the trade-off is read from one run.
+
+    python benchmarks/engine_start.py [--target smollm2|tiny|DIR] [--prompts 8] [--max-tokens 64] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def measure(spec, log_path: Path, rows: list[dict], model: str, max_tokens: int, concurrencies: list[int]) -> dict:
+    from serving.metrics import SpecSnapshot
+    from serving.replica import ReplicaProcess
+    from traffic.replay import replay
+
+    rep = ReplicaProcess(spec, log_path)
+    t0 = time.perf_counter()
+    rep.start()
+    try:
+        rep.wait_healthy(timeout=1800)
+        out: dict = {"start_s": round(time.perf_counter() - t0, 1)}
+        replay(rep.url, model, rows[:2], max_tokens=8, max_turns=1, concurrency=1, progress=False)  # warm-up
+        for c in concurrencies:
+            before = SpecSnapshot.from_text(rep.metrics())
+            st = replay(rep.url, model, rows, max_tokens=max_tokens, max_turns=1, concurrency=c, progress=False)
+            delta = SpecSnapshot.from_text(rep.metrics()).minus(before)
+            out[f"c{c}"] = {"output_tok_per_s": round(st.output_tokens / st.seconds, 2) if st.seconds else None,
+                            "failed": st.failed, "mean_acceptance_length": delta.mean_acceptance_length}
+        return out
+    finally:
+        rep.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from adapt.checkpoint import init_random_head
+    from serving.pool import replica_specs
+    from serving.replica import free_ports
+    from serving.serve import served_name
+    from settings.config import load_config
+    from targets.model_zoo import ensure_target
+    from traffic import sharegpt
+
+    work = Path(tempfile.mkdtemp(prefix="engine-start-"))
+    cfg = load_config(overrides={"state_dir": str(work), "target": {"model": args.target}})
+    target = ensure_target(cfg.target.model, cfg.target.model_cache)
+    head = init_random_head(target, work / "head", k=cfg.head.num_speculative_tokens,
+                            draft_vocab_size=cfg.head.draft_vocab_size)
+    convs = sharegpt.general_and_code(sharegpt.stable_order(sharegpt.load(cfg.cache_dir).conversations, "engine"))[0]
+    rows = [c.to_row() for c in convs if len(c.user_turns[0]) <= 1000][: args.prompts]
+    model = served_name(cfg.target)
+    results = {}
+    for mode, extra in (("compiled", []), ("eager", ["--enforce-eager"])):
+        port = free_ports(1)[0]
+        spec = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, target, head, 1, model, base_port=port,
+                             extra_args=extra)[0]
+        results[mode] = measure(spec, work / f"{mode}.log", rows, model, args.max_tokens, args.concurrency)
+        print(f"{mode}: {json.dumps(results[mode])}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"target": args.target, "prompts": len(rows), "max_tokens": args.max_tokens,
+                          "results": results}, indent=2))
+        return 0
+    print(f"{'mode':<10} {'start s':>8} " + " ".join(f"{'tok/s c' + str(c):>12}" for c in args.concurrency))
+    for mode, r in results.items():
+        print(f"{mode:<10} {r['start_s']:>8} " + " ".join(f"{r[f'c{c}']['output_tok_per_s']:>12}"
+                                                         for c in args.concurrency))
+    c, e = results["compiled"], results["eager"]
+    print(f"eager / compiled: start {e['start_s'] / c['start_s']:.2f}x, "
+          + ", ".join(f"tok/s c{k} {e[f'c{k}']['output_tok_per_s'] / c[f'c{k}']['output_tok_per_s']:.2f}x"
+                      for k in args.concurrency))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The swap's smoke check: what greedy texts after a swap say about the target and the head."""
+
+from serving.swap import greedy_divergence
+
+REF = ["the cat sat on the mat and then it slept", "def f(x): return x + 1", "help me with python code"]
+
+
+def test_identical_texts_pass():
+    assert greedy_divergence(REF, list(REF)) is None
+
+
+def test_one_late_flip_is_rounding_not_a_broken_swap():
+    late = [REF[0][:30] + " and dreamed", REF[1], REF[2]]  # the first 30 of 41 characters agree
+    assert greedy_divergence(REF, late) is None
+
+
+def test_an_early_divergence_fails_the_swap():
+    early = ["a dog", REF[1], REF[2]]
+    assert "within the first half on smoke prompts [0]" in greedy_divergence(REF, early)
+
+
+def test_late_flips_on_more_than_a_third_of_the_prompts_fail_the_swap():
+    two = [REF[0][:30] + " and dreamed", REF[1][:15] + "2", REF[2]]
+    assert "[0, 1] (more than a third)" in greedy_divergence(REF, two)
+
+
+def test_a_missing_answer_fails_the_swap():
+    assert "[2]" in greedy_divergence(REF, REF[:2])
