@@ -477,6 +477,19 @@ def summary_views(cfg: Config, stack) -> dict[str, Any]:
 # --- the recipe -----------------------------------------------------------------------------------
 
 
+def quiet_libraries() -> None:
+    """The demo's progress is its own lines: no per-file progress bars or repeated warnings from libraries."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # read at import, so the variable above may come too late
+
+
 def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``<state_dir>/demo/report.json``)."""
     from adapt.checkpoint import init_random_head
@@ -488,6 +501,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     from targets.model_zoo import ensure_target
 
     t_start = time.monotonic()
+    quiet_libraries()
     cfg = demo_config(user_cfg)
     d = user_cfg.demo
     root = Path(cfg.state_dir)
