@@ -406,8 +406,20 @@ def show_rollback(demo: Demo, rows: list[dict]) -> dict[str, Any]:
         move(demo.cfg, version)
         # Served means the controller's swap finished (canary and smoke check passed) and every
         # healthy replica reports the head: a replica reports a new head before its smoke check.
-        after = wait_pool_serves(demo.stack, sha[version], timeout=180,
-                                 done=lambda: str(controller.serving_version) == version)
+        seen: list[str] = []
+
+        def served() -> bool:
+            for e in list(controller.events)[n_events + len(seen):]:  # say each failed try as it happens
+                seen.append(e.get("event", ""))
+                if e.get("event") == "swap_failed":
+                    demo.log(f"rollback: the controller's swap to version {version} failed: {e.get('error')}")
+            return str(controller.serving_version) == version
+
+        try:
+            after = wait_pool_serves(demo.stack, sha[version], timeout=180, done=served)
+        except TimeoutError as exc:
+            errors = [e.get("error") for e in list(controller.events)[n_events:] if e.get("event") == "swap_failed"]
+            raise TimeoutError(f"{exc}; the controller's failed swaps: {errors[-3:]}") from None
         failed = [e.get("error") for e in list(controller.events)[n_events:] if e.get("event") == "swap_failed"]
         demo.log(f"rollback: the pool serves version {version} {after:.1f}s after the {how}"
                  + (f" ({len(failed)} failed swap tries first)" if failed else ""))
