@@ -107,9 +107,11 @@ class Controller:
         r.raise_for_status()
         return r.json()
 
-    def _swap(self, version: str) -> dict[str, Any]:
+    def _swap(self, version: str, served_before: bool = False) -> dict[str, Any]:
+        # A version that already served (a rollback) is not judged on the smoke prompts' acceptance.
         r = httpx.post(self.router_url + "/admin/swap", headers=self.headers, timeout=self.request_timeout,
-                       json={"head": self.registry.head_uri(version), "version": str(version)})
+                       json={"head": self.registry.head_uri(version), "version": str(version),
+                             "check_acceptance": not served_before})
         if r.status_code in (401, 403, 501):
             r.raise_for_status()
         return r.json()
@@ -137,18 +139,21 @@ class Controller:
         stale = [r["url"] for r in healthy if not want or r.get("head_sha256") != want]
         if not stale:
             self.serving_version = version
+            if not prod.tags.get(reg_mod.T_SERVED):
+                self.registry.set_tags(version, {reg_mod.T_SERVED: "true"})
             return self.event("in_sync", version=version, sha256=want, replicas=len(healthy))
         if prod.tags.get(reg_mod.T_GATE) == "rejected":
             # A person moved a gate-rejected version to Production: the registry decides, but say so loudly.
             self.event("serving_rejected_version", level="warning", version=version,
                        reason=prod.tags.get(reg_mod.T_REASON))
         t0 = time.monotonic()
-        rep = self._swap(version)
+        rep = self._swap(version, served_before=bool(prod.tags.get(reg_mod.T_SERVED)))
         ev = self.event("swapped" if rep.get("ok") else "swap_failed", version=version, sha256=want,
                         stale=stale, mode=rep.get("mode"), seconds=round(time.monotonic() - t0, 3),
                         error=rep.get("error"), rolled_back=rep.get("rolled_back") or None)
         if rep.get("ok"):
             self.serving_version = version
+            self.registry.set_tags(version, {reg_mod.T_SERVED: "true"})
         else:
             raise ControllerError(f"swap to version {version} failed: {rep.get('error')}")
         return ev

@@ -44,6 +44,7 @@ T_GATE = "gate_verdict"
 T_SPEEDUP = "speedup_vs_nospec"
 T_REASON = "gate_reason"
 T_PREVIOUS = "adapt.previous_production"
+T_SERVED = "adapt.served"  # set once a pool served the version (a later swap back to it is a rollback)
 
 
 class RegistryError(RuntimeError):

@@ -176,7 +176,8 @@ class ServingStack(LoopService):
 
         async def swap_handler(body: dict) -> dict:
             rep = await self.controller.swap(str(body["head"]), version=body.get("version"),
-                                             force_restart=bool(body.get("restart", False)))
+                                             force_restart=bool(body.get("restart", False)),
+                                             check_acceptance=bool(body.get("check_acceptance", True)))
             return rep.to_json()
 
         app = create_app(self.pool, writer=self.writer, admin_token=cfg.serving.resolved_admin_token(),

@@ -281,8 +281,11 @@ def test_the_controller_follows_the_champion_alias_moved_back_as_it_follows_a_st
     ctl.pool_status = lambda: {"replicas": [{"url": "r0", "healthy": True, "head_sha256": served_sha["now"]}]}
     swaps = []
 
-    def swap(version):
+    checked = []
+
+    def swap(version, served_before=False):
         swaps.append(version)
+        checked.append(served_before)
         served_sha["now"] = sha[version]
         return {"ok": True, "mode": "inplace"}
 
@@ -304,5 +307,8 @@ def test_the_controller_follows_the_champion_alias_moved_back_as_it_follows_a_st
         warnings.simplefilter("ignore", FutureWarning)
         reg.client.transition_model_version_stage(reg.name, v2, "Production", archive_existing_versions=True)
     assert ctl.reconcile()["version"] == v2 and swaps == [v2, v1, v2]
+    # Going back to a version that served is a rollback: the swap skips the smoke prompts' acceptance
+    # comparison (heads for different traffic accept differently on them); the first swaps to each do not.
+    assert checked == [False, False, True] and reg.get(v2).tags["adapt.served"] == "true"
     assert reg.alias_version() == str(v2) and reg.alias_version(PREVIOUS_ALIAS) == str(v1)
     assert [e["decided_by"] for e in ctl.events if e["event"] == "registry_synced"] == ["alias", "stage"]

@@ -26,3 +26,15 @@ def test_late_flips_on_more_than_a_third_of_the_prompts_fail_the_swap():
 
 def test_a_missing_answer_fails_the_swap():
     assert "[2]" in greedy_divergence(REF, REF[:2])
+
+
+def test_acceptance_is_compared_only_for_a_head_that_never_served():
+    from serving.swap import SwapController
+
+    sc = SwapController.__new__(SwapController)
+    sc.collapse_fraction = 0.5
+    ref = {"texts": REF, "mean_acceptance_length": 1.4}
+    got = {"texts": list(REF), "mean_acceptance_length": 1.0}
+    assert "acceptance collapsed: mean acceptance length 1.000 vs 1.400" in sc._check_smoke(ref, got)
+    assert sc._check_smoke(ref, got, check_acceptance=False) is None  # a rollback to a head that served
+    assert "first half" in sc._check_smoke(ref, {**got, "texts": ["x", REF[1], REF[2]]}, check_acceptance=False)
