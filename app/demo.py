@@ -576,12 +576,12 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         traffic.send(held, "nightly general chat (held-out period)")
 
         # --- cycle 2: the nightly run on traffic that did not drift ---
-        demo.cycle("nightly", "nightly fine-tune on traffic that did not drift", gap, d.nightly_steps,
-                   d.nightly_minutes)
+        c2 = demo.cycle("nightly", "nightly fine-tune on traffic that did not drift", gap, d.nightly_steps,
+                        d.nightly_minutes)
 
-        # --- drift, and cycle 3: adaptation to it ---
+        # --- drift (what a promoted nightly head would be swapped in under), and cycle 3: adaptation ---
         train, held = split_heldout(rows["drifted"], d.heldout_fraction)
-        traffic.send(train, "drifted traffic (code, tool calls)")
+        demo.swap_under_traffic(c2, train, "drifted traffic (code, tool calls)")
         gap = traffic.gap()
         traffic.send(held, "drifted traffic (held-out period)")
         c3 = demo.cycle("drift", "adaptation of the Production head to the drift", gap, d.adapt_steps,
