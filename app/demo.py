@@ -413,6 +413,9 @@ def show_rollback(demo: Demo, rows: list[dict]) -> dict[str, Any]:
                 seen.append(e.get("event", ""))
                 if e.get("event") == "swap_failed":
                     demo.log(f"rollback: the controller's swap to version {version} failed: {e.get('error')}")
+                elif e.get("event") == "rollback":  # its own live watch moved the champion meanwhile
+                    demo.log(f"rollback: the controller rolled version {e.get('version')} back to {e.get('to')} "
+                             f"on live acceptance {e.get('live')} against {e.get('bench')} benchmarked")
             return str(controller.serving_version) == version
 
         try:
