@@ -320,6 +320,18 @@ class Demo:
             self.log(f"{key}: version {c['version']}: {w}")
         return rec
 
+    def phase(self, rows: list[dict], label: str, after: dict[str, Any] | None = None) -> tuple[dt.datetime, list]:
+        """One traffic phase: its first part (with the ``after`` cycle's version swapped in meanwhile when it
+        was promoted), a quiet gap, then the held-out part. Returns the gap's midpoint and the held-out rows."""
+        train, held = split_heldout(rows, self.d.heldout_fraction)
+        if after is None:
+            self.traffic.send(train, label)
+        else:
+            self.swap_under_traffic(after, train, label)
+        gap = self.traffic.gap()
+        self.traffic.send(held, f"{label} (held-out period)")
+        return gap, held
+
     def swap_under_traffic(self, rec: dict[str, Any], rows: list[dict], label: str) -> None:
         """Hot-swap the pool to a promoted version while ``rows`` replay through the router; timed."""
         from rollout.controller import Controller
@@ -560,10 +572,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         demo.names[validate_head(cold).sha256] = "cold-start"
 
         # --- general chat; the bench engines finish starting meanwhile ---
-        train, held = split_heldout(rows["general"], d.heldout_fraction)
-        traffic.send(train, "general chat")
-        gap = traffic.gap()
-        traffic.send(held, "general chat (held-out period)")
+        gap, _ = demo.phase(rows["general"], "general chat")
 
         # --- cycle 1: bootstrap, swapped in while the nightly traffic starts ---
         def engines_ready() -> None:
@@ -573,20 +582,14 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         demo.before_bench = engines_ready
         c1 = demo.cycle("bootstrap", "bootstrap from general chat, against the cold-start head", gap,
                         d.bootstrap_steps, d.train_minutes)
-        train, held = split_heldout(rows["nightly"], d.heldout_fraction)
-        demo.swap_under_traffic(c1, train, "nightly general chat")
-        gap = traffic.gap()
-        traffic.send(held, "nightly general chat (held-out period)")
+        gap, _ = demo.phase(rows["nightly"], "nightly general chat", after=c1)
 
         # --- cycle 2: the nightly run on traffic that did not drift ---
         c2 = demo.cycle("nightly", "nightly fine-tune on traffic that did not drift", gap, d.nightly_steps,
                         d.nightly_minutes)
 
         # --- drift (what a promoted nightly head would be swapped in under), and cycle 3: adaptation ---
-        train, held = split_heldout(rows["drifted"], d.heldout_fraction)
-        demo.swap_under_traffic(c2, train, "drifted traffic (code, tool calls)")
-        gap = traffic.gap()
-        traffic.send(held, "drifted traffic (held-out period)")
+        gap, held = demo.phase(rows["drifted"], "drifted traffic (code, tool calls)", after=c2)
         c3 = demo.cycle("drift", "adaptation of the Production head to the drift", gap, d.adapt_steps,
                         d.train_minutes)
         demo.swap_under_traffic(c3, held, "drifted traffic, again")
