@@ -131,7 +131,7 @@ def test_demo_shows_promotion_refusal_and_rollback_on_the_tiny_target(model_cach
     assert reg["champion"] == v3 == str(reg["production"])
     assert stages[v2][0] == ("None" if nightly_refused else "Archived")
     assert [r["head_version"] for r in report["pool"]["replicas"]] == [v3]
-    assert json.loads((tmp_path / "state" / "demo" / "report.json").read_text())["shown"]["all"]
+    assert json.loads((tmp_path / "state" / "demo" / "report.json").read_text())["shown"]["all"] == nightly_refused
     text = render(report)
     assert f"rollback by stage change (as in the MLflow UI): version {served[-2]} → Production" in text
     assert f"Production {v3}" in text and ("refusal: nightly" in text if nightly_refused else "refusal: NOT SHOWN" in text)
