@@ -134,7 +134,9 @@ def test_a_degraded_candidate_is_rejected_and_never_served(gated):
     from app.demo import heldout_hours_for, with_overrides
 
     hours, _ = heldout_hours_for(cfg, gated["gap_mid"])
-    cfg = with_overrides(cfg, capture={"heldout_hours": hours})
+    # The offline pre-screen would refuse this head before any bench (its rule is pinned in test_gate.py);
+    # this test is the bench's own rejection, on real vLLM.
+    cfg = with_overrides(cfg, capture={"heldout_hours": hours}, gate={"offline_prescreen": False})
     opts = CycleOptions(bench_url=gated["bench_url"], router_url=gated["stack"].url, progress=print)
     for step in ("ingest", "snapshot", "base"):
         run_step(cfg, "degraded", step, opts)
