@@ -10,7 +10,8 @@ from app.common import ConfigOpt, JsonOpt, emit, get_config
 
 
 def demo(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
-    """Pool + capturing router, bootstrap a head, adapt it to drifted traffic, gate, hot-swap, roll back."""
+    """The loop both ways: bootstrap, a nightly run refused when not better, drift adaptation, hot-swaps
+    under traffic, rollback by stage and by alias; which of promotion / refusal / rollback it showed."""
     from app.demo import render, run_demo, stderr_log
 
     cfg = get_config(config, json_)
