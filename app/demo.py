@@ -334,7 +334,7 @@ class Demo:
 
     def swap_under_traffic(self, rec: dict[str, Any], rows: list[dict], label: str) -> None:
         """Hot-swap the pool to a promoted version while ``rows`` replay through the router; timed."""
-        from rollout.controller import Controller
+        from rollout.controller import Controller, ControllerError
 
         if not rec["promoted"]:
             self.traffic.send(rows, label)
@@ -344,10 +344,15 @@ class Demo:
         t0 = time.monotonic()
 
         def reconcile() -> dict[str, Any]:
-            # A failed swap (its canary rolled back) is tried again on the controller's next pass.
+            # A failed swap (its canary rolled back, the pool kept its head) is tried again, as the
+            # controller's next pass would; after the last try the run goes on and says so.
             ev: dict[str, Any] = {}
             for _ in range(3):
-                ev = ctl.reconcile()
+                try:
+                    ev = ctl.reconcile()
+                except ControllerError as exc:
+                    ev = {"event": "swap_failed", "error": str(exc)}
+                    continue
                 if ev.get("event") == "in_sync":
                     break
             return ev
@@ -388,7 +393,8 @@ def move_alias_by_hand(cfg: Config, version: str) -> None:
 
 def rollback_plan(cycles: dict[str, dict[str, Any]]) -> tuple[str, str] | str:
     """(the newest served version, the one that served before it), or why there is no rollback to show."""
-    served = [c["version"] for c in cycles.values() if c.get("promoted")]
+    # Served: promoted and swapped in (a swap that failed every try left the pool on the head before).
+    served = [c["version"] for c in cycles.values() if c.get("promoted") and (c.get("swap") or {}).get("ok", True)]
     if len(served) < 2:
         return (f"{len(served)} version(s) served during this run ({', '.join(map(str, served)) or 'none'}): "
                 "a rollback needs an earlier served version to go back to")
