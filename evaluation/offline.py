@@ -244,12 +244,8 @@ def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversa
     runner = TargetRunner(target_dir, first.aux_layer_ids, device=device, dtype=torch.float32)
     sequences = prepare_sequences(runner, [runner.prompt_ids(r) for r in conversations], max_new_tokens,
                                   first.num_speculative_tokens, batch_size)
-    eos = runner.tokenizer.eos_token_id
-    out = {}
-    for role, (model, manifest) in models.items():
-        out[role] = acceptance(model.to(runner.device), sequences, max_new_tokens, () if eos is None else (eos,))
-        out[role]["head_sha256"] = manifest.get("sha256")
-    return out
+    return {role: estimate_acceptance(heads[role], target_dir, max_new_tokens=max_new_tokens, runner=runner,
+                                      sequences=sequences) for role in heads}
 
 
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
