@@ -110,11 +110,12 @@ def test_full_cycle_registers_everything_and_an_undecided_candidate_is_never_ser
     """A real gate on a real bench of 3 held-out prompts: 3 prompt groups are too few for the gate's
     6, and measuring again would replay the same 3, so the candidate is registered *inconclusive*
     after one benchmark, nothing forced (tests/loop/test_gate_e2e.py reaches passed and rejected
-    for real)."""
+    for real). The offline pre-screen is off so that the bench decides: on these tiny heads it
+    would reject the candidate before any bench (tests/app/test_demo.py runs it in a cycle)."""
     from loop.cycle import run_cycle
     from rollout.registry import Registry
 
-    cfg = cfg_for(loop, "drafter-cycle")
+    cfg = cfg_for(loop, "drafter-cycle", gate={"offline_prescreen": False})
     before = served_sha(loop)
     t0 = time.perf_counter()
     out = run_cycle(cfg, "full-1", opts_for(loop, router_url=loop.url))
@@ -140,9 +141,7 @@ def test_full_cycle_registers_everything_and_an_undecided_candidate_is_never_ser
                 "delta.c1.output_tok_per_s.ci_low", "delta.c1.tpot_ms.estimate", "delta.c1.ttft_ms.estimate",
                 "train.steps", "gate.passed"):
         assert key in m, (key, sorted(m))
-    ev = out["steps"]["evaluate"]
-    if ev["candidate"] is not None:  # evaluation.offline present: offline acceptance is logged too
-        assert any(k.startswith("offline.candidate") for k in m)
+    assert out["steps"]["evaluate"]["skipped"].startswith("[gate] offline_prescreen is off")
     for key in ("parent_version", "train_snapshot_id", "heldout_snapshot_id", "training.max_steps", "gate.confidence"):
         assert key in p
     assert p["train_snapshot_id"] == out["artifacts"]["train_snapshot"]["id"]
