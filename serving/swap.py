@@ -39,22 +39,20 @@ SMOKE_PROMPTS = [
 
 
 def greedy_divergence(ref: list[str], got: list[str]) -> str | None:
-    """Why greedy texts after a swap show a broken target or head, or None.
+    """Why greedy texts after a swap show a broken target, or None.
 
     Greedy decoding with speculation is the target's own greedy text only up to rounding: the
-    verification forward's shape depends on how many drafts the head got accepted, so a near
-    tie can flip one token late in a continuation, and a different head flips different ones.
-    A swap that broke something (target weights overwritten, a head drafting into the wrong
-    vocabulary) changes text from the start and on several prompts. So a prompt counts
-    against the swap when it leaves the reference within the first half of its text, and the
-    swap fails on any such prompt or when more than a third of the prompts differ at all.
+    verification forward's shape depends on how many drafts the head got accepted and on what
+    live traffic shares the batch, so a near tie can flip a token anywhere in a continuation,
+    the first ones included, and a different head flips different ones. A head cannot change
+    greedy text beyond that (the target verifies every draft); what a swap can break is the
+    target (weights overwritten), and that changes the text of nearly every prompt. So the swap
+    fails when more than a third of the prompts differ, or an answer is missing.
     """
-    differ = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b] + list(range(min(len(ref), len(got)),
-                                                                                max(len(ref), len(got))))
-    early = [i for i in differ if i >= len(ref) or i >= len(got)
-             or len(os.path.commonprefix([ref[i], got[i]])) < len(ref[i]) / 2]
-    if early:
-        return f"greedy text leaves the reference within the first half on smoke prompts {early}"
+    differ = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
+    missing = list(range(min(len(ref), len(got)), max(len(ref), len(got))))
+    if missing:
+        return f"no greedy text for smoke prompts {missing}"
     if len(differ) * 3 > len(ref):
         return f"greedy text differs from the reference on smoke prompts {differ} (more than a third)"
     return None

@@ -14,18 +14,20 @@ def test_one_late_flip_is_rounding_not_a_broken_swap():
     assert greedy_divergence(REF, late) is None
 
 
-def test_an_early_divergence_fails_the_swap():
-    early = ["a dog", REF[1], REF[2]]
-    assert "within the first half on smoke prompts [0]" in greedy_divergence(REF, early)
+def test_one_early_flip_is_rounding_too():
+    # A near tie flipped by the batch shape (live traffic shares the batch) can come at any token.
+    assert greedy_divergence(REF, ["a dog", REF[1], REF[2]]) is None
 
 
-def test_late_flips_on_more_than_a_third_of_the_prompts_fail_the_swap():
+def test_flips_on_more_than_a_third_of_the_prompts_fail_the_swap():
     two = [REF[0][:30] + " and dreamed", REF[1][:15] + "2", REF[2]]
     assert "[0, 1] (more than a third)" in greedy_divergence(REF, two)
+    broken = ["x", "y", "z"]  # a broken target changes every prompt from the start
+    assert "[0, 1, 2] (more than a third)" in greedy_divergence(REF, broken)
 
 
 def test_a_missing_answer_fails_the_swap():
-    assert "[2]" in greedy_divergence(REF, REF[:2])
+    assert "no greedy text for smoke prompts [2]" in greedy_divergence(REF, REF[:2])
 
 
 def test_acceptance_is_compared_only_for_a_head_that_never_served():
@@ -37,4 +39,4 @@ def test_acceptance_is_compared_only_for_a_head_that_never_served():
     got = {"texts": list(REF), "mean_acceptance_length": 1.0}
     assert "acceptance collapsed: mean acceptance length 1.000 vs 1.400" in sc._check_smoke(ref, got)
     assert sc._check_smoke(ref, got, check_acceptance=False) is None  # a rollback to a head that served
-    assert "first half" in sc._check_smoke(ref, {**got, "texts": ["x", REF[1], REF[2]]}, check_acceptance=False)
+    assert "more than a third" in sc._check_smoke(ref, {**got, "texts": ["x", "y", REF[2]]}, check_acceptance=False)
