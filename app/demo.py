@@ -353,13 +353,12 @@ class Demo:
                 except ControllerError as exc:
                     ev = {"event": "swap_failed", "error": str(exc)}
                     continue
-                if ev.get("event") == "in_sync":
-                    break
+                break  # swapped, or already in sync
             return ev
 
         ev, st = self.traffic.during(rows, label, reconcile)
         swapped = [e for e in ctl.events if e.get("event") in ("swapped", "swap_failed")]
-        rec["swap"] = {"ok": ev.get("event") == "in_sync", "seconds": round(time.monotonic() - t0, 2),
+        rec["swap"] = {"ok": ev.get("event") in ("swapped", "in_sync"), "seconds": round(time.monotonic() - t0, 2),
                        "swap_seconds": swapped[-1].get("seconds") if swapped else None,
                        "mode": swapped[-1].get("mode") if swapped else None,
                        "failed_attempts": [e.get("error") for e in swapped if e.get("event") == "swap_failed"],
