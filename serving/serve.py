@@ -171,7 +171,8 @@ class ServingStack(LoopService):
                                         s3_client_kwargs=cfg.s3.client_kwargs(), **self.writer_kwargs)
         self.controller = SwapController(
             self.pool, target_dir=self.target_dir, num_speculative_tokens=cfg.head.num_speculative_tokens,
-            served_model_name=self.model_name, download_dir=Path(cfg.head.heads_dir) / "downloaded",
+            served_model_name=self.model_name, smoke_prompts=cfg.serving.smoke_prompts or None,
+            download_dir=Path(cfg.head.heads_dir) / "downloaded",
             tracking_uri=cfg.mlflow.tracking_uri, s3_client_kwargs=cfg.s3.client_kwargs())
 
         async def swap_handler(body: dict) -> dict:

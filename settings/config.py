@@ -147,6 +147,9 @@ class ServingConfig(_Section):
     # [[first, last, k], ...] (k = 0: no speculation at those batch sizes). Empty: K at every size.
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] = []
     admin_token: str = ""
+    # Greedy prompts of the swap's smoke check (serving.swap); empty = serving.swap.SMOKE_PROMPTS,
+    # chosen for SmolLM2. Another target wants prompts whose greedy text has no near tie.
+    smoke_prompts: list[str] = []
     capture_sampling_pct: float = Field(100, ge=0, le=100)
     capture_endpoint: str = "local-endpoint"
     # -- the router's request limits ------------------------------------------------------

@@ -37,7 +37,10 @@ def stack(tiny_model: Path, heads, tmp_path_factory):
         "state_dir": str(d), "target": {"model": str(tiny_model)},
         "capture": {"source": str(d / "capture"), "endpoint": "", "redact": False},
         "serving": {"replicas": 2, "base_port": base, "router_port": router, "admin_token": TOKEN,
-                    "max_model_len": 1024, "capture_endpoint": "test-ep"},
+                    "max_model_len": 1024, "capture_endpoint": "test-ep",
+                    # The tiny target's greedy text on these holds token 1, which the constant-token heads draft.
+                    "smoke_prompts": ["the of and to in is you that it", "def return import class self print",
+                                      "user question answer code python please help"]},
         "bench": {"concurrencies": [1, 2], "max_prompts": 6, "max_tokens": 32, "rounds": 2},
         # 3 prompt groups of 2 at each concurrency: the CLI's JSON and plot, not a verdict, are under test here
         "gate": {"min_clusters": 3},
