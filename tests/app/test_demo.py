@@ -211,6 +211,10 @@ def test_report_of_a_run_that_showed_no_rollback_says_what_happened(tmp_path):
     assert "rollback: not shown: 1 version(s) served" in text and "rollback: NOT SHOWN" in text
     assert "NOTE: v1 runs at 0.73x at c=1, 0.73x at c=4 of serving without speculation" in text  # named
     assert "  before head cold-start" in text and "  after  head v3" in text
+    # A rollback the registry made but the pool never followed is reported, and not counted as shown.
+    report["rollback"] = {"moves": [], "not_followed": "stage change: timed out; the controller's last failed swaps: [x]"}
+    report["shown"] = shown(report)
+    assert report["shown"]["rollback"] == [] and "rollback: the pool did NOT follow: stage change" in render(report)
 
 
 def test_rollback_goes_from_the_newest_served_version_to_the_one_before():
