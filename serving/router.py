@@ -478,7 +478,16 @@ async def start_server(config: uvicorn.Config, timeout: float = 30.0) -> tuple[u
     """Serve ``config`` on the running loop (no signal handlers); return once it accepts connections."""
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
+
+    async def serve() -> None:
+        try:
+            await server.serve()
+        except SystemExit as exc:  # uvicorn exits the process when it cannot bind; in a task that would
+            # escape the event loop and leave whoever waits on the loop's thread waiting forever
+            raise RuntimeError(f"server on {config.host}:{config.port} could not start (uvicorn exit code "
+                               f"{exc.code}): is the port in use? (see the log above)") from None
+
+    task = asyncio.create_task(serve())
     deadline = time.monotonic() + timeout
     while not server.started:
         if task.done():

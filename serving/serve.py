@@ -8,7 +8,9 @@ uvicorn on ``serving.host:router_port`` in a background thread with its own loop
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +63,20 @@ class LoopService:
         self._thread: threading.Thread | None = None
 
     def run_coro(self, coro, timeout: float | None = None):
-        """Run a coroutine on the service's loop from another thread."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        """Run a coroutine on the service's loop from another thread; fails if that loop's thread ends first."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return fut.result(1.0 if left is None else max(0.0, min(1.0, left)))
+            except concurrent.futures.TimeoutError:
+                if left is not None and left <= 1.0:
+                    raise
+                if self._thread is not None and not self._thread.is_alive():
+                    fut.cancel()
+                    raise RuntimeError(f"{type(self).__name__}'s event loop stopped before the call finished "
+                                       "(see the exception printed above)") from None
 
     def start(self, ready_timeout: float = 900.0):
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{type(self).__name__}-loop",

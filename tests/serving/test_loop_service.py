@@ -1,0 +1,55 @@
+"""The serving stack's private event loop: a server that cannot start fails the caller, it never hangs it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from serving.router import server_config, start_server
+from serving.serve import LoopService
+
+
+async def app(scope, receive, send) -> None:  # the smallest ASGI app: what is served does not matter here
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def test_a_router_port_in_use_is_a_clear_error_not_an_exit_of_the_loop():
+    """uvicorn exits the process (SystemExit) when it cannot bind; inside a task that escaped the loop."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        async def go():
+            await start_server(server_config(app, "127.0.0.1", port))
+
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} could not start.*port in use"):
+            asyncio.run(go())
+
+
+class Dying(LoopService):
+    """A service whose start kills its loop's thread the way an escaped SystemExit does."""
+
+    async def _start(self, ready_timeout: float) -> None:
+        asyncio.get_running_loop().call_soon(self._exit)
+        await asyncio.sleep(3600)
+
+    @staticmethod
+    def _exit() -> None:
+        raise SystemExit(3)
+
+    async def _stop(self) -> None:
+        pass
+
+
+def test_a_caller_waiting_on_a_loop_whose_thread_ended_gets_an_error():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="Dying's event loop stopped"):
+        Dying().start()
+    assert time.monotonic() - t0 < 10
