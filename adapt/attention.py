@@ -217,15 +217,19 @@ class Pick:
 _picks: dict[tuple, Pick] = {}
 
 
-def pick_backend(names: Sequence[str], run: Callable[[str], None], sync: Callable[[], None], key: tuple | None = None,
-                 reps: int = 3) -> Pick:
-    """Time ``run(name)`` (one forward + backward on the same batch) for each backend; the fastest median wins.
+def pick_backend(names: Sequence[str], run: Callable[[str, int], None], sync: Callable[[], None],
+                 key: tuple | None = None, reps: int = 3, warmups: int = 1) -> Pick:
+    """Time ``run(name, i)`` (one forward + backward on the run's ``i``-th batch) for each backend; the
+    fastest median wins.
 
-    Each backend runs once untimed first (kernel selection, compilation), then
-    ``reps`` timed runs, interleaved across backends so a drifting machine
-    biases none. A backend whose timed run already took over twice the best
-    median so far cannot win and stops early. A tie goes to the earlier name.
-    ``key`` caches the pick for the process (same device and batch shape, same answer).
+    Each backend first runs ``warmups`` batches untimed (kernel selection, compilation:
+    a compiled kernel compiles again once shapes vary, so a CUDA pick warms up on
+    several), then ``reps`` timed runs on further batches, interleaved across backends
+    so a drifting machine biases none. The batches differ, as training's do: a backend
+    that pays for every new batch shape (a plan built per shape) pays for it here too.
+    A backend whose timed run already took over twice the best median so far cannot
+    win and stops early. A tie goes to the earlier name. ``key`` caches the pick for
+    the process (same device and batch shape, same answer).
     """
     if key is not None and key in _picks:
         cached = _picks[key]
@@ -234,7 +238,8 @@ def pick_backend(names: Sequence[str], run: Callable[[str], None], sync: Callabl
     skipped: dict[str, str] = {}
     for n in names:
         try:
-            run(n)
+            for w in range(warmups):
+                run(n, w)
             sync()
         except Exception as e:  # a backend that cannot run this batch here is not a candidate
             skipped[n] = f"{type(e).__name__}: {e}"[:300]
@@ -246,7 +251,7 @@ def pick_backend(names: Sequence[str], run: Callable[[str], None], sync: Callabl
             if n in skipped:
                 continue
             t0 = time.perf_counter()
-            run(n)
+            run(n, warmups + r)
             sync()
             times[n].append((time.perf_counter() - t0) * 1000)
             best = min(statistics.median(t) for t in times.values() if t)

@@ -214,7 +214,7 @@ class TrainRecipe:
 
     def _pick_attention(self, step: int) -> Pick:
         """The attention backend: as configured, as the resumed run had it, or (``auto``) the fastest here,
-        timed on this run's first batch (forward + backward, no update) and decided by rank 0 for all ranks."""
+        timed on this run's first batches (forward + backward, no update) and decided by rank 0 for all ranks."""
         tc = self.tc
         if tc.attention != "auto":
             return Pick(tc.attention, how="configured")
@@ -222,20 +222,23 @@ class TrainRecipe:
             return Pick(self.state.attention, how="resumed")
         pick = None
         if self.dist.main:
-            feats = self._features(step)
+            cuda = self.device.type == "cuda"
+            warmups, reps = (3, 3) if cuda else (1, 3)
+            # Distinct batches, the ones training starts with (featurized now, kept in the cache for it).
+            feats = [self._features(step + i) for i in range(warmups + reps)]
             c = self.model.config
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
             key = (name, torch.get_num_threads(), c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                    c.head_dim, c.num_layers, c.num_speculative_tokens, tc.batch_tokens, tc.max_seq_len,
                    tuple(tc.depth_keep), self.bf16)
 
-            def run(backend: str) -> None:
+            def run(backend: str, i: int) -> None:
                 # The bare model, not DDP's: no gradient exchange while the ranks are not in step.
-                self._loss(self.model, self._batch(feats, step, backend), backend).loss.backward()
+                self._loss(self.model, self._batch(feats[i], step + i, backend), backend).loss.backward()
                 self.opt.zero_grad(set_to_none=True)
 
-            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-            pick = pick_backend(candidates(self.device), run, sync, key)
+            sync = torch.cuda.synchronize if cuda else (lambda: None)
+            pick = pick_backend(candidates(self.device), run, sync, key, reps=reps, warmups=warmups)
         pick = broadcast_from_main(pick, self.dist)
         self.state.attention = pick.backend
         return pick

@@ -121,7 +121,7 @@ def test_auto_picks_the_fastest_by_measurement_and_caches_it():
     cost = {"flex": 0.02, "sdpa": 0.004, "segment": 0.012}
     runs: list[str] = []
 
-    def run(name):
+    def run(name, i):
         runs.append(name)
         if name == "flex":
             raise NotImplementedError("no kernel here")
@@ -136,6 +136,27 @@ def test_auto_picks_the_fastest_by_measurement_and_caches_it():
     before = len(runs)
     again = pick_backend(["flex", "sdpa", "segment"], run, lambda: None, key=("test", 1))
     assert again.backend == "sdpa" and again.how == "cached" and len(runs) == before
+
+
+def test_auto_times_distinct_batches_after_warming_up_on_several():
+    """Training's batches differ in shape: a backend fast on a batch it has seen but paying for every new
+    shape (a kernel plan built per shape) loses to one that compiles for the first two shapes and then
+    runs any shape fast, which timing one repeated batch would have missed."""
+    seen: dict[str, set[int]] = {"flex": set(), "sdpa": set()}
+
+    def run(name, i):
+        shapes = seen[name]
+        if name == "sdpa":
+            time.sleep(0.004 if i in shapes else 0.03)
+        else:
+            time.sleep(0.03 if len(shapes) < 2 else 0.01)
+        shapes.add(i)
+
+    pick = pick_backend(["flex", "sdpa"], run, lambda: None, reps=3, warmups=3)
+    assert pick.backend == "flex" and seen["flex"] == set(range(6))
+    # sdpa's first timed batch (a new shape, as every one) is over twice flex's: it stops there.
+    assert seen["sdpa"] == {0, 1, 2, 3} and pick.measured["sdpa"][0] > 25 and "sdpa" in pick.skipped
+    assert all(t < 25 for t in pick.measured["flex"])
 
 
 def test_training_measures_the_backends_once_and_a_resumed_run_keeps_its_pick(tiny_model, tmp_path):
