@@ -91,8 +91,10 @@ def select(data, args) -> dict[str, Any]:
         if c.id in held_ids:
             continue
         row = first_turn(c)
-        # The whole conversation's user turns count: none may repeat a held-out question.
-        if index.match(c.to_row()):
+        # The whole conversation's user turns count: none may repeat a held-out question. The first turn is
+        # checked alone too: what is trained on is that turn, and beside its later turns it can fall under
+        # the near-duplicate threshold while being one on its own.
+        if index.match(c.to_row()) or index.match(row):
             dropped += 1
             continue
         pool.append(row)

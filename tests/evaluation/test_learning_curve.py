@@ -67,3 +67,31 @@ def test_tiny_learning_curve_runs_without_the_services_a_gpu_host_lacks(tmp_path
     rows = json.loads(data.read_text())
     held_q = {normalize(r["conversations"][0]["value"]) for r in rows} - train_q
     assert len(held_q) >= 8 and not (held_q & train_q)
+
+
+def test_no_training_first_turn_near_repeats_a_heldout_one_even_when_its_later_turns_differ():
+    """A conversation trains on its first turn: one whose first turn nearly repeats a held-out question must
+    leave the pool even when its later turns, beside that first turn, put it under the near threshold."""
+    import argparse
+    import importlib.util
+
+    from capture.overlap import overlap
+    from traffic import sharegpt
+
+    spec = importlib.util.spec_from_file_location("learning_curve", REPO_ROOT / "benchmarks" / "learning_curve.py")
+    lc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lc)
+    rng = random.Random(1)
+    rows = []
+    for i in range(24):
+        code = "```python\nprint(1)\n```\n" if i % 2 else ""
+        q = code + f"question {i}: " + " ".join(rng.choice(WORDS) for _ in range(30))
+        more = [{"from": "human", "value": " ".join(rng.choice(WORDS) for _ in range(60))}, {"from": "gpt", "value": "ok"}]
+        rows.append({"id": f"short{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "a"}]})
+        # the same question with one more word (a near repeat, not an exact one), then a long other exchange
+        rows.append({"id": f"long{i}", "conversations": [{"from": "human", "value": q + " please"},
+                                                         {"from": "gpt", "value": "a"}, *more, *more]})
+    data = sharegpt.parse(json.dumps(rows))
+    sel = lc.select(data, argparse.Namespace(max_turn_chars=2000, heldout=8, points=[30]))
+    assert overlap(sel["pool"], sel["heldout"])["repeats_training"] == 0
+    assert sel["hygiene"]["dropped_for_repeating_heldout"] >= 6 and len(sel["pool"]) == 30  # held-out ones' twins
