@@ -315,6 +315,10 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     the false-promotion rate of all ``max_attempts`` looks together at ``[gate]``'s. The
     verdict is recorded here, and the gate step takes it as it is. A re-run of this step
     reuses attempts already written.
+
+    The no-speculation reference arm (with ``opts.nospec_url``) runs in the first attempt
+    only: the gate does not read it, so a repeat, which exists to narrow the gate's
+    intervals, would spend a quarter of its slots on a figure already measured.
     """
     from evaluation.bench import BenchPlan, bench_heads
     from evaluation.result import BenchResult
@@ -338,7 +342,8 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
             res = bench_heads(cfg, BenchPlan(
                 candidate=str(cx.local(state, tr["head_path"])), live=str(cx.local(state, base["live_path"])),
                 heldout=str(cx.local(state, snap["heldout"]["jsonl"])), out=d / f"bench-{n}", url=opts.bench_url,
-                nospec=bool(opts.nospec_url) or None, nospec_url=opts.nospec_url, seed=cfg.bench.seed + n - 1,
+                nospec=(bool(opts.nospec_url) or None) if n == 1 else False, nospec_url=opts.nospec_url,
+                seed=cfg.bench.seed + n - 1,
                 heldout_overlap=snap.get("heldout_overlap")), progress=opts.progress)
         results.append(res)
         verdict = gate_mod.decide(results, cfg.gate)
@@ -347,7 +352,10 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
         if verdict.status != gate_mod.INCONCLUSIVE or verdict.final:
             break
     n = attempts[-1]["attempt"]
+    # The speed-up over no speculation: the newest attempt that measured it, side by side with its arms.
+    ref = next((a["json_path"] for a, r in zip(reversed(attempts), reversed(results)) if r.speedup_vs_nospec), None)
     return {"json_path": f"bench-{n}/bench.json", "plot_path": f"bench-{n}/bench.png", "dir_path": f"bench-{n}",
+            "nospec_json_path": ref,
             "requests": results[-1].requests, "summary": attempts[-1]["summary"], "attempts": attempts,
             "verdict": verdict.to_json()}
 
@@ -389,9 +397,10 @@ def speedup_vs_nospec(cx: Cycle, state: dict[str, Any]) -> dict[str, float]:
     from evaluation.result import BenchResult
 
     b = state["steps"].get("bench") or {}
-    if b.get("skipped") or not b.get("json_path"):
+    path = b.get("nospec_json_path", b.get("json_path"))
+    if b.get("skipped") or not path:
         return {}
-    res = BenchResult.load(cx.local(state, b["json_path"]))
+    res = BenchResult.load(cx.local(state, path))
     return {str(c): x for c, x in res.speedup().items()}
 
 
@@ -494,6 +503,9 @@ def summary(cfg: Config, cycle_id: str, cx: Cycle | None = None) -> dict[str, An
             "offline_eval": here((s.get("evaluate") or {}).get("json_path")),
             "bench_json": here((s.get("bench") or {}).get("json_path")),
             "bench_plot": here((s.get("bench") or {}).get("plot_path")),
+            # the attempt that measured no speculation (None: none did)
+            "nospec_bench_json": here((s.get("bench") or {}).get("nospec_json_path",
+                                                                (s.get("bench") or {}).get("json_path"))),
             "model_uri": r.get("uri"),
         },
         # Tasks that failed for good in Airflow (loop.airflow_tasks.on_task_failure), oldest first.

@@ -80,6 +80,9 @@ def run_metrics(state: dict[str, Any], resolve=Path) -> dict[str, float]:
     b = s.get("bench") or {}
     if b.get("json_path"):
         m.update(bench_metrics(resolve(b["json_path"])))
+        ref = b.get("nospec_json_path")
+        if ref and ref != b["json_path"]:  # no speculation was measured in an earlier attempt only
+            m.update({k: v for k, v in bench_metrics(resolve(ref)).items() if k.startswith("speedup_vs_nospec.")})
         m["bench.attempts"] = float(len(b.get("attempts") or [1]))
     overlap = (s.get("snapshot") or {}).get("heldout_overlap") or {}
     if overlap:

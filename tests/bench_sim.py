@@ -61,16 +61,18 @@ def simulate(slots, speed, *, drift=0.0, load=0.0, jitter=0.0, seed=0, al=None):
 def simulated_bench(runs, calls: list):
     """A stand-in for ``evaluation.bench.bench_heads``: each call analyzes the next simulated run for real.
 
-    ``runs``: (load, candidate speed) per call; the candidate drafts 1.8 against the live head's 1.5.
+    ``runs``: (load, candidate speed) per call; the candidate drafts 1.8 against the live head's 1.5;
+    with ``bp.nospec`` a no-speculation arm runs at 0.8 of the live head's speed.
     """
     runs = iter(runs)
 
     def fake_bench(cfg, bp, progress=None):
         load, speed = next(runs)
         calls.append(bp.seed)
-        blocks = simulate(slots_for(seed=bp.seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0}, load=load,
-                          jitter=load / 4, seed=bp.seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
-        res = analyze(blocks, ARMS, CONCS, cfg.gate.confidence)
+        arms = ARMS + ([NOSPEC] if bp.nospec else [])
+        blocks = simulate(slots_for(arms, seed=bp.seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 0.8},
+                          load=load, jitter=load / 4, seed=bp.seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
+        res = analyze(blocks, arms, CONCS, cfg.gate.confidence)
         res.heads = {"candidate": HeadRef("cand", "c" * 64), "live": HeadRef("live", "l" * 64)}
         res.requests, res.seed = N, bp.seed
         Path(bp.out).mkdir(parents=True)

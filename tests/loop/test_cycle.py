@@ -122,6 +122,37 @@ def test_an_inconclusive_bench_is_measured_again_pooled_and_decided_once(cfg, mo
     assert [a["verdict"] for a in again["attempts"]] == ["inconclusive", "passed"] and calls == [0, 1]
 
 
+def test_no_speculation_is_measured_in_the_first_attempt_only(cfg, monkeypatch):
+    """A repeat attempt narrows the gate's intervals, which never read the no-speculation arm: that arm runs
+    in the first attempt, and the speed-up the cycle records and registers comes from it."""
+    import evaluation.bench
+
+    calls: list = []
+    real = simulated_bench([(0.4, 1.0), (0.4, 1.0)], calls)
+    asked: list = []
+    monkeypatch.setattr(evaluation.bench, "bench_heads",
+                        lambda c, bp, progress=None: asked.append((bp.nospec, bp.nospec_url)) or real(c, bp, progress))
+    cx = cycle.Cycle(cfg)
+    state = bench_state("ns")
+    out = cycle.step_bench(cx, state, cycle.CycleOptions(nospec_url="http://127.0.0.1:9"))
+    assert len(out["attempts"]) == 2 and asked == [(True, "http://127.0.0.1:9"), (False, "http://127.0.0.1:9")]
+    assert out["nospec_json_path"] == "bench-1/bench.json" and out["json_path"] == "bench-2/bench.json"
+    state["steps"]["bench"] = out
+    speedup = cycle.speedup_vs_nospec(cx, state)
+    assert set(speedup) == {"1", "4"} and all(1.1 < x < 1.4 for x in speedup.values())  # 1.0 / 0.8, measured
+    m = tracking.run_metrics(state, resolve=lambda p: cx.local(state, p))
+    assert m["speedup_vs_nospec.c1.candidate.estimate"] == pytest.approx(speedup["1"], abs=1e-4)
+    cx.save_state(state)
+    assert cycle.summary(cfg, "ns", cx)["artifacts"]["nospec_bench_json"].endswith("ns/bench-1/bench.json")
+    # Without a reference replica no attempt measures it, and nothing claims a speed-up.
+    asked.clear()
+    real = simulated_bench([(0.4, 1.0), (0.4, 1.0)], calls)
+    none = cycle.step_bench(cx, bench_state("ns2"), cycle.CycleOptions())
+    assert asked[0][0] is None and none["nospec_json_path"] is None
+    state["steps"]["bench"] = none
+    assert cycle.speedup_vs_nospec(cx, state) == {}
+
+
 def test_inconclusive_after_every_attempt_is_recorded_as_such(cfg, monkeypatch):
     import evaluation.bench
 
