@@ -335,7 +335,7 @@ class DemoConfig(_Section):
     rate: float = Field(0.0, ge=0)
     max_tokens: int = Field(64, ge=8)
     concurrency: int = Field(8, ge=1)
-    gap_seconds: float = Field(10.0, ge=2)
+    gap_seconds: float = Field(4.0, ge=2)
     # Training of each cycle: steps and a wall-time cap (minutes), whichever comes first. The nightly
     # run is a short fine-tune of the Production head, standing in for a converged head's nightly run on
     # traffic that did not drift (a head trained for minutes on 2 cores still gains from any more of the
