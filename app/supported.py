@@ -1,5 +1,5 @@
 """What this release supports: the versions it is locked and tested with, and the vLLM internals the in-place
-hot-swap relies on. README's "Supported versions" table says the same; `adapt doctor` checks both.
+hot-swap relies on. docs/deploy.md's "Supported versions" table says the same; `adapt doctor` checks both.
 
 Change a row here when the lock or serving/hotswap.py changes; nothing else needs to.
 """
