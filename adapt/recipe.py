@@ -224,8 +224,11 @@ class TrainRecipe:
         if self.dist.main:
             cuda = self.device.type == "cuda"
             warmups, reps = (3, 3) if cuda else (1, 3)
-            # Distinct batches, the ones training starts with (featurized now, kept in the cache for it).
-            feats = [self._features(step + i) for i in range(warmups + reps)]
+            # On CUDA, distinct batches, the ones training starts with (featurized now, kept in the cache
+            # for it): compiled kernels and per-shape plans pay for new shapes, as training's batches do.
+            # A CPU backend builds nothing per shape, and featurizing more batches before the
+            # wall-time cap starts would only lengthen the run, so one batch is timed there.
+            feats = [self._features(step + i) for i in range(warmups + reps if cuda else 1)]
             c = self.model.config
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
             key = (name, torch.get_num_threads(), c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
@@ -234,7 +237,8 @@ class TrainRecipe:
 
             def run(backend: str, i: int) -> None:
                 # The bare model, not DDP's: no gradient exchange while the ranks are not in step.
-                self._loss(self.model, self._batch(feats[i], step + i, backend), backend).loss.backward()
+                j = i % len(feats)
+                self._loss(self.model, self._batch(feats[j], step + j, backend), backend).loss.backward()
                 self.opt.zero_grad(set_to_none=True)
 
             sync = torch.cuda.synchronize if cuda else (lambda: None)
