@@ -336,14 +336,15 @@ class DemoConfig(_Section):
     max_tokens: int = Field(64, ge=8)
     concurrency: int = Field(8, ge=1)
     gap_seconds: float = Field(4.0, ge=2)
-    # Training of each cycle: steps and a wall-time cap (minutes), whichever comes first. The nightly
-    # run is a short fine-tune of the Production head, standing in for a converged head's nightly run on
-    # traffic that did not drift (a head trained for minutes on 2 cores still gains from any more of the
-    # same traffic); bootstrap and drift adaptation train longer.
-    bootstrap_steps: int = Field(400, ge=1)
+    # Training of each cycle: steps, and a wall-time cap (minutes) that stops only a machine far slower
+    # than expected; steps, not minutes, bound it, so a loaded machine trains the same heads, later.
+    # The nightly run is a short fine-tune of the Production head, standing in for a converged head's
+    # nightly run on traffic that did not drift (a head trained for minutes on 2 cores still gains from
+    # any more of the same traffic); bootstrap and drift adaptation train longer.
+    bootstrap_steps: int = Field(100, ge=1)
     nightly_steps: int = Field(10, ge=1)
-    adapt_steps: int = Field(300, ge=1)
-    train_minutes: float = Field(2.0, gt=0)
+    adapt_steps: int = Field(150, ge=1)
+    train_minutes: float = Field(4.0, gt=0)
     nightly_minutes: float = Field(1.0, gt=0)
     # The demo's replay benchmark (the rest of [bench] applies): concurrencies and answer length. Each
     # concurrency c needs [gate] min_clusters * c held-out prompts; every one adds minutes on 2 cores.
