@@ -120,10 +120,10 @@ class Controller:
 
     def desired(self) -> Any | None:
         """The champion (alias and stage brought together first), or None when nothing serves."""
-        moved = self.registry.sync()
+        version, moved = self.registry.sync_champion()
         if moved:
             self.event("registry_synced", **moved)
-        return self.registry.champion()
+        return self.registry.get(version) if version is not None else None
 
     def reconcile(self) -> dict[str, Any]:
         """Make every healthy replica serve the Production version's head; returns the decision event."""

@@ -238,12 +238,21 @@ class Registry:
         A moved alias moves the stage (archiving the rest), a moved stage moves the alias; either way the
         version they left keeps the ``previous`` alias and is recorded on the new one (``T_PREVIOUS``), so an
         automatic rollback knows where to go."""
+        return self.sync_champion()[1]
+
+    def sync_champion(self) -> tuple[str | None, dict[str, Any] | None]:
+        """:meth:`sync`, and the champion it decided on that same read (None: nothing serves).
+
+        What serves must be what the sync acted on: a champion read again afterwards can see a person's
+        move made in between, and a pool that followed it before the alias did would leave that person
+        moving the alias back to the version it still names, a change that is no change, which the next
+        sync then undoes."""
         # Decide and compare on one read: reading the stage again after deciding would see a person's
         # move made in between as a disagreement, and undo it.
         alias, stage, synced, exists = self._read()
         version, side = self._decide(alias, stage, synced) if exists else (None, "agreed")
         if version is None:
-            return None
+            return None, None
         moved: dict[str, Any] = {}
         if stage != version:
             with warnings.catch_warnings():
@@ -264,8 +273,8 @@ class Registry:
             self.client.set_registered_model_tag(self.name, T_SYNCED, version)
         if moved:
             moved.update(version=version, decided_by=side)
-            return moved
-        return None
+            return version, moved
+        return version, None
 
     def promote(self, version: str | int, reason: str = "") -> dict[str, Any]:
         """Make ``version`` the champion: alias ``champion`` and stage Production (archiving the rest); the
@@ -289,9 +298,8 @@ class Registry:
         return {"version": version, "previous": prev_v}
 
     def sync_alias(self) -> str | None:
-        """:meth:`sync`, returning the champion version."""
-        self.sync()
-        return self._resolve()[0]
+        """:meth:`sync_champion`'s champion version."""
+        return self.sync_champion()[0]
 
     def previous_production(self, version: str | int) -> str | None:
         """The version that served before ``version`` (recorded at promotion or sync), else the ``previous`` alias."""

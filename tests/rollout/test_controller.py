@@ -312,3 +312,22 @@ def test_the_controller_follows_the_champion_alias_moved_back_as_it_follows_a_st
     assert checked == [False, False, True] and reg.get(v2).tags["adapt.served"] == "true"
     assert reg.alias_version() == str(v2) and reg.alias_version(PREVIOUS_ALIAS) == str(v1)
     assert [e["decided_by"] for e in ctl.events if e["event"] == "registry_synced"] == ["alias", "stage"]
+
+    # A stage moved just after a pass's sync read it: that pass serves what its sync decided, and the pool
+    # follows the move only once the alias names it too, so moving the alias back is a real move.
+    read_stage, moved_by_hand = ctl.registry.stage_version, []
+
+    def stage_then_person_moves():
+        seen = read_stage()
+        if not moved_by_hand:
+            moved_by_hand.append(True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                reg.client.transition_model_version_stage(reg.name, v1, "Production", archive_existing_versions=True)
+        return seen
+
+    ctl.registry.stage_version = stage_then_person_moves
+    alias_at_swap = []
+    ctl._swap = lambda version, served_before=False: (alias_at_swap.append(reg.alias_version()), swap(version))[1]
+    assert ctl.reconcile()["event"] == "in_sync" and swaps == [v2, v1, v2]
+    assert ctl.reconcile()["version"] == v1 and swaps == [v2, v1, v2, v1] and alias_at_swap == [str(v1)]

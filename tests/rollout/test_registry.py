@@ -167,3 +167,32 @@ def test_a_move_by_hand_during_a_sync_is_never_undone(cfg, registry_db):
     moved = reg.sync()
     assert moved["alias"] == {"from": v1, "to": v2} and moved["decided_by"] == "stage"
     assert str(reg.champion().version) == v2 and reg.alias_version() == v2
+
+
+def test_the_champion_that_serves_is_the_one_the_sync_decided(cfg, registry_db):
+    """A stage moved by hand just after the sync's read is not served on a later read before the alias
+    follows it: otherwise the pool could serve v2 while the alias still names v1, and a person who then
+    moves the alias back to v1 changes nothing, and the next sync takes the pool to v2 for good."""
+    from rollout.registry import Registry
+
+    v1, v2, _ = versions(cfg, registry_db[1])
+    reg = Registry(cfg)
+    reg.promote(v1)
+    read_stage = reg.stage_version
+    calls = []
+
+    def stage_then_person_moves():
+        seen = read_stage()
+        if not calls:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                reg.client.transition_model_version_stage(reg.name, v2, "Production", archive_existing_versions=True)
+        calls.append(seen)
+        return seen
+
+    reg.stage_version = stage_then_person_moves
+    assert reg.sync_champion() == (v1, None)  # what it read: serve v1 this pass
+    assert str(reg.champion().version) == v2  # a read after the move would have said v2, alias still on v1
+    assert reg.sync_champion() == (v2, {"alias": {"from": v1, "to": v2}, "previous": v1, "version": v2,
+                                        "decided_by": "stage"})
+    assert reg.alias_version() == v2  # the pool follows v2 only now, with the alias: moving it back is a move
