@@ -71,8 +71,8 @@ class LoopService:
             try:
                 return fut.result(1.0 if left is None else max(0.0, min(1.0, left)))
             except concurrent.futures.TimeoutError:
-                if left is not None and left <= 1.0:
-                    raise
+                if fut.done() or (left is not None and left <= 1.0):
+                    raise  # the coroutine's own TimeoutError (the same class since 3.11), or ours
                 if self._thread is not None and not self._thread.is_alive():
                     fut.cancel()
                     raise RuntimeError(f"{type(self).__name__}'s event loop stopped before the call finished "

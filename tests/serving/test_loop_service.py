@@ -53,3 +53,25 @@ def test_a_caller_waiting_on_a_loop_whose_thread_ended_gets_an_error():
     with pytest.raises(RuntimeError, match="Dying's event loop stopped"):
         Dying().start()
     assert time.monotonic() - t0 < 10
+
+
+class TimesOut(LoopService):
+    """A service whose start gives up the way a replica that never gets healthy does."""
+
+    async def _start(self, ready_timeout: float) -> None:
+        await asyncio.sleep(0.1)
+        raise TimeoutError("replica did not get healthy")
+
+    async def _stop(self) -> None:
+        pass
+
+
+def test_a_timeout_raised_by_the_coroutine_reaches_the_caller():
+    """asyncio's and the future's timeouts are the builtin TimeoutError since Python 3.11: waiting in
+    slices must not take the coroutine's own for "not done yet" and wait forever."""
+    t0 = time.monotonic()
+    svc = TimesOut()
+    with pytest.raises(TimeoutError, match="never gets healthy|did not get healthy"):
+        svc.start()
+    svc.stop()
+    assert time.monotonic() - t0 < 10
