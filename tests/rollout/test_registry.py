@@ -141,6 +141,25 @@ def test_pool_status_survives_an_unreachable_registry(tmp_path):
     assert len(w) == 1 and w[0].startswith("registry unreachable")
 
 
+def person_moves_stage_after_first_read(reg, version):
+    """Make ``reg``'s first stage read be followed at once by a person moving ``version`` to Production (as
+    in the MLflow UI); returns the unpatched stage reader."""
+    read_stage, calls = reg.stage_version, []
+
+    def stage_then_person_moves():
+        seen = read_stage()
+        if not calls:  # the person's click lands just after the first read
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                reg.client.transition_model_version_stage(reg.name, version, "Production",
+                                                          archive_existing_versions=True)
+        calls.append(seen)
+        return seen
+
+    reg.stage_version = stage_then_person_moves
+    return read_stage
+
+
 def test_a_move_by_hand_during_a_sync_is_never_undone(cfg, registry_db):
     """A person moves the stage while the controller syncs, right after it read the registry: the sync
     decides on that one read (nothing to do) and leaves the move for the next sync, which follows it."""
@@ -149,19 +168,7 @@ def test_a_move_by_hand_during_a_sync_is_never_undone(cfg, registry_db):
     v1, v2, _ = versions(cfg, registry_db[1])
     reg = Registry(cfg)
     reg.promote(v1)
-    read_stage = reg.stage_version
-    calls = []
-
-    def stage_then_person_moves():
-        seen = read_stage()
-        if not calls:  # the person's click lands just after the controller's first read
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                reg.client.transition_model_version_stage(reg.name, v2, "Production", archive_existing_versions=True)
-        calls.append(seen)
-        return seen
-
-    reg.stage_version = stage_then_person_moves
+    read_stage = person_moves_stage_after_first_read(reg, v2)
     assert reg.sync() is None  # it saw the agreed state, and wrote nothing
     assert read_stage() == v2  # the person's move stands
     moved = reg.sync()
@@ -178,19 +185,7 @@ def test_the_champion_that_serves_is_the_one_the_sync_decided(cfg, registry_db):
     v1, v2, _ = versions(cfg, registry_db[1])
     reg = Registry(cfg)
     reg.promote(v1)
-    read_stage = reg.stage_version
-    calls = []
-
-    def stage_then_person_moves():
-        seen = read_stage()
-        if not calls:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                reg.client.transition_model_version_stage(reg.name, v2, "Production", archive_existing_versions=True)
-        calls.append(seen)
-        return seen
-
-    reg.stage_version = stage_then_person_moves
+    person_moves_stage_after_first_read(reg, v2)
     assert reg.sync_champion() == (v1, None)  # what it read: serve v1 this pass
     assert str(reg.champion().version) == v2  # a read after the move would have said v2, alias still on v1
     assert reg.sync_champion() == (v2, {"alias": {"from": v1, "to": v2}, "previous": v1, "version": v2,
