@@ -62,14 +62,16 @@ def simulated_bench(runs, calls: list):
     """A stand-in for ``evaluation.bench.bench_heads``: each call analyzes the next simulated run for real.
 
     ``runs``: (load, candidate speed) per call; the candidate drafts 1.8 against the live head's 1.5;
-    with ``bp.nospec`` a no-speculation arm runs at 0.8 of the live head's speed.
+    with no speculation measured (``bp.nospec``, or ``[bench] nospec_reference`` where that is None, as the
+    real bench reads it) a no-speculation arm runs at 0.8 of the live head's speed.
     """
     runs = iter(runs)
 
     def fake_bench(cfg, bp, progress=None):
         load, speed = next(runs)
         calls.append(bp.seed)
-        arms = ARMS + ([NOSPEC] if bp.nospec else [])
+        nospec = cfg.bench.nospec_reference if bp.nospec is None else bp.nospec
+        arms = ARMS + ([NOSPEC] if nospec else [])
         blocks = simulate(slots_for(arms, seed=bp.seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 0.8},
                           load=load, jitter=load / 4, seed=bp.seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
         res = analyze(blocks, arms, CONCS, cfg.gate.confidence)

@@ -6,7 +6,7 @@ capture, the warehouse (Parquet in the bucket, its catalog in PostgreSQL), the c
 MLflow (its artifacts in the same bucket) are all they share. Every step runs for real
 except the replay bench of cycle 2, which is simulated (``tests/bench_sim.py``; the real
 bench and gate are tested in tests/loop/test_gate_e2e.py): it writes its ``bench.json`` on one
-worker and the gate reads it on the other.
+worker, and the register step on the other reads the speed-up over no speculation from it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from capture.synth import write_layout
 from loop import cycle, gate as gate_mod
-from rollout.registry import Registry
+from rollout.registry import Registry, speedups
 from settings.config import load_config
 from tests.bench_sim import simulated_bench
 from tests.capture_support import catalog_rows
@@ -48,7 +48,7 @@ def worker(name: str, tmp: Path, s3_server, mlflow_server, tiny_model: Path, cat
         "head": {"num_speculative_tokens": 3, "draft_vocab_size": 256},
         "training": {"max_steps": 3, "batch_tokens": 256, "max_seq_len": 128, "warmup_steps": 0,
                      "checkpoint_steps": 1, "device": "cpu", "seed": 0},
-        "bench": {"concurrencies": [1], "max_prompts": 3, "max_tokens": 8, "rounds": 1},
+        "bench": {"concurrencies": [1], "max_prompts": 3, "max_tokens": 8, "rounds": 1, "nospec_reference": True},
     })
 
 
@@ -97,13 +97,16 @@ def test_two_workers_sharing_only_s3_and_mlflow_run_one_cycle_alternately(
     # B's ingest read only the new records: A's run is in the shared catalog.
     assert ing["read"] == 24 + 8, ing
     # B took the parent from MLflow (base), A trained from it, B evaluated A's head fetched from the
-    # store, A's bench wrote what B's gate read.
+    # store, A's bench wrote what B's register read (the speed-up over no speculation, tagged on the version).
     assert state["steps"]["base"]["parent_version"] == v1
     assert "head/model.safetensors" in local_files(b, c2) and "offline_eval.json" in local_files(b, c2)
     assert calls and "bench-1/bench.json" in local_files(a, c2) and "bench-1/bench.json" in local_files(b, c2)
     assert state["steps"]["gate"]["passed"] and state["steps"]["promote"]["promoted"]
     v2 = state["steps"]["register"]["version"]
     assert int(v2) == int(v1) + 1 and Registry(b).production().version == v2
+    # The simulated candidate runs at 1.5 against no speculation's 0.8.
+    sp = speedups(Registry(a).production().tags)
+    assert sp and all(x == pytest.approx(1.5 / 0.8, rel=0.1) for x in sp.values()), sp
     # Both workers see the same catalog: one ingest run per cycle.
     for w in (a, b):
         assert catalog_rows(w, "SELECT count(*) FROM runs") == [(2,)]
