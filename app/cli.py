@@ -4,6 +4,7 @@ adds them to the root with ``register(app)``."""
 from __future__ import annotations
 
 import importlib
+import signal
 from typing import Annotated
 
 import typer
@@ -49,7 +50,24 @@ for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a container stop, an Airflow task killed, ``timeout``) exits like Ctrl-C does.
+
+    Python's default for SIGTERM ends the process at once, skipping every ``finally``: a demo, a
+    cycle's bench or ``adapt bench`` killed that way left its vLLM replicas (own process groups,
+    so not signalled with it) running and holding their memory. Raising SystemExit in the main
+    thread runs those cleanups; a second SIGTERM ends the process at once, as before."""
+
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main() -> None:
+    _exit_on_sigterm()  # commands that serve until stopped install their own handler over it
     app(prog_name="adapt")  # the name users type (scripts/adapt, the images' entrypoint), not "python -m app"
 
 

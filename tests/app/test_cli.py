@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import tomllib
 
 import pytest
@@ -305,3 +311,37 @@ def test_cli_validate_reports_error_as_json(random_head, tiny_model, tmp_path):
     assert res.exit_code == 1
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["ok"] is False and "pickle" in out["error"]
+
+
+def test_sigterm_runs_a_commands_cleanup_and_exits_143(tmp_path):
+    """A command killed with SIGTERM (Airflow's task kill, a container stop) runs its ``finally``, which is
+    where the demo and the bench stop the vLLM replicas they started; Python's default would skip it."""
+    script = tmp_path / "cmd.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from app import cli\n"
+        "@cli.app.command('hold')\n"
+        "def hold() -> None:\n"
+        "    child = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"  # as a replica is started
+        f"    open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+        "    try:\n"
+        "        time.sleep(600)\n"
+        "    finally:\n"
+        "        child.kill(); child.wait()\n"
+        "sys.argv = ['adapt', 'hold']\n"
+        "cli.main()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT)
+    child = tmp_path / "child"
+    deadline = time.monotonic() + 60
+    while not child.exists() or not child.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "the command did not start"
+        time.sleep(0.1)
+    pid = int(child.read_text())
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=30) == 143
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
