@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from adapt.device import pick_device
+from adapt.device import decode_threads, pick_device
 from capture.sharegpt import to_messages
 
 @dataclass
@@ -185,15 +185,16 @@ class TargetRunner:
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
         """Greedy continuation with a KV cache, stopping after a stop id (EOS is never suppressed)."""
         ids = torch.tensor([list(prompt_ids)], device=self.input_device)
-        out = self.model(input_ids=ids, use_cache=True)
         new: list[int] = []
-        while len(new) < max_new_tokens:
-            nxt = int(out.logits[0, -1].argmax())
-            new.append(nxt)
-            if nxt in stop_ids:
-                break
-            out = self.model(input_ids=torch.tensor([[nxt]], device=self.input_device),
-                             past_key_values=out.past_key_values, use_cache=True)
+        with decode_threads(self.device):
+            out = self.model(input_ids=ids, use_cache=True)
+            while len(new) < max_new_tokens:
+                nxt = int(out.logits[0, -1].argmax())
+                new.append(nxt)
+                if nxt in stop_ids:
+                    break
+                out = self.model(input_ids=torch.tensor([[nxt]], device=self.input_device),
+                                 past_key_values=out.past_key_values, use_cache=True)
         return new
 
     @torch.no_grad()
@@ -209,10 +210,11 @@ class TargetRunner:
         for i, p in enumerate(prompts):
             ids[i, L - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, L - len(p):] = 1
-        out = self.model.generate(input_ids=ids.to(self.input_device), attention_mask=mask.to(self.input_device),
-                                  max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                  eos_token_id=list(stop_ids) or None, pad_token_id=pad,
-                                  temperature=None, top_p=None, top_k=None)
+        with decode_threads(self.device):
+            out = self.model.generate(input_ids=ids.to(self.input_device), attention_mask=mask.to(self.input_device),
+                                      max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                                      eos_token_id=list(stop_ids) or None, pad_token_id=pad,
+                                      temperature=None, top_p=None, top_k=None)
         new = out[:, L:].tolist()
         stops = set(stop_ids)
         result = []
