@@ -82,7 +82,7 @@ def decode_threads(device: torch.device) -> Iterator[int]:
 
     Each decoded token runs hundreds of small parallel regions, and each region waits at its
     barrier for all its threads: where other processes hold the cores, every region waits for a
-    descheduled thread's next time slice, and decoding with all threads runs many times slower
+    descheduled thread's next time slice, and decoding with all threads can run many times slower
     than with one (``benchmarks/decode_threads.py``). Bulk work (a training step, featurization)
     has few, large regions and keeps every thread. Yields the thread count used; elsewhere than
     on a CPU, nothing changes.
