@@ -55,11 +55,20 @@ def check_attachments(attach_urls: list[str], attach_agents: list[str], agent_to
                                 "[serving].agent_token")
 
 
+def _uvloop_or_asyncio() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (sockets and callbacks cost the router less CPU there), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class LoopService:
     """A server run on a private event-loop thread: ``start`` runs ``_start`` there, ``stop`` ``_stop``."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, uvloop: bool = False) -> None:
+        self.loop = _uvloop_or_asyncio() if uvloop else asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
 
     def run_coro(self, coro, timeout: float | None = None):
@@ -127,7 +136,7 @@ class ServingStack(LoopService):
                  replica_extra_args: list[str] | None = None, attach_agents: list[str] | None = None) -> None:
         # Before anything starts: off loopback, the admin plane needs a real token.
         check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
-        super().__init__()
+        super().__init__(uvloop=True)
         self.cfg = cfg
         self.head_dir = Path(head_dir).absolute()
         self.target_dir = Path(target_dir).absolute()
