@@ -568,9 +568,9 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                             aux_layer_ids=cfg.head.aux_layer_ids or None, num_layers=cfg.head.num_layers)
     model = served_name(cfg.target)
     k, concs = cfg.head.num_speculative_tokens, cfg.bench.concurrencies
-    bench = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, cold, model, concs),
+    bench = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, cold, model, concs, cfg.bench),
                            root / "serving" / "logs" / "bench-replica.log")
-    nospec = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, None, model, concs),
+    nospec = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, None, model, concs, cfg.bench),
                             root / "serving" / "logs" / "bench-nospec-replica.log")
     stack = ServingStack(cfg, head_dir=cold, target_dir=target)
     try:

@@ -1,13 +1,15 @@
 """What this release supports: the versions it is locked and tested with, and the vLLM internals the in-place
 hot-swap relies on. docs/deploy.md's "Supported versions" table says the same; `adapt doctor` checks both.
 
-Change a row here when the lock or serving/hotswap.py changes; nothing else needs to.
+Change a row here when the lock changes; the vLLM internals are listed in serving/vllm_internals.py.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from serving.vllm_internals import INTERNALS, Internal  # noqa: F401 - re-exported for the doctor
 
 
 @dataclass(frozen=True)
@@ -34,33 +36,8 @@ CUDA = "13.0"
 MIN_DRIVER = "580"
 
 
-@dataclass(frozen=True)
-class Internal:
-    """Something of vLLM the in-place hot-swap (serving/head_transfer.py, serving/admin.py) uses: ``module``'s ``path`` (dotted
-    attributes) must exist and, when ``needle`` is set, its source must mention it (an instance attribute)."""
-
-    what: str
-    module: str
-    path: str
-    needle: str | None = None
-
-
-VLLM_INTERNALS = (
-    Internal("the engine client's drafter weight-update protocol (pause, start, update, finish, resume)",
-             "vllm.engine.protocol", "EngineClient.start_draft_weight_update"),
-    Internal("the weight-update protocol's finish step (weight_version)", "vllm.engine.protocol",
-             "EngineClient.finish_weight_update"),
-    Internal("weight-transfer engines registered by plugins", "vllm.distributed.weight_transfer",
-             "WeightTransferEngineFactory.register_engine"),
-    Internal("layerwise reload of the draft model", "vllm.model_executor.model_loader.reload",
-             "finalize_layerwise_reload"),
-    Internal("the proposer's cached parallel-drafting hidden state", "vllm.v1.spec_decode.llm_base_proposer",
-             "SpecDecodeBaseProposer.load_model", "parallel_drafting_hidden_state_tensor"),
-    Internal("EAGLE-3 combine_hidden_states", "vllm.model_executor.models.llama_eagle3",
-             "Eagle3LlamaForCausalLM.combine_hidden_states"),
-    Internal("P-EAGLE's mask_hidden buffer", "vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM",
-             "mask_hidden"),
-)
+# Every vLLM internal the project uses (the hot-swap's, the embedded agent's): one table, in serving.
+VLLM_INTERNALS = INTERNALS
 
 
 def version_tuple(v: str) -> tuple[int, ...]:

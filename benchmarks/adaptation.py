@@ -551,7 +551,8 @@ def main() -> int:
         bench_heads = {role: {"path": str(h), "sha256": validate_head(h, target).sha256, "version": h.name}
                        for role, h in (("candidate", best), ("live", heads / "base"))}
         bench = asyncio.run(run_bench(spec.url, bench_heads, reqs, concurrencies=concs, rounds=args.rounds,
-                                      nospec_url=nospec.url, seed=args.seed, progress=lambda m: log("  " + m)))
+                                      nospec_url=nospec.url, seed=args.seed, progress=lambda m: log("  " + m),
+                                      token=spec.spec.control_token))
         result["bench"] = {k: v for k, v in bench.to_json().items() if k not in ("blocks", "request_records")}
         if args.dynamic_k:
             schedule = [[int(x) for x in part.replace(":", "-").split("-")] for part in args.dynamic_k.split(",")]

@@ -1,11 +1,12 @@
-"""Latency the agent and the router add in front of a replica: p50/p99 at c=1 and c=16, side by side.
+"""Latency the router adds in front of an attached replica: p50/p99 at c=1 and c=16, side by side.
 
-One vLLM replica of the target on loopback (dev mode, as `adapt replica command --dev-mode` runs
-it), an agent in front of it (`adapt agent --replica`: bearer token, request limits, metrics), and
-a capturing router (`adapt serve` attaching that agent, capture on) in front of the agent, each in
-its own process as deployed. Each round sends the same chat requests to the replica directly, to
-the agent, and through the router (arms rotated every round), at each concurrency. Latency is one
-request's, sent to full answer.
+One attached replica of the target as deployed: `adapt agent --embed -- <vllm serve line>` (the
+agent holding vLLM's engine, bearer token, no dev mode), and a capturing router (`adapt serve`
+attaching that agent, capture on) in front of it, each in its own process. Each round sends the
+same chat requests to the agent directly and through the router (arms rotated every round), at
+each concurrency. Latency is one request's, sent to full answer. (The agent is vLLM's own OpenAI
+app in the engine's process with a token check in front: there is no separate replica behind it
+to compare with.)
 
 Noise: the spread (max - min) of each arm's per-round p50; an added latency within the direct
 arm's own spread is not told apart from zero.
@@ -69,7 +70,7 @@ def main() -> int:
     import httpx
 
     from adapt.checkpoint import init_random_head
-    from serving.replica import REPO_ROOT, ReplicaProcess, ReplicaSpec, free_ports
+    from serving.replica import REPO_ROOT, ReplicaSpec, free_ports, vllm_serve_argv
     from serving.serve import served_name
     from settings.config import dump_toml, load_config
     from targets.model_zoo import ensure_target
@@ -88,7 +89,6 @@ def main() -> int:
     spec = ReplicaSpec(target_dir=str(target), head_dir=str(head), num_speculative_tokens=cfg.head.num_speculative_tokens,
                        port=replica_port, served_model_name=name, max_model_len=1024,
                        max_num_seqs=max(args.concurrency) + 2)
-    replica = ReplicaProcess(spec, work / "replica.log")
     env = dict(os.environ, ADAPT_AGENT_TOKEN=TOKEN, ADAPT_ADMIN_TOKEN="", PYTHONPATH=str(REPO_ROOT),
                ADAPT_CONFIG=str(work / "adapt.toml"))
     procs: list[subprocess.Popen] = []
@@ -97,7 +97,7 @@ def main() -> int:
         p = subprocess.Popen([sys.executable, "-m", "app", *argv], env=env, cwd=REPO_ROOT, start_new_session=True,
                              stdout=open(work / log, "wb"), stderr=subprocess.STDOUT)
         procs.append(p)
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 1800  # an engine start on a loaded host
         while True:
             if p.poll() is not None:
                 raise RuntimeError(f"{argv[0]} exited: {(work / log).read_text()[-2000:]}")
@@ -110,15 +110,13 @@ def main() -> int:
                 raise TimeoutError(f"{argv[0]} not healthy")
             time.sleep(1)
 
-    replica.start()
     try:
-        replica.wait_healthy(1800)
-        start(["agent", "--replica", replica.url, "--host", "127.0.0.1", "--port", str(agent_port),
-               "--target", str(target), "--heads-dir", str(work / "agent-heads")], "agent.log", agent_url)
+        start(["agent", "--host", "127.0.0.1", "--port", str(agent_port), "--target", str(target),
+               "--heads-dir", str(work / "agent-heads"), "--embed", "--", *vllm_serve_argv(spec, python=sys.executable)],
+              "agent.log", agent_url)
         router_url = f"http://127.0.0.1:{router_port}"
         start(["serve", "--head", str(head)], "router.log", router_url)
-        arms = {"direct": (replica.url, {}), "agent": (agent_url, {"Authorization": f"Bearer {TOKEN}"}),
-                "router+agent": (router_url, {})}
+        arms = {"agent": (agent_url, {"Authorization": f"Bearer {TOKEN}"}), "router+agent": (router_url, {})}
         # Warm every path (connection pools, the engine's first batches).
         for url, headers in arms.values():
             asyncio.run(run_arm(url, name, headers, 8, 4, args.max_tokens, "warm"))
@@ -141,11 +139,10 @@ def main() -> int:
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
-        replica.stop()
 
     rows = []
     for c in args.concurrency:
-        d50, d99 = pct(lat[("direct", c)], 0.5), pct(lat[("direct", c)], 0.99)
+        d50, d99 = pct(lat[("agent", c)], 0.5), pct(lat[("agent", c)], 0.99)
         for a in arms:
             xs = lat[(a, c)]
             p50, p99 = pct(xs, 0.5), pct(xs, 0.99)

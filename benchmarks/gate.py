@@ -168,7 +168,7 @@ def main() -> int:
                     benches.append(asyncio.run(run_bench(
                         spec.url, heads, reqs, concurrencies=cfg.bench.concurrencies, rounds=cfg.bench.rounds,
                         confidence=cfg.gate.confidence, seed=t * 100 + attempt, group_size=cfg.bench.group_size,
-                        min_groups=cfg.gate.min_clusters)))
+                        min_groups=cfg.gate.min_clusters, token=spec.control_token)))
                     v = decide(benches, cfg.gate)
                     verdicts.append(v.status)
                     benches[-1].write(trials / f"{t}-{kind}-{attempt + 1}.json")

@@ -1,10 +1,13 @@
 """Admin plane: bearer-token check and the controller's client for replicas' head swaps.
 
-Only the pool controller (or an agent) talks to a replica's weight-update routes (replicas bind
-to loopback: vLLM serves those routes, like ``/collective_rpc``, only in dev mode, unauthenticated);
-users reach admin actions only through the router's ``/admin/*`` routes, which
-require ``config.serving.resolved_admin_token()``. With no token configured every
-admin route refuses, so weights can never change without authentication.
+No replica serves vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE``: weight updates,
+``/collective_rpc``, sleep, cache reset, all unauthenticated). Every replica the project starts
+runs inside the agent that embeds its engine (``serving.embedded``), which calls vLLM's
+weight-update protocol in-process (:class:`ReplicaAdmin` over a :class:`WeightSync`) and offers it
+only as its ``/agent/*`` routes, behind a bearer token. The pool, the bench and the swap protocol
+reach those routes with :class:`AgentAdmin`. Users reach admin actions only through the router's
+``/admin/*`` routes, which require ``config.serving.resolved_admin_token()``; with no token
+configured every admin route refuses, so weights can never change without authentication.
 """
 
 from __future__ import annotations
@@ -117,8 +120,8 @@ def tls_verify(ca_file: str = "") -> ssl.SSLContext | bool:
 
 
 class WeightSync(Protocol):
-    """vLLM's weight-update protocol on one replica: over its dev-mode HTTP routes
-    (:class:`HttpWeightSync`) or in the process that embeds its engine (``serving.embedded``)."""
+    """vLLM's weight-update protocol on one replica, called in the process that embeds its engine
+    (``serving.embedded.EngineWeightSync``); never over vLLM's dev-mode HTTP routes."""
 
     async def pause(self) -> None: ...
     async def start_draft(self) -> None: ...
@@ -129,57 +132,6 @@ class WeightSync(Protocol):
     async def weight_version(self) -> str: ...
     async def launch_spec(self) -> dict[str, Any]: ...
     async def target_checksums(self) -> dict[str, str]: ...
-
-
-class HttpWeightSync:
-    """The protocol over a replica's routes. They exist only with ``VLLM_SERVER_DEV_MODE=1`` and are
-    unauthenticated, so such a replica binds loopback and this client runs on its host."""
-
-    def __init__(self, url: str, timeout: float = 120.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-
-    async def _call(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
-        try:
-            async with httpx.AsyncClient() as client:
-                r = await client.request(method, self.url + path, json=json, params=params, timeout=self.timeout)
-        except httpx.HTTPError as exc:
-            raise RpcError(f"{self.url}: {path} failed: {exc}") from exc
-        if r.status_code != 200:
-            raise RpcError(f"{self.url}: {path} -> HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
-
-    async def pause(self) -> None:
-        # keep: running requests are frozen, not aborted, and go on after resume.
-        await self._call("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
-
-    async def start_draft(self) -> None:
-        await self._call("POST", "/start_draft_weight_update")
-
-    async def update(self, update_info: dict[str, Any]) -> None:
-        await self._call("POST", "/update_weights", json={"update_info": update_info})
-
-    async def finish(self, weight_version: str) -> None:
-        await self._call("POST", "/finish_weight_update", json={"weight_version": weight_version})
-
-    async def resume(self) -> None:
-        await self._call("POST", "/resume")
-
-    async def reset_prefix_cache(self) -> None:
-        got = await self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
-        if not got.get("success"):
-            raise RpcError(f"{self.url}: reset_prefix_cache refused: {got}")
-
-    async def weight_version(self) -> str:
-        return str((await self._call("GET", "/weight_info"))["weight_version"])
-
-    async def launch_spec(self) -> dict[str, Any]:
-        cfg = (await self._call("GET", "/server_info", params={"config_format": "json"}))["vllm_config"]
-        spec = cfg.get("speculative_config") or {}
-        return {"model": spec.get("model"), "num_speculative_tokens": spec.get("num_speculative_tokens")}
-
-    async def target_checksums(self) -> dict[str, str]:
-        return (await self._call("POST", "/weight_checker", json={"action": "checksum"}))["checksums"]
 
 
 def encode_version(head: dict[str, Any]) -> str:
@@ -231,9 +183,11 @@ class ReplicaAdmin:
     was launched with (read from its config).
     """
 
-    def __init__(self, url_or_sync: str | WeightSync, timeout: float = 120.0) -> None:
-        self.sync: WeightSync = (HttpWeightSync(url_or_sync, timeout) if isinstance(url_or_sync, str)
-                                 else url_or_sync)
+    def __init__(self, sync: WeightSync) -> None:
+        if isinstance(sync, str):
+            raise TypeError("a replica's weight-update protocol is reached through its agent (AgentAdmin), "
+                            "never over vLLM's dev-mode HTTP routes")
+        self.sync = sync
         self.url = getattr(self.sync, "url", "engine")
 
     async def head_info(self) -> dict[str, Any]:
@@ -303,18 +257,22 @@ class ReplicaAdmin:
 
 
 class AgentAdmin:
-    """The pool's client for an agent (``serving.agent``): bearer token, heads by URI, never by path.
+    """The client of an agent's ``/agent/*`` routes (``serving.agent``, ``serving.embedded``): bearer token.
 
-    Same methods as :class:`ReplicaAdmin`, so the pool and the swap protocol treat both alike;
-    ``load_head`` takes a URI the agent fetches itself (or ``None`` with the sha256 of a head the
-    agent already holds, which is how a swap rolls an agent back).
+    Same methods as :class:`ReplicaAdmin`, so the pool and the swap protocol treat every replica
+    alike. An agent on another host (``local=False``) takes heads by URI, which it fetches itself,
+    never by path (or ``None`` with the sha256 of a head it already holds, which is how a swap rolls
+    it back). A replica this host started (``local=True``: the pool's, the bench's) shares the
+    filesystem and takes the head directory's path.
     """
 
-    def __init__(self, url: str, token: str, verify: ssl.SSLContext | bool = True, timeout: float = 900.0) -> None:
+    def __init__(self, url: str, token: str, verify: ssl.SSLContext | bool = True, timeout: float = 900.0,
+                 local: bool = False) -> None:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"}
         self.verify = verify
         self.timeout = timeout
+        self.local = local
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         try:
@@ -335,11 +293,16 @@ class AgentAdmin:
         return await self._call("GET", "/agent/head")
 
     async def load_head(self, uri: str | None, version: str | None, sha256: str | None) -> dict[str, Any]:
-        """Have the agent fetch ``uri``, validate it and swap it in place (prefix cache reset)."""
-        if uri is not None and not is_remote_ref(uri):
+        """Have the agent fetch ``uri`` (a local replica: load the directory ``uri``), validate it and swap it
+        in place (prefix cache reset)."""
+        if uri is not None and not self.local and not is_remote_ref(uri):
             raise RpcError(f"agent {self.url}: heads are sent to agents as URIs they fetch "
                            f"(models:/name/N, s3://bucket/prefix), not as the path {uri!r}")
         return await self._call("POST", "/agent/load", {"uri": uri, "version": version, "sha256": sha256})
 
     async def param_digest(self) -> dict[str, str]:
         return await self._call("GET", "/agent/param_digest")
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix block (and recompute running requests) on the agent's replica."""
+        await self._call("POST", "/agent/reset_prefix_cache")

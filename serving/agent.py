@@ -1,29 +1,25 @@
-"""The agent beside a replica the pool did not start (another host, a Kubernetes pod).
+"""The agent: the door of a replica, embedding its engine (``serving.embedded``).
 
-Two ways to run it (docs/deploy.md, "Attached replicas"):
+Every replica the project starts runs inside it: the pool's and the bench's (on this host's
+loopback, started by ``serving.replica``) and attached ones on other hosts or Kubernetes pods
+(``adapt agent --embed -- vllm serve MODEL ...``, docs/deploy.md "Attached replicas"). It holds
+vLLM's engine in-process and calls vLLM's weight-update protocol on it directly: no
+``VLLM_SERVER_DEV_MODE``, so vLLM's unauthenticated dev routes (``/collective_rpc``, the
+weight-update, sleep and cache routes) exist nowhere. Besides vLLM's own OpenAI app it serves:
 
-* ``adapt agent --embed -- vllm serve MODEL ...`` (production, ``serving.embedded``): the agent holds
-  the engine in its own process and calls vLLM's weight-update protocol on it directly; no dev mode.
-* ``adapt agent --replica URL`` (this module's :class:`Agent`): a proxy beside a separate replica
-  started with ``VLLM_SERVER_DEV_MODE=1`` on loopback, whose unauthenticated weight-update routes
-  (and ``/collective_rpc``) never leave its host or pod; the agent is the only door to it.
+* ``/agent/head``, ``/agent/load``, ``/agent/param_digest``, ``/agent/reset_prefix_cache``: the
+  admin plane, bearer token (constant-time compare). ``load`` takes ``{"uri", "version", "sha256"}``:
+  an attached agent fetches ``uri`` (``s3://``, ``models:/``, ``runs:/``) into its own heads
+  directory, validates it against its local copy of the target (``headspec.validate``), swaps it in
+  place through vLLM's weight-update protocol (``ReplicaAdmin``, which also resets the prefix cache)
+  and reports the head. Nothing but the URI crosses the network: no path, no shared filesystem. A
+  head the agent already holds (the one the replica started with, or one of its last downloads)
+  may be named by ``sha256`` alone: that is how a pool rolls an agent back. A replica this host
+  started (``local_paths``) takes the head directory's path instead, which the pool validated.
 
-Either way the agent serves:
-
-* ``/v1/*``, ``/health``: the router (``serving.router``) over a one-replica pool.
-* ``/metrics``: the replica's exposition, then the agent's own counters: the pool that attaches
-  the agent reads its spec-decode counters there, as it would on the replica.
-* ``/agent/head``, ``/agent/load``, ``/agent/param_digest``: the admin plane, bearer token.
-  ``load`` takes ``{"uri", "version", "sha256"}``: the agent fetches ``uri`` (``s3://``,
-  ``models:/``, ``runs:/``) into its own heads directory, validates it against its local copy of
-  the target (``headspec.validate``), swaps it in place through vLLM's weight-update protocol
-  (``ReplicaAdmin``, which also resets the prefix cache) and reports the head. Nothing but the URI crosses the
-  network: no path, no shared filesystem. A head the agent already holds (the one the replica
-  started with, or one of its last downloads) may be named by ``sha256`` alone: that is how a
-  pool rolls an agent back.
-
-With a token, every route but ``/health`` requires ``Authorization: Bearer <token>`` (constant-time
-compare); off loopback the agent refuses to start without a real token (``check_exposure``).
+An attached agent requires ``Authorization: Bearer <token>`` on every route but ``/health``, and
+off loopback refuses to start without a real token (``check_exposure``); a replica of this host's
+pool binds loopback and requires the token on its admin routes.
 """
 
 from __future__ import annotations
@@ -39,11 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from headspec.resolve import is_remote_ref, resolve_head
-from serving.admin import (ExposureError, ReplicaAdmin, RpcError, bearer_status, check_exposure,
-                           make_auth_dependency, url_is_loopback)
-from serving.pool import Pool
-from serving.router import create_app, server_config, start_server, stop_server
-from serving.serve import LoopService
+from serving.admin import ReplicaAdmin, RpcError, bearer_status, make_auth_dependency
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})  # probes: no token, and nothing but a replica count in the answer
@@ -65,13 +57,16 @@ class HeadStore:
     """Heads on this host: fetched by URI, validated, swapped into the replica in place.
 
     Keeps the replica's first head and the ``keep`` most recently loaded downloads (the current
-    one and those a pool may roll back to); older downloads are deleted.
+    one and those a pool may roll back to); older downloads are deleted. ``local_paths``: a replica
+    of this host's pool, which also takes a head directory by absolute path (the pool validated it;
+    the engine checks its sha256 and shapes before writing anything).
     """
 
     def __init__(self, admin: ReplicaAdmin, target_dir: str | Path, heads_dir: str | Path, *,
                  tracking_uri: str | None = None, s3_client_kwargs: dict[str, Any] | None = None,
-                 keep: int = 3) -> None:
+                 keep: int = 3, local_paths: bool = False) -> None:
         self.admin = admin
+        self.local_paths = local_paths
         self.target_dir = Path(target_dir)
         self.heads_dir = Path(heads_dir)
         self.tracking_uri = tracking_uri
@@ -95,6 +90,8 @@ class HeadStore:
         from headspec.validate import validate_head
 
         async with self.lock:
+            if self.local_paths and req.uri and not is_remote_ref(req.uri):
+                return await self._load_path(req)
             await self.info()  # learn the head the replica runs now (a rollback target)
             entry = self.held.get(req.sha256) if req.sha256 else None
             sha, version = req.sha256, req.version
@@ -129,18 +126,17 @@ class HeadStore:
             self._loaded(sha)
             return got
 
-    async def reapply(self) -> bool:
-        """Load the head last swapped in again if the replica runs another (it restarted with its first
-        head); True if it did. The pool's swaps hold the lock, so this never races one."""
-        if not self.recent or self.lock.locked():
-            return False
-        async with self.lock:
-            want = self.recent[-1]
-            if (await self.admin.head_info()).get("sha256") == want:
-                return False
-            entry = self.held[want]
-            await self.admin.load_head(entry["path"], entry.get("version"), want)
-            return True
+    async def _load_path(self, req: LoadRequest) -> dict[str, Any]:
+        path = Path(str(req.uri))
+        if not path.is_absolute() or not path.is_dir():
+            raise AgentError(400, f"a head is loaded by the absolute path of its directory on this host, "
+                                  f"not {req.uri!r}")
+        try:
+            got = await self.admin.load_head(str(path), req.version, req.sha256)
+        except RpcError as exc:
+            raise AgentError(409, str(exc)) from exc
+        got["uri"] = None
+        return got
 
     def _loaded(self, sha: str) -> None:
         if sha in self.recent:
@@ -180,7 +176,8 @@ def bearer_guard(app: Any, token: str) -> Callable:
 
 
 def add_agent_routes(app: FastAPI, store: HeadStore, token: str) -> None:
-    """``/agent/head``, ``/agent/load``, ``/agent/param_digest`` on ``app``, bearer token required."""
+    """``/agent/head``, ``/agent/load``, ``/agent/param_digest``, ``/agent/reset_prefix_cache`` on ``app``,
+    bearer token required (with no token, every one refuses)."""
     require = make_auth_dependency(token)
 
     async def answer(coro) -> JSONResponse:
@@ -203,70 +200,9 @@ def add_agent_routes(app: FastAPI, store: HeadStore, token: str) -> None:
     async def param_digest() -> JSONResponse:
         return await answer(store.admin.param_digest())
 
-
-def create_agent_app(pool: Pool, store: HeadStore, token: str, **router_kw: Any) -> Callable:
-    """The router over the agent's one replica, with its metrics passed through and the agent's admin routes."""
-    app: FastAPI = create_app(pool, admin_token=token, upstream_metrics=True, **router_kw)
-    add_agent_routes(app, store, token)
-    return bearer_guard(app, token)
-
-
-class Agent(LoopService):
-    """``adapt agent``: the agent app served on a private event-loop thread."""
-
-    def __init__(self, replica_url: str, *, host: str, port: int, token: str, target_dir: str | Path,
-                 heads_dir: str | Path, tracking_uri: str | None = None,
-                 s3_client_kwargs: dict[str, Any] | None = None, tls_cert: str = "", tls_key: str = "",
-                 max_body_bytes: int = 8 << 20, header_timeout: float = 10.0, body_timeout: float = 30.0,
-                 reapply_interval: float = 5.0) -> None:
-        super().__init__()
-        check_exposure(host, token, "the agent")
-        if not url_is_loopback(replica_url):
-            raise ExposureError(f"the agent drives its replica over vLLM's dev-mode routes, which must not leave "
-                                f"the host: bind the replica to 127.0.0.1, not {replica_url}")
-        if bool(tls_cert) != bool(tls_key):
-            raise ValueError("TLS needs both a certificate and its key")
-        self.replica_url = replica_url.rstrip("/")
-        self.host, self.port, self.token = host, port, token
-        self.tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
-        self.limits = {"max_body_bytes": max_body_bytes}
-        self.deadlines = {"header_timeout": header_timeout, "body_timeout": body_timeout}
-        self.store = HeadStore(ReplicaAdmin(self.replica_url), target_dir, heads_dir, tracking_uri=tracking_uri,
-                               s3_client_kwargs=s3_client_kwargs)
-        # Health every second (it is what /health answers); metrics are read on demand, not sampled.
-        self.pool = Pool(metrics_interval=3600.0)
-        self.server = self._task = self._watch = None
-        self.reapply_interval = reapply_interval
-
-    @property
-    def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
-
-    async def _start(self, ready_timeout: float) -> None:
-        self.pool.attach(self.replica_url)
-        await self.pool.start_background()
-        app = create_agent_app(self.pool, self.store, self.token, **self.limits)
-        config = server_config(app, self.host, self.port, log_level="warning", lifespan="on",
-                               timeout_keep_alive=30, **self.deadlines, **self.tls)
-        self.server, self._task = await start_server(config)
-        self._watch = asyncio.create_task(self._reapply_loop(), name="agent-reapply")
-
-    async def _reapply_loop(self) -> None:
-        """A replica restarted by its host (a crash, a container restart) comes back with its first head:
-        put the pool's head back rather than serve an old one until the next swap."""
-        while True:
-            await asyncio.sleep(self.reapply_interval)
-            if not self.pool.replicas[0].healthy:
-                continue
-            try:
-                if await self.store.reapply():
-                    log.warning("replica %s had restarted: head %s loaded again", self.replica_url,
-                                self.store.recent[-1][:12])
-            except Exception as exc:  # noqa: BLE001 - tried again next time
-                log.warning("replica %s: reloading the head failed: %s", self.replica_url, exc)
-
-    async def _stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-        await stop_server(self.server, self._task)
-        await self.pool.close()
+    @app.post("/agent/reset_prefix_cache", dependencies=[Depends(require)])
+    async def reset_prefix_cache() -> JSONResponse:
+        async def reset() -> dict[str, bool]:
+            await store.admin.reset_prefix_cache()
+            return {"success": True}
+        return await answer(reset())

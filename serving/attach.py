@@ -2,17 +2,13 @@
 
 ``adapt replica command`` prints these from the pool's own config, so an attached replica serves
 exactly what a started one would (target, K, dynamic K, engine sizing, ``serving.vllm_args``,
-served name). Two shapes (docs/deploy.md, "Attached replicas"):
+served name) (docs/deploy.md, "Attached replicas"): ``adapt replica fetch-head URI DIR`` (an
+init container), then ``adapt agent --embed ... -- vllm serve MODEL ...``: one process holds vLLM's
+engine, serves vLLM's OpenAI routes and the agent's admin routes behind a bearer token, and swaps
+heads by calling vLLM's weight-update protocol in-process. No ``VLLM_SERVER_DEV_MODE``: vLLM's
+unauthenticated dev routes exist nowhere.
 
-* **embedded** (the default, production): ``adapt replica fetch-head URI DIR`` (an init container),
-  then ``adapt agent --embed ... -- vllm serve MODEL ...``: one process holds vLLM's engine, serves
-  vLLM's OpenAI routes and the agent's admin routes behind a bearer token, and swaps heads by
-  calling vLLM's weight-update protocol in-process. No ``VLLM_SERVER_DEV_MODE``.
-* **dev mode** (``--dev-mode``): the same ``vllm serve`` line run on its own with
-  ``VLLM_SERVER_DEV_MODE=1`` on 127.0.0.1 (its weight-update routes are unauthenticated), and
-  ``adapt agent --replica URL`` beside it on the same host or pod, the only door to it.
-
-Either way the replica's line carries ``--weight-transfer-config '{"backend": "drafter_adapt_head"}'``
+The replica's line carries ``--weight-transfer-config '{"backend": "drafter_adapt_head"}'``
 (``serving.head_transfer``, found through this repository's plugin directory on ``PYTHONPATH``).
 Secrets (the agent token, S3 keys) are never part of the output: the shell recipe names the
 variables to export from a secret store, and the manifest reads them from a Kubernetes Secret.
@@ -40,39 +36,85 @@ SECRET_ENV = {"ADAPT_AGENT_TOKEN": "agent-token", "AWS_ACCESS_KEY_ID": "aws-acce
 
 
 @dataclass
+class Scheduling:
+    """Where the pods go and what they reserve: CPU/memory requests (and limits), a node selector and
+    tolerations (``key=value:Effect``, ``key:Effect``, ``key=value``; no effect: every effect)."""
+
+    cpu: str = ""  # e.g. "8": the engine's scheduler, tokenizer and the agent share it
+    memory: str = ""  # e.g. "64Gi": the model loads through host memory, and the CPU swap space
+    cpu_limit: str = ""
+    memory_limit: str = ""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[str] = field(default_factory=list)
+
+    def resources(self, gpus: int) -> dict[str, Any]:
+        requests = {k: v for k, v in (("cpu", self.cpu), ("memory", self.memory)) if v}
+        limits: dict[str, Any] = {k: v for k, v in (("cpu", self.cpu_limit), ("memory", self.memory_limit)) if v}
+        if gpus:
+            limits["nvidia.com/gpu"] = gpus
+        return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+    def pod_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.node_selector:
+            out["nodeSelector"] = dict(self.node_selector)
+        if self.tolerations:
+            out["tolerations"] = [parse_toleration(t) for t in self.tolerations]
+        return out
+
+
+def parse_toleration(text: str) -> dict[str, str]:
+    """``key=value:Effect`` / ``key:Effect`` / ``key=value`` / ``key`` as a Kubernetes toleration."""
+    rest, _, effect = text.partition(":")
+    key, eq, value = rest.partition("=")
+    if not key.strip() or (effect and effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute")):
+        raise ValueError(f"toleration {text!r}: give key=value:Effect, key:Effect or key=value "
+                         "(Effect: NoSchedule, PreferNoSchedule or NoExecute)")
+    out = {"key": key.strip(), "operator": "Equal" if eq else "Exists"}
+    if eq:
+        out["value"] = value
+    if effect:
+        out["effect"] = effect
+    return out
+
+
+def parse_node_selector(items: list[str]) -> dict[str, str]:
+    """``["k=v", ...]`` as a node selector."""
+    out = {}
+    for it in items:
+        k, eq, v = it.partition("=")
+        if not eq or not k.strip():
+            raise ValueError(f"node selector {it!r}: give key=value")
+        out[k.strip()] = v.strip()
+    return out
+
+
+@dataclass
 class Recipe:
     """The programs of an attached replica (argv and plain environment of each).
 
-    ``replica`` is the ``vllm serve`` line; embedded, it is the tail of ``agent`` (after ``--``)
-    and runs inside the agent; in dev mode it runs on its own with ``replica_env``.
+    ``replica`` is the ``vllm serve`` line, the tail of ``agent`` (after ``--``): it runs inside the agent.
     """
 
     fetch: list[str]
     replica: list[str]
     agent: list[str]
-    replica_env: dict[str, str]
     env: dict[str, str]  # of the fetch and the agent
     agent_port: int
     replica_port: int
     tls: bool
-    embedded: bool = True
     gpus: int = 1
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"mode": "embedded" if self.embedded else "dev-mode", "fetch": {"argv": self.fetch, "env": self.env},
-               "vllm_serve": self.replica,
-               "agent": {"argv": self.agent, "env": self.env, "secret_env": sorted(SECRET_ENV)},
-               "agent_port": self.agent_port, "gpus": self.gpus, "notes": self.notes}
-        if not self.embedded:
-            out["replica"] = {"argv": self.replica, "env": self.replica_env}
-        return out
+        return {"mode": "embedded", "fetch": {"argv": self.fetch, "env": self.env}, "vllm_serve": self.replica,
+                "agent": {"argv": self.agent, "env": self.env, "secret_env": sorted(SECRET_ENV)},
+                "agent_port": self.agent_port, "gpus": self.gpus, "notes": self.notes}
 
 
 def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_dir: str, served_name: str,
            replica_port: int | None = None, agent_port: int | None = None, agent_host: str = "0.0.0.0",
-           cpu: bool = False, python: str = "python3", tls_cert: str = "", tls_key: str = "",
-           dev_mode: bool = False) -> Recipe:
+           cpu: bool = False, python: str = "python3", tls_cert: str = "", tls_key: str = "") -> Recipe:
     """The command lines of one attached replica and its agent, from the pool's config."""
     s = cfg.serving
     replica_port = s.base_port if replica_port is None else replica_port
@@ -83,12 +125,6 @@ def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_
     spec = replica_specs(s, cfg.head.num_speculative_tokens, target_dir, first, 1, served_name,
                          base_port=replica_port, cpu=True)[0]
     replica = vllm_serve_argv(spec, cpu=cpu, python=python)
-    # Dev mode: vLLM's processes find the head-transfer engine through the plugin directory (the
-    # embedded agent puts it on their path itself).
-    replica_env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": f"{repo_dir}/serving/vllm_plugin:{repo_dir}"} \
-        if dev_mode else {}
-    if cpu:
-        replica_env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     sources = ["--tracking-uri", cfg.mlflow.tracking_uri]
     if cfg.s3.endpoint_url:
         sources += ["--s3-endpoint", cfg.s3.endpoint_url]
@@ -97,7 +133,7 @@ def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_
              "--target", target_dir, "--heads-dir", str(heads / "fetched"), *sources]
     if tls_cert:
         agent += ["--tls-cert", tls_cert, "--tls-key", tls_key]
-    agent = [*agent, "--replica", spec.url] if dev_mode else [*agent, "--embed", "--", *replica]
+    agent = [*agent, "--embed", "--", *replica]
     notes = []
     if not re.match(r"^(https?|databricks)", cfg.mlflow.tracking_uri) or "127.0.0.1" in cfg.mlflow.tracking_uri \
             or "localhost" in cfg.mlflow.tracking_uri:
@@ -107,10 +143,10 @@ def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_
         notes.append(f"the S3 endpoint {cfg.s3.endpoint_url} is local to the pool's host: set [s3].endpoint_url "
                      "to one the replica's host reaches")
     env = {"PYTHONPATH": repo_dir}
-    if not dev_mode and cpu:
+    if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
-    return Recipe(fetch, replica, agent, replica_env, env, agent_port, replica_port, bool(tls_cert),
-                  embedded=not dev_mode, gpus=0 if cpu else tensor_parallel(s), notes=notes)
+    return Recipe(fetch, replica, agent, env, agent_port, replica_port, bool(tls_cert),
+                  gpus=0 if cpu else tensor_parallel(s), notes=notes)
 
 
 def shell_text(r: Recipe) -> str:
@@ -129,34 +165,23 @@ def shell_text(r: Recipe) -> str:
         line(r.env, r.fetch),
     ]
     gpus = f" on {r.gpus} GPU(s) of its own (CUDA_VISIBLE_DEVICES)" if r.gpus else ""
-    if r.embedded:
-        out += [f"# 2. The agent, holding the replica's engine{gpus}: vLLM's routes and the agent's behind",
-                "#    the token; heads swapped through vLLM's weight-update protocol in-process (no dev mode).",
-                "#    After `--`: the replica's exact `vllm serve` line.",
-                line(r.env, r.agent)]
-    else:
-        out += [f"# 2. The replica{gpus}, on loopback only (dev mode: its weight-update routes are unauthenticated):",
-                line(r.replica_env, r.replica),
-                "# 3. The agent beside it, the replica's only door (admin by bearer token; heads fetched by URI):",
-                line(r.env, r.agent)]
+    out += [f"# 2. The agent, holding the replica's engine{gpus}: vLLM's routes and the agent's behind",
+            "#    the token; heads swapped through vLLM's weight-update protocol in-process (no dev mode).",
+            "#    After `--`: the replica's exact `vllm serve` line.",
+            line(r.env, r.agent)]
     out += [f"# In the pool's config: [serving] attach_agents = [\"{scheme}://<this host>:{r.agent_port}\"]",
             *(f"# NOTE: {n}" for n in r.notes)]
     return "\n".join(out) + "\n"
 
 
-def _probe(port: int, path: str = "/health") -> list[str]:
-    """An exec probe of a loopback-only server (an httpGet probe would dial the pod IP, where nothing listens)."""
-    return ["python3", "-c", f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', "
-                             "timeout=5)"]
-
-
 def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str, model_pvc: str,
                  namespace: str = "default", target_dir: str, heads_dir: str, gpus: int | None = None,
-                 tls_secret: str = "") -> list[dict[str, Any]]:
+                 tls_secret: str = "", sched: Scheduling | None = None) -> list[dict[str, Any]]:
     """A headless Service and a StatefulSet: one pod per replica, every pod's agent with a stable DNS
-    name to attach. Embedded: one container, the agent holding the engine and the pod's GPUs. Dev
-    mode: the replica and its agent as two containers sharing the pod's loopback."""
+    name to attach: one container, the agent holding the engine and the pod's GPUs, with the CPU and
+    memory requests, node selector and tolerations of ``sched``."""
     gpus = r.gpus if gpus is None else gpus
+    sched = sched or Scheduling()
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "drafter-adapt"}
     secret_env = [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key,
                                                                "optional": var != "ADAPT_AGENT_TOKEN"}}}
@@ -166,7 +191,7 @@ def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str
     heads_rw = {"name": "heads", "mountPath": heads_dir}
     dshm = {"name": "dshm", "mountPath": "/dev/shm"}
     scheme = "HTTPS" if r.tls else "HTTP"
-    gpu_resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else None
+    resources = sched.resources(gpus)
     fetch = {"name": "fetch-head", "image": image, "command": r.fetch,
              "env": plain + [e for e in secret_env if e["name"] != "ADAPT_AGENT_TOKEN"],
              "volumeMounts": [model, heads_rw]}
@@ -181,28 +206,13 @@ def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str
         "livenessProbe": {"tcpSocket": {"port": "agent"}, "periodSeconds": 20},
         "securityContext": {"allowPrivilegeEscalation": False},
     }
-    if r.embedded:
-        # The engine loads inside the agent: it answers /health once the model is loaded.
-        agent["volumeMounts"] = agent_mounts + [dshm]
-        agent["startupProbe"] = {"httpGet": {"path": "/health", "port": "agent", "scheme": scheme},
-                                 "periodSeconds": 10, "failureThreshold": 180}
-        if gpu_resources:
-            agent["resources"] = gpu_resources
-        containers = [agent]
-    else:
-        replica = {
-            "name": "vllm", "image": image, "command": r.replica,
-            "env": [{"name": k, "value": v} for k, v in r.replica_env.items()],
-            "volumeMounts": [model, {"name": "heads", "mountPath": heads_dir, "readOnly": True}, dshm],
-            # Loopback only: probes run inside the container.
-            "startupProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10,
-                             "failureThreshold": 180},
-            "readinessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 10},
-            "livenessProbe": {"exec": {"command": _probe(r.replica_port)}, "periodSeconds": 30, "failureThreshold": 4},
-        }
-        if gpu_resources:
-            replica["resources"] = gpu_resources
-        containers = [replica, agent]
+    # The engine loads inside the agent: it answers /health once the model is loaded.
+    agent["volumeMounts"] = agent_mounts + [dshm]
+    agent["startupProbe"] = {"httpGet": {"path": "/health", "port": "agent", "scheme": scheme},
+                             "periodSeconds": 10, "failureThreshold": 180}
+    if resources:
+        agent["resources"] = resources
+    containers = [agent]
     volumes: list[dict[str, Any]] = [
         {"name": "model", "persistentVolumeClaim": {"claimName": model_pvc, "readOnly": True}},
         {"name": "heads", "emptyDir": {}},
@@ -220,7 +230,8 @@ def k8s_manifest(r: Recipe, *, name: str, image: str, replicas: int, secret: str
                     "selector": {"matchLabels": labels},
                     "template": {"metadata": {"labels": labels},
                                  "spec": {"automountServiceAccountToken": False, "initContainers": [fetch],
-                                          "containers": containers, "volumes": volumes}}}}
+                                          "containers": containers, "volumes": volumes,
+                                          **sched.pod_fields()}}}}
     return [service, sts]
 
 

@@ -1,6 +1,8 @@
-"""The agent that embeds the replica's engine: ``adapt agent --embed -- vllm serve MODEL ...``.
+"""The agent that embeds the replica's engine: every replica the project starts runs in it.
 
-The production way to run an attached replica. One process holds vLLM's engine (``AsyncLLM``)
+``adapt agent --embed -- vllm serve MODEL ...`` runs an attached replica; the pool and the bench
+start theirs as ``python -m serving.embedded ... -- <vllm serve line>`` (``serving.replica``,
+:func:`main`). One process holds vLLM's engine (``AsyncLLM``)
 and serves vLLM's own OpenAI app, with the agent's admin routes (``/agent/head``, ``/agent/load``,
 ``/agent/param_digest``) added and a bearer token required on every route but ``/health``.
 Heads are swapped by calling vLLM's weight-update protocol on the engine client in-process
@@ -8,10 +10,10 @@ Heads are swapped by calling vLLM's weight-update protocol on the engine client 
 ``/collective_rpc`` or weight-update route exists anywhere, and the agent may listen off loopback
 (with a real token, TLS optional). The argument after ``--`` is the replica's ``vllm serve`` line
 exactly as ``adapt replica command`` prints it; the agent's own ``--host``/``--port`` replace its
-address.
+address. ``VLLM_SERVER_DEV_MODE`` set in its environment is refused, not ignored.
 
-(``adapt agent --replica URL`` is the other mode: a proxy beside a separate ``vllm serve`` started
-with ``VLLM_SERVER_DEV_MODE=1`` on loopback, which it drives over those dev-mode routes.)
+A replica of this host's pool (:func:`main`) binds loopback, takes heads by path, and requires the
+token on its admin routes only: the pool's router, on this host, sends it the inference traffic.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from serving.admin import ReplicaAdmin, RpcError, check_exposure
-from serving.replica import PLUGIN_DIR, REPO_ROOT, with_plugin_path
+from serving.admin import ReplicaAdmin, RpcError, check_exposure, is_loopback
+from serving.replica import PLUGIN_DIR, REPO_ROOT, TOKEN_ENV, with_plugin_path
+from serving.vllm_internals import DEV_MODE_ENV, dev_mode_on
 
 log = logging.getLogger(__name__)
 
@@ -117,18 +120,28 @@ async def serve_embedded(serve_argv: list[str], *, host: str, port: int, token: 
                          heads_dir: str | Path, tracking_uri: str | None = None,
                          s3_client_kwargs: dict[str, Any] | None = None, tls_cert: str = "", tls_key: str = "",
                          max_body_bytes: int = 8 << 20, header_timeout: float = 10.0, body_timeout: float = 30.0,
-                         ready: Any = None) -> None:
-    """Run the engine and the agent app until stopped (SIGTERM/SIGINT) or the engine dies."""
+                         ready: Any = None, local_paths: bool = False, guard_inference: bool = True) -> None:
+    """Run the engine and the agent app until stopped (SIGTERM/SIGINT) or the engine dies.
+
+    ``local_paths``: heads may be loaded by path (a replica of this host's pool). ``guard_inference=False``
+    requires the token on the admin routes only, and only on loopback.
+    """
     import signal
 
     from serving.agent import HeadStore, add_agent_routes, bearer_guard
     from serving.router import body_limit, server_config, start_server, stop_server
 
     check_exposure(host, token, "the agent")
+    if not guard_inference and not is_loopback(host):
+        raise ValueError(f"inference routes without the token are for a replica on loopback, not {host}")
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and its key")
+    if dev_mode_on(dict(os.environ)):
+        raise ValueError(f"{DEV_MODE_ENV} is set: it would open vLLM's unauthenticated dev routes "
+                         "(/collective_rpc, weight updates, sleep, cache reset) beside the agent; unset it")
     args = parse_serve_argv(serve_argv)
-    if "drafter_adapt_head" not in str(getattr(args, "weight_transfer_config", "") or ""):
+    if getattr(args, "speculative_config", None) and \
+            "drafter_adapt_head" not in str(getattr(args, "weight_transfer_config", "") or ""):
         raise ValueError("the replica's line has no --weight-transfer-config '{\"backend\": \"drafter_adapt_head\"}': "
                          "print it with `adapt replica command`")
     prepare_process()
@@ -145,9 +158,11 @@ async def serve_embedded(serve_argv: list[str], *, host: str, port: int, token: 
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
         store = HeadStore(ReplicaAdmin(EngineWeightSync(engine)), target_dir, heads_dir,
-                          tracking_uri=tracking_uri, s3_client_kwargs=s3_client_kwargs)
+                          tracking_uri=tracking_uri, s3_client_kwargs=s3_client_kwargs, local_paths=local_paths)
         add_agent_routes(app, store, token)
-        guarded = bearer_guard(body_limit(app, max_bytes=max_body_bytes), token)
+        guarded = body_limit(app, max_bytes=max_body_bytes)
+        if guard_inference:
+            guarded = bearer_guard(guarded, token)
         tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
         config = server_config(guarded, host, port, log_level="warning", lifespan="on", timeout_keep_alive=30,
                                header_timeout=header_timeout, body_timeout=body_timeout, **tls)
@@ -168,3 +183,36 @@ async def serve_embedded(serve_argv: list[str], *, host: str, port: int, token: 
             await stop_server(server, task)
     if engine.errored:
         raise SystemExit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A replica of this host's pool or bench: ``python -m serving.embedded --port P --target-dir T
+    [--heads-dir D] -- <vllm serve line>``, its admin token in ``ADAPT_REPLICA_TOKEN`` (never on the
+    command line). Listens on loopback; heads by path; the token on the admin routes."""
+    import argparse
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog="python -m serving.embedded")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--target-dir", required=True)
+    p.add_argument("--heads-dir", default=None)
+    opts = p.parse_args(argv[:cut])
+    token = os.environ.pop(TOKEN_ENV, "")
+    if not token:
+        p.error(f"{TOKEN_ENV} is empty: a replica's admin routes need a token")
+    if not is_loopback(opts.host):
+        p.error(f"a pool's replica listens on loopback, not {opts.host}")
+    logging.basicConfig(level=logging.WARNING)
+    import tempfile
+
+    # Only a head given by URI is downloaded there; the pool gives paths.
+    heads = opts.heads_dir or str(Path(tempfile.gettempdir()) / f"drafter-adapt-agent-heads-{opts.port}")
+    asyncio.run(serve_embedded(argv[cut + 1:], host=opts.host, port=opts.port, token=token,
+                               target_dir=opts.target_dir, heads_dir=heads, local_paths=True,
+                               guard_inference=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -48,9 +48,9 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from headspec.config import shape_signature
 from headspec.files import WEIGHTS, sha256_file
+from serving.vllm_internals import AUX_HIDDEN, DEFAULT_MODEL, PD_CACHE, PROPOSER_MODEL, weight_transfer_registry
 
 BACKEND = "drafter_adapt_head"
-PD_CACHE = "parallel_drafting_hidden_state_tensor"
 
 
 class HeadSwapError(RuntimeError):
@@ -73,7 +73,7 @@ def register() -> None:
     general plugins once per process, but the API server, engine core and workers each do)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
+    if BACKEND not in weight_transfer_registry():
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "HeadFileEngine")
 
 
@@ -100,7 +100,7 @@ def find_pd_caches(draft: torch.nn.Module, max_depth: int = 3) -> list[Any]:
                 continue
             seen.add(id(r))
             attrs = getattr(r, "__dict__", None) if not isinstance(r, dict) else None
-            if isinstance(attrs, dict) and PD_CACHE in attrs and _unwrap(attrs.get("model")) is draft:
+            if isinstance(attrs, dict) and PD_CACHE in attrs and _unwrap(attrs.get(PROPOSER_MODEL)) is draft:
                 found.append(r)
             elif isinstance(r, dict) or callable(getattr(r, "unwrap", None)):
                 nxt.append(r)
@@ -127,6 +127,10 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
         # The proposers found for a draft model (a heap walk, paid by the first swap only).
         self._caches: tuple[weakref.ref, list[weakref.ref]] | None = None
 
+    @property
+    def _target(self) -> torch.nn.Module:
+        return getattr(self, DEFAULT_MODEL)
+
     def _pd_caches(self, draft: torch.nn.Module) -> list[Any]:
         if self._caches is not None and self._caches[0]() is draft:
             found = [r() for r in self._caches[1]]
@@ -143,7 +147,7 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
         return None
 
     def start_weight_update(self) -> None:
-        if self.model is self._default_model:
+        if self.model is self._target:
             raise HeadSwapError(f"the {BACKEND} engine loads drafter heads only: use start_draft_weight_update")
 
     def finish_weight_update(self) -> None:
@@ -159,13 +163,13 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
 
     def _shared_modules(self, draft: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """Drafter submodules that are the target's own objects (outermost ones only)."""
-        target_ids = {id(m) for m in self._default_model.modules()}
+        target_ids = {id(m) for m in self._target.modules()}
         shared = {n: m for n, m in draft.named_modules() if n and id(m) in target_ids}
         return {n: m for n, m in shared.items() if not any(n.startswith(o + ".") for o in shared if o != n)}
 
     def _target_fingerprint(self, shared: dict[str, torch.nn.Module]) -> dict[str, Any]:
         """Storage of every target parameter, plus a checksum of those the drafter shares."""
-        fp: dict[str, Any] = {n: p.data_ptr() for n, p in self._default_model.named_parameters()}
+        fp: dict[str, Any] = {n: p.data_ptr() for n, p in self._target.named_parameters()}
         for mod_name, mod in shared.items():
             for n, p in mod.named_parameters():
                 fp[f"shared:{mod_name}.{n}"] = float(p.detach().float().sum())
@@ -192,7 +196,7 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
 
         t0 = time.perf_counter()
         draft = self.model
-        if draft is self._default_model:
+        if draft is self._target:
             raise HeadSwapError("no draft weight update is active (start_draft_weight_update first)")
         head = Path(update_info.path)
         self._check_shapes(draft, head)
@@ -250,7 +254,7 @@ class HeadFileEngine(WeightTransferEngine[HeadInitInfo, HeadUpdateInfo]):
         with torch.no_grad():
             for c in caches:
                 flat = draft.mask_hidden.view(-1)
-                if getattr(c, "eagle3_use_aux_hidden_state", True):
+                if getattr(c, AUX_HIDDEN, True):
                     flat = draft.combine_hidden_states(flat)
                 getattr(c, PD_CACHE).copy_(flat)
         if parallel and not torch.equal(draft.mask_hidden.view(-1).to("cpu"),

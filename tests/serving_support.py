@@ -116,7 +116,7 @@ def make_heads(tiny_model: Path, d: Path) -> dict[str, Path]:
 # -- a fake replica ----------------------------------------------------------------------------
 
 def fake_replica(text: str = "ok", *, delay: float = 0.0, fail_every: int = 0, context_chars: int | None = None,
-                 metrics: str = "", first_head: str | None = None, k: int = 3) -> FastAPI:
+                 metrics: str = "") -> FastAPI:
     """A stand-in for a vLLM replica, served with ``tests.services.LoopbackServer``.
 
     /health, /v1/models, /metrics (``metrics``) and the OpenAI routes:
@@ -128,10 +128,6 @@ def fake_replica(text: str = "ok", *, delay: float = 0.0, fail_every: int = 0, c
 
     ``state.hits`` counts those requests, ``state.seen`` holds each one's ``path``, ``headers``, raw
     ``body`` and parsed ``json``; ``state.in_flight``/``state.peak`` count chat requests in flight.
-
-    With ``first_head``, a dev-mode replica serving it: /server_info and vLLM's weight-update routes
-    (recorded in ``state.calls``, head paths loaded in ``state.loads``, the weight version in
-    ``state.version``).
     """
     app = FastAPI()
     app.state.hits, app.state.seen, app.state.in_flight, app.state.peak = 0, [], 0, 0
@@ -196,40 +192,55 @@ def fake_replica(text: str = "ok", *, delay: float = 0.0, fail_every: int = 0, c
         return {"choices": [{"message": {"role": "assistant", "content": f"answer-{n}"}}],
                 "usage": {"completion_tokens": 3}}
 
-    if first_head is not None:
-        _weight_update_routes(app, first_head, k)
     return app
 
 
-def _weight_update_routes(app: FastAPI, first_head: str, k: int) -> None:
-    app.state.version, app.state.loads, app.state.calls = "default", [], []
+class FakeWeightSync:
+    """vLLM's weight-update protocol as an engine in the agent's process offers it
+    (``serving.admin.WeightSync``), launched with ``first_head``: each step recorded in ``calls``, head
+    paths loaded in ``loads``, the weight version in ``version``; ``fail`` names a step that raises."""
 
-    def step(name: str):
-        async def record(req: Request):
-            app.state.calls.append(name)
-            body = await req.body()
-            if name == "update_weights":
-                app.state.loads.append(json.loads(body)["update_info"]["path"])
-            elif name == "finish_weight_update":
-                app.state.version = json.loads(body)["weight_version"]
-            return JSONResponse({"success": True} if name == "reset_prefix_cache" else {"ok": name})
-        app.post("/" + name)(record)
+    url = "engine"
 
-    for name in ("pause", "start_draft_weight_update", "update_weights", "finish_weight_update", "resume",
-                 "reset_prefix_cache"):
-        step(name)
+    def __init__(self, first_head: str, k: int = 3, fail: str | None = None) -> None:
+        self.first_head, self.k, self.fail = first_head, k, fail
+        self.version, self.loads, self.calls = "default", [], []
 
-    @app.get("/weight_info")
-    async def weight_info():
-        return {"weight_version": app.state.version}
+    async def _step(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.fail:
+            from serving.admin import RpcError
 
-    @app.get("/server_info")
-    async def server_info():
-        return {"vllm_config": {"speculative_config": {"model": first_head, "num_speculative_tokens": k}}}
+            raise RpcError(f"engine: {name}: injected")
 
-    @app.post("/weight_checker")
-    async def checker():
-        return {"checksums": {"model.embed_tokens.weight": "1"}}
+    async def pause(self) -> None:
+        await self._step("pause")
+
+    async def start_draft(self) -> None:
+        await self._step("start_draft_weight_update")
+
+    async def update(self, update_info: dict) -> None:
+        await self._step("update_weights")
+        self.loads.append(update_info["path"])
+
+    async def finish(self, weight_version: str) -> None:
+        await self._step("finish_weight_update")
+        self.version = weight_version
+
+    async def resume(self) -> None:
+        await self._step("resume")
+
+    async def reset_prefix_cache(self) -> None:
+        await self._step("reset_prefix_cache")
+
+    async def weight_version(self) -> str:
+        return self.version
+
+    async def launch_spec(self) -> dict:
+        return {"model": self.first_head, "num_speculative_tokens": self.k}
+
+    async def target_checksums(self) -> dict[str, str]:
+        return {"model.embed_tokens.weight": "1"}
 
 
 # -- the router on loopback --------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
-import inspect
 import os
 import shutil
 import subprocess
@@ -91,19 +90,10 @@ def check_python_stack(_: Config) -> Check:
 
 
 def vllm_internals() -> dict[str, str]:
-    """Each hot-swap internal of ``supported.VLLM_INTERNALS``: "ok" or why it is missing."""
-    out = {}
-    for it in supported.VLLM_INTERNALS:
-        try:
-            obj: Any = importlib.import_module(it.module)
-            for attr in it.path.split("."):
-                obj = getattr(obj, attr)
-            if it.needle is not None and it.needle not in inspect.getsource(obj):
-                raise LookupError(f"{it.module}.{it.path} no longer mentions {it.needle}")
-            out[it.what] = "ok"
-        except Exception as exc:  # noqa: BLE001 - each missing piece is a line of the report
-            out[it.what] = f"missing: {type(exc).__name__}: {exc}"
-    return out
+    """Each vLLM internal of ``supported.VLLM_INTERNALS`` (serving/vllm_internals.py): "ok" or why it is missing."""
+    from serving.vllm_internals import check
+
+    return check(supported.VLLM_INTERNALS)
 
 
 def check_vllm(_: Config) -> Check:

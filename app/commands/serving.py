@@ -263,8 +263,6 @@ def agent(
     ctx: typer.Context,
     config: ConfigOpt = None,
     json_: JsonOpt = False,
-    replica: Annotated[Optional[str], typer.Option(
-        help="The loopback replica it fronts (default [serving].agent_replica_url).")] = None,
     host: Annotated[Optional[str], typer.Option(help="Listen address (default [serving].agent_host).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (default [serving].agent_port).")] = None,
     target: TargetOpt = None,
@@ -277,44 +275,22 @@ def agent(
     tls_key: Annotated[Optional[str], typer.Option(help="TLS key (PEM; default [serving].agent_tls_key).")] = None,
     embed: Annotated[bool, typer.Option(
         "--embed", help="Hold the replica's engine in this process: give its `vllm serve ...` line after `--` "
-                        "(production; no dev mode).")] = False,
+                        "(the only shape: no vLLM dev mode anywhere).")] = False,
 ) -> None:
-    """The door of a replica for a pool elsewhere: metrics, head swaps by URI (ADAPT_AGENT_TOKEN).
-
-    `adapt agent --embed -- vllm serve MODEL ...` holds the engine itself (production);
-    `adapt agent --replica URL` fronts a dev-mode replica on loopback."""
+    """The door of a replica for a pool elsewhere, holding its engine: metrics, head swaps by URI
+    (ADAPT_AGENT_TOKEN). `adapt agent --embed -- vllm serve MODEL ...`."""
     cfg = get_config(config, json_)
-    from serving.admin import ExposureError, check_exposure
-    from serving.agent import Agent
-
     s = cfg.serving
     host = host or s.agent_host
     token = s.resolved_agent_token()
     serve_argv = list(ctx.args)
-    if embed and replica:
-        fail("--embed holds the engine itself: --replica is for a separate dev-mode replica", 2)
-    if serve_argv and not embed:
-        fail(f"unexpected arguments {serve_argv[:3]}: a `vllm serve` line goes after --embed --", 2)
-    if embed:
-        _run_embedded(cfg, serve_argv, host=host, port=port or s.agent_port, token=token, target=target,
-                      heads_dir=heads_dir, tracking_uri=tracking_uri, s3_endpoint=s3_endpoint,
-                      tls_cert=tls_cert if tls_cert is not None else s.agent_tls_cert,
-                      tls_key=tls_key if tls_key is not None else s.agent_tls_key, json_=json_)
-        return
-    try:  # before the target is fetched
-        check_exposure(host, token, "the agent")
-        ag = Agent(replica or s.agent_replica_url, host=host, port=port or s.agent_port, token=token,
-                   target_dir=_target_dir(cfg, target), heads_dir=heads_dir or Path(cfg.head.heads_dir) / "agent",
-                   tracking_uri=tracking_uri or cfg.mlflow.tracking_uri,
-                   s3_client_kwargs=_s3_kwargs(cfg, s3_endpoint),
-                   tls_cert=tls_cert if tls_cert is not None else s.agent_tls_cert,
-                   tls_key=tls_key if tls_key is not None else s.agent_tls_key,
-                   max_body_bytes=s.max_body_bytes or cfg.capture.max_line_bytes,
-                   header_timeout=s.header_timeout_s, body_timeout=s.body_timeout_s)
-    except (ExposureError, ValueError) as exc:
-        fail(error_text(exc), 2)
-    _run_until_stopped(ag, lambda: emit({"agent": ag.url, "replica": ag.replica_url}, json_,
-                                        human=f"agent {ag.url} in front of {ag.replica_url}; Ctrl-C stops"))
+    if not embed or not serve_argv:
+        fail("give the replica's `vllm serve ...` line after --embed -- (`adapt replica command` prints it): "
+             "the agent holds the engine itself; fronting a separate dev-mode replica is no longer supported", 2)
+    _run_embedded(cfg, serve_argv, host=host, port=port or s.agent_port, token=token, target=target,
+                  heads_dir=heads_dir, tracking_uri=tracking_uri, s3_endpoint=s3_endpoint,
+                  tls_cert=tls_cert if tls_cert is not None else s.agent_tls_cert,
+                  tls_key=tls_key if tls_key is not None else s.agent_tls_key, json_=json_)
 
 
 def _run_embedded(cfg, serve_argv, *, host, port, token, target, heads_dir, tracking_uri, s3_endpoint,
@@ -419,13 +395,21 @@ def command(
         help="--k8s --tls: kubernetes.io/tls Secret of the agents.")] = "drafter-agent-tls",
     gpus: Annotated[Optional[int], typer.Option(
         help="--k8s: GPUs per replica (default [serving].tensor_parallel_size; 0 with --cpu).")] = None,
-    dev_mode: Annotated[bool, typer.Option(
-        "--dev-mode", help="The replica as its own `vllm serve` with VLLM_SERVER_DEV_MODE on loopback, and a "
-                           "proxy agent beside it (default: the agent embeds the engine, no dev mode).")] = False,
+    cpu_request: Annotated[str, typer.Option(
+        help="--k8s: the pod's CPU request, e.g. 8 (default: none).")] = "",
+    memory_request: Annotated[str, typer.Option(
+        help="--k8s: the pod's memory request, e.g. 64Gi (default: none).")] = "",
+    cpu_limit: Annotated[str, typer.Option(help="--k8s: the pod's CPU limit (default: none).")] = "",
+    memory_limit: Annotated[str, typer.Option(help="--k8s: the pod's memory limit (default: none).")] = "",
+    node_selector: Annotated[Optional[list[str]], typer.Option(
+        help="--k8s: a node label the pods need, key=value (repeatable).")] = None,
+    toleration: Annotated[Optional[list[str]], typer.Option(
+        help="--k8s: a taint the pods tolerate, key=value:Effect, key:Effect or key=value (repeatable).")] = None,
 ) -> None:
     """Print what to run for a replica the pool does not start: the exact `vllm serve` line and its agent."""
     cfg = get_config(config, json_)
-    from serving.attach import agent_urls, k8s_manifest, recipe, shell_text, to_yaml
+    from serving.attach import (Scheduling, agent_urls, k8s_manifest, parse_node_selector, parse_toleration,
+                                recipe, shell_text, to_yaml)
     from serving.replica import REPO_ROOT
     from serving.serve import served_name
 
@@ -437,21 +421,26 @@ def command(
         cfg.serving.agent_tls_key or "/etc/drafter-adapt/agent.key")
     r = recipe(cfg, head_uri=head, target_dir=target, heads_dir=heads,
                repo_dir=repo_dir or ("/app" if k8s else str(REPO_ROOT)), served_name=served_name(cfg.target),
-               replica_port=replica_port, agent_port=agent_port, cpu=cpu, dev_mode=dev_mode,
+               replica_port=replica_port, agent_port=agent_port, cpu=cpu,
                tls_cert=tls_files[0] if tls else "", tls_key=tls_files[1] if tls else "")
     if not k8s:
         emit(r.to_json(), json_, human=shell_text(r).rstrip("\n"))
         return
     n = cfg.serving.replicas if count is None else count
+    try:
+        sched = Scheduling(cpu=cpu_request, memory=memory_request, cpu_limit=cpu_limit, memory_limit=memory_limit,
+                           node_selector=parse_node_selector(node_selector or []),
+                           tolerations=[parse_toleration(t) and t for t in toleration or []])
+    except ValueError as exc:
+        fail(str(exc), 2)
     docs = k8s_manifest(r, name=name, image=image, replicas=n, secret=secret, model_pvc=model_pvc,
                         namespace=namespace, target_dir=target, heads_dir=heads, gpus=0 if cpu else gpus,
-                        tls_secret=tls_secret if tls else "")
+                        tls_secret=tls_secret if tls else "", sched=sched)
     urls = agent_urls(r, name=name, replicas=n, namespace=namespace)
     if json_:
         emit({"manifest": docs, "attach_agents": urls, "notes": r.notes}, True)
         return
-    header = ["An attached replica per pod: " + ("the agent holding vLLM's engine (no dev mode)" if r.embedded else
-                                                 "vLLM on the pod's loopback (dev mode), its agent the only door"),
+    header = ["An attached replica per pod: the agent holding vLLM's engine (no dev mode)",
               "(docs/deploy.md, \"Attached replicas\"). Create the Secret first (values never here):",
               f"  kubectl -n {namespace} create secret generic {secret} --from-literal=agent-token=... "
               "[--from-literal=aws-access-key-id=... --from-literal=aws-secret-access-key=...]",

@@ -188,13 +188,12 @@ def test_an_in_place_swap_drafts_as_on_a_fresh_cache(gated):
     import asyncio
 
     from headspec.validate import validate_head
-    from serving.admin import ReplicaAdmin
 
     prod = gated.get("production")
     assert prod is not None, "needs the promotion of the test before"
     stack = gated["stack"]
     url = stack.pool.replicas[0].url
-    admin = ReplicaAdmin(url)
+    admin = stack.pool.replicas[0].admin
     rng = random.Random(7)
     # ~600 tokens each: four full 128-token CPU blocks, of which vLLM reuses all but the last for EAGLE
     texts = [" ".join(rng.choice(WORDS) for _ in range(420)) for _ in range(8)]
@@ -207,7 +206,7 @@ def test_an_in_place_swap_drafts_as_on_a_fresh_cache(gated):
             assert _serve(url, stack.model_name, texts)["hits"] > 0  # `first`'s blocks are cached now
             asyncio.run(admin.load_head(str(heads[second]), None, sha[second]))
             after_swap = _serve(url, stack.model_name, texts)
-            httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+            asyncio.run(admin.reset_prefix_cache())
             fresh = _serve(url, stack.model_name, texts)
             print(f"{first} -> {second}: right after the swap {after_swap}, on a reset cache {fresh}")
             assert after_swap["hits"] == 0  # the swap dropped the blocks `first` had cached

