@@ -69,10 +69,16 @@ class CaptureWriter:
 
     # -- request path ------------------------------------------------------------
 
-    def sample(self) -> bool:
-        """Decide (before building a record) whether this request is captured."""
+    def draw(self) -> bool:
+        """Whether a request is to be captured, drawn when it arrives (nothing counted): the router asks
+        the replica for token ids only on those. Pass the draw to :meth:`sample` once it is answered."""
+        return self.sampling_pct >= 100 or self.rng.random() * 100 < self.sampling_pct
+
+    def sample(self, drawn: bool | None = None) -> bool:
+        """Decide (before building a record) whether this request is captured: ``drawn`` (from
+        :meth:`draw`), else a new draw; counted."""
         self.counts["offered"] += 1
-        if self.sampling_pct >= 100 or self.rng.random() * 100 < self.sampling_pct:
+        if self.draw() if drawn is None else drawn:
             return True
         self.counts["sampled_out"] += 1
         return False

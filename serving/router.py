@@ -12,6 +12,11 @@
 * ``/v1/models``: from any routable replica.
 * Every finished request is offered to the :class:`CaptureWriter` (sampled,
   non-blocking); streamed responses are captured as their SSE body.
+* Token-exact capture (``capture_token_ids``): the router asks the replica for vLLM's
+  ``return_token_ids``, captures the answer with the prompt's and output's token ids, and gives
+  the client the answer it would have had without them (``serving.token_ids``). A replica that
+  refuses the field (a 400 or 422 naming it: not vLLM) gets the request again without it, and
+  is not asked again for :data:`TOKEN_IDS_RETRY_S`.
 * ``/metrics``: router and capture counters (Prometheus).
 * ``/admin/*``: bearer-token protected (see ``serving.admin``); the router never
   forwards any other path, so replicas' dev-mode routes (weight updates, ``/collective_rpc``)
@@ -45,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from serving.admin import make_auth_dependency
 from serving.capture_writer import CaptureWriter
 from serving.pool import Pool, Replica
+from serving.token_ids import StreamStripper, names_field, strip_json, wants_ids, with_ids
 from serving.upstream import PooledTransport
 
 log = logging.getLogger(__name__)
@@ -53,6 +59,9 @@ log = logging.getLogger(__name__)
 # What a replica that dies mid-request looks like from here (a reset or closed connection); a
 # timeout is not one of them: the replica may just be slow, and a retry would double its work.
 RESET_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# How long a replica that refused ``return_token_ids`` is sent requests without it before it is asked
+# again (it may have been replaced by one that knows the field).
+TOKEN_IDS_RETRY_S = 600.0
 FORWARD_HEADERS = frozenset({"content-type", "accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
 
 
@@ -232,7 +241,7 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                swap_handler: Callable[[dict], Awaitable[dict]] | None = None,
                request_timeout: float = 600.0, status_window_s: float = 300.0,
                no_replica_wait: float = 30.0, max_body_bytes: int = 8 << 20,
-               upstream_metrics: bool = False, max_resets: int = 1) -> FastAPI:
+               upstream_metrics: bool = False, max_resets: int = 1, capture_token_ids: bool = True) -> FastAPI:
     """Build the router app. ``swap_handler(body)`` runs the swap protocol (``serving.swap``).
 
     ``max_resets``: how many times a request that a replica dropped before answering (a crash, a
@@ -241,6 +250,9 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
 
     ``upstream_metrics``: ``/metrics`` starts with the replicas' own expositions (an agent's one
     replica: the pool that attaches the agent reads its spec-decode counters there).
+
+    ``capture_token_ids``: ask replicas for token ids on the requests the writer may capture (see the
+    module doc); nothing changes for a router without a writer.
 
     Serve it with :func:`server_config` for the header and body deadlines.
     """
@@ -256,6 +268,9 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
     reg.register(_CaptureCollector(writer))
     require_admin = make_auth_dependency(admin_token)
     state: dict[str, Any] = {"client": None}
+    # Replica URL -> when it may be asked for token ids again, for replicas that refused the field.
+    no_token_ids: dict[str, float] = {}
+    ask_ids = capture_token_ids and writer is not None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -276,13 +291,13 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
     app.add_middleware(hot_routes, routes=hot)
     app.add_middleware(body_limit, max_bytes=max_body_bytes)  # added last: outside hot_routes
 
-    def _offer_capture(payload: dict, body: bytes, ctype: str, ok: bool) -> None:
+    def _offer_capture(payload: dict, body: bytes, ctype: str, ok: bool, drawn: bool) -> None:
         # Never let capture affect the user request: sampling and record building
         # are cheap and guarded; writing happens on the writer's own task.
         if writer is None or not ok:
             return
         try:
-            if writer.sample():
+            if writer.sample(drawn):
                 writer.offer(_capture_line(payload, body, ctype))
         except Exception:  # noqa: BLE001
             writer.counts["dropped_write_error"] += 1
@@ -298,6 +313,10 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
             why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
             return JSONResponse({"error": {"message": f"invalid JSON body: {why}", "type": "BadRequest"}}, 400)
         stream = bool(payload.get("stream"))
+        # Sampled when it arrives: only a request to be captured asks the replica for token ids; the
+        # replica's answer is then captured whole and the client's has them stripped.
+        drawn = writer is not None and writer.draw()
+        ids_body = with_ids(raw, payload) if ask_ids and drawn and wants_ids(payload) else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
@@ -340,9 +359,26 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
             tried.add(r.url)
             r.outstanding += 1
             outstanding.labels(r.url).set(r.outstanding)
+            injected = ids_body is not None and no_token_ids.get(r.url, 0.0) <= time.monotonic()
+            prefetched: bytes | None = None
             try:
-                upstream = await client.send(client.build_request("POST", r.url + path, content=raw,
+                upstream = await client.send(client.build_request("POST", r.url + path,
+                                                                  content=ids_body if injected else raw,
                                                                   headers={**headers, **r.headers}), stream=True)
+                if injected and upstream.status_code in (400, 422):
+                    prefetched = await upstream.aread()
+                    if names_field(prefetched):
+                        # Maybe a replica that does not know the field: ask again without it. The client
+                        # gets that answer, whatever it is, as it would have without the router's field.
+                        await upstream.aclose()
+                        injected, prefetched = False, None
+                        upstream = await client.send(client.build_request(
+                            "POST", r.url + path, content=raw, headers={**headers, **r.headers}), stream=True)
+                        retries_total.labels("token_ids_refused").inc()
+                        if upstream.status_code < 400:  # it was the field: leave this replica alone for a while
+                            no_token_ids[r.url] = time.monotonic() + TOKEN_IDS_RETRY_S
+                            log.warning("replica %s refused return_token_ids: its requests are captured without "
+                                        "token ids for %.0f s", r.url, TOKEN_IDS_RETRY_S)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the replica: always safe to send elsewhere.
                 r.outstanding -= 1
@@ -363,9 +399,11 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                 return _bad_gateway(exc)
             # Read the whole answer (or a stream's first chunk) before the client gets any byte of
             # it, so a replica that dies meanwhile costs a retry, not the request.
-            chunks = upstream.aiter_raw()
+            chunks = upstream.aiter_raw() if prefetched is None else _no_chunks()
             try:
-                if stream:
+                if prefetched is not None:
+                    first = body = prefetched
+                elif stream:
                     first = await anext(chunks, b"")
                 else:
                     body = await upstream.aread()
@@ -383,6 +421,8 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
             break
 
         ctype = upstream.headers.get("content-type", "application/json")
+        # Only a successful answer carries ids; an error is passed on as it came.
+        strip = injected and upstream.status_code == 200
 
         def _done(ok: bool, body: bytes) -> None:
             r.outstanding -= 1
@@ -390,22 +430,34 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
             outstanding.labels(r.url).set(r.outstanding)
             requests_total.labels(route, "ok" if ok else f"http_{upstream.status_code}").inc()
             latency.labels(route).observe(time.perf_counter() - t0)
-            _offer_capture(payload, body, ctype, ok)
+            _offer_capture(payload, body, ctype, ok, drawn)
 
         if not stream:
             await upstream.aclose()
             _done(upstream.status_code == 200, body)
-            return Response(body, status_code=upstream.status_code, media_type=ctype)
+            return Response(strip_json(body) if strip else body, status_code=upstream.status_code, media_type=ctype)
+
+        stripper = StreamStripper(drop_held_back=route == "chat") if strip else None
 
         async def relay():
             got: list[bytes] = [first] if first else []
             ok = upstream.status_code == 200
             try:
-                if first:
-                    yield first
-                async for chunk in chunks:
-                    got.append(chunk)
-                    yield chunk
+                if stripper is None:
+                    if first:
+                        yield first
+                    async for chunk in chunks:
+                        got.append(chunk)
+                        yield chunk
+                else:
+                    if first and (out := stripper.feed(first)):
+                        yield out
+                    async for chunk in chunks:
+                        got.append(chunk)
+                        if out := stripper.feed(chunk):
+                            yield out
+                    if out := stripper.flush():
+                        yield out
             except httpx.HTTPError:
                 ok = False
                 r.failures += 1
@@ -495,6 +547,11 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         return JSONResponse(report, 200 if report.get("ok") else 409)
 
     return app
+
+
+async def _no_chunks():
+    return
+    yield b""  # an async generator that yields nothing: the answer was read whole
 
 
 async def start_server(config: uvicorn.Config, timeout: float = 30.0) -> tuple[uvicorn.Server, asyncio.Task]:
