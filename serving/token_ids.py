@@ -50,7 +50,7 @@ def with_ids(raw: bytes, payload: dict) -> bytes:
     replica unchanged; a body that already holds the key (false) is written again.
     """
     if FIELD in payload:
-        return json.dumps({**payload, FIELD: True}, ensure_ascii=False).encode()
+        return json.dumps({**payload, FIELD: True}).encode()  # ASCII: a lone surrogate stays an escape
     body = raw.rstrip()
     head = body[:-1].rstrip()
     sep = b"" if head.endswith(b"{") else b","

@@ -157,6 +157,8 @@ def test_the_field_is_appended_to_the_body_as_sent():
     # A client's own false is overridden (the router strips what it did not ask for).
     assert json.loads(with_ids(b'{"return_token_ids":false,"a":1}', {"return_token_ids": False, "a": 1})) == \
         {"return_token_ids": True, "a": 1}
+    lone = b'{"return_token_ids":false,"a":"\\ud800"}'  # JSON allows a lone surrogate, UTF-8 does not
+    assert json.loads(with_ids(lone, json.loads(lone))) == {"return_token_ids": True, "a": "\ud800"}
     assert not wants_ids({"return_token_ids": True}) and not wants_ids({"echo": True}) and wants_ids({})
 
 
