@@ -3,6 +3,7 @@ boto3 and DuckDB unimportable (what a bare GPU host lacks), from a local ShareGP
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -40,47 +41,121 @@ def sharegpt_json(path, n: int = 40) -> None:
     path.write_text(json.dumps(rows))
 
 
+def load_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("learning_curve", REPO_ROOT / "benchmarks" / "learning_curve.py")
+    lc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lc)
+    return lc
+
+
 def test_tiny_learning_curve_runs_without_the_services_a_gpu_host_lacks(tmp_path):
-    data, out = tmp_path / "sharegpt.json", tmp_path / "curve.json"
+    data, out, cache = tmp_path / "sharegpt.json", tmp_path / "curve.json", tmp_path / "out" / "onpolicy.jsonl.gz"
     sharegpt_json(data)
     argv = ["--tiny", "--sharegpt", str(data), "--work-dir", str(tmp_path / "work"), "--out", str(out),
-            "--points", "6", "12", "--epochs", "2", "--device", "cpu"]
+            "--cache-out", str(cache), "--points", "6", "12", "--max-epochs", "3", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", RUN.format(blocked=BLOCKED, argv=argv)], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(out.read_text())
+    assert res["partial"] is False and not res["skipped"]
     assert res["heldout"]["prompts"] == 8 and res["heldout"]["heldout_code"] == 4
     assert res["heldout"]["heldout_repeating_training"] == 0
     assert [pt["conversations"] for pt in res["points"]] == [6, 12]
     for pt in res["points"]:
         acc = pt["acceptance"]
-        assert pt["steps"] == pt["steps_planned"] >= 2 and pt["tokens"] > 0 and pt["train_tok_s"] > 0
+        # one validation loss per epoch run; the exported head is the best epoch's
+        assert 1 <= len(pt["validation"]) <= 3 and pt["epochs"] == len(pt["validation"])
+        assert pt["best_validation_loss"] == min(v["loss"] for v in pt["validation"])
+        assert pt["stopped"] in ("converged", "max_epochs") and pt["tokens"] > 0 and pt["train_tok_s"] > 0
         assert 1.0 <= acc["mean_acceptance_length"] <= 1 + res["k"] and len(acc["acceptance_rate_per_pos"]) == res["k"]
         assert acc["num_prompts"] == 8 and set(pt["by_domain"]) == {"code", "general"}
         assert pt["attention"] in ("sdpa", "segment")
-    assert "learning curve" in p.stdout and "MISSED" in p.stdout or "MET" in p.stdout
+    kc = res["k_choice"]
+    assert [c["batch_size"] for c in kc["per_batch_size"]] == [1, 2, 4, 8]
+    assert all(0 <= c["k"] <= res["k"] for c in kc["per_batch_size"]) and kc["schedule"][0][0] == 1
+    assert "learning curve" in p.stdout and ("MISSED" in p.stdout or "MET" in p.stdout)
+    assert "num_speculative_tokens_per_batch_size" in p.stdout
+    # The answers (12 training rows and 4 validation rows) came back through --cache-out, for a later run.
+    lc = load_benchmark()
+    answers = lc.read_cache([cache.parent], json.loads(gzip.open(cache, "rt").readline())["meta"])
+    assert len(answers) == 16
     # No training conversation asks a held-out question (case and spacing aside).
-    work = tmp_path / "work" / "conversations"
-    train_q = {normalize(json.loads(line)["conversations"][0]["value"])
-               for f in work.glob("*.jsonl") for line in f.read_text().splitlines()}
+    train_ids = set(answers)
     rows = json.loads(data.read_text())
+    train_q = {normalize(r["conversations"][0]["value"]) for r in rows if r["id"] in train_ids}
     held_q = {normalize(r["conversations"][0]["value"]) for r in rows} - train_q
     assert len(held_q) >= 8 and not (held_q & train_q)
+
+
+class FakeRunner:
+    """TargetRunner's generation surface: a prompt's ids are its text's length in ones; answers say how long it was."""
+
+    class Tok:
+        eos_token_id = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return f"answer {len(ids)}"
+
+    def __init__(self):
+        self.tokenizer = self.Tok()
+        self.batches = []
+
+    def prompt_ids(self, row):
+        return [1] * len(row["conversations"][0]["value"])
+
+    def greedy_batch(self, prompts, max_new, stop):
+        self.batches.append([len(p) for p in prompts])
+        return [[5] * max_new for _ in prompts]
+
+
+def test_generation_answers_only_what_the_cache_lacks_in_length_sorted_bounded_batches(tmp_path):
+    import argparse
+    import time
+
+    lc = load_benchmark()
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "x" * (10 + (i * 7) % 13)}]} for i in range(10)]
+    meta = {"target": "sha", "max_new_tokens": 4}
+    lc.write_cache(tmp_path / "old.jsonl.gz", meta, {"r0": "kept", "r1": "kept"})
+    lc.write_cache(tmp_path / "other.jsonl.gz", {"target": "other", "max_new_tokens": 4}, {"r2": "stale"})
+    answers = lc.read_cache([tmp_path / "old.jsonl.gz", tmp_path / "other.jsonl.gz"], meta)
+    assert answers == {"r0": "kept", "r1": "kept"}  # another target's answers are not this one's
+    runner, saves = FakeRunner(), []
+    args = argparse.Namespace(gen_batch=4, gen_batch_tokens=4 * 20, gen_max_tokens=4, save_every=1e9)
+    g = lc.generate(runner, rows, answers, args, time.monotonic() + 60, lambda: saves.append(len(answers)))
+    assert g["answers"] == 8 and g["tokens"] == 32 and saves == [10]
+    assert answers["r0"] == "kept" and answers["r5"] == "answer 4"
+    flat = [n for b in runner.batches for n in b]
+    assert flat == sorted(flat) and len(flat) == 8
+    # a batch holds at most gen_batch prompts and gen_batch_tokens prompt-plus-answer tokens (halved until it does)
+    assert all(len(b) <= 4 and len(b) * (max(b) + 4) <= 80 for b in runner.batches)
+    # a spent budget answers nothing, and says so by its count
+    assert lc.generate(FakeRunner(), rows + [{"id": "new", "conversations": [{"from": "human", "value": "y"}]}],
+                       answers, args, time.monotonic() - 1, lambda: None)["answers"] == 0
+
+
+def test_a_cache_cut_short_keeps_the_rows_before_the_cut(tmp_path):
+    lc = load_benchmark()
+    meta = {"target": "sha", "max_new_tokens": 4}
+    lc.write_cache(tmp_path / "onpolicy.jsonl.gz", meta, {f"r{i}": "a" * 200 for i in range(200)})
+    blob = (tmp_path / "onpolicy.jsonl.gz").read_bytes()
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "onpolicy.jsonl.gz").write_bytes(blob[: len(blob) * 2 // 3])
+    got = lc.read_cache([tmp_path / "cut"], meta)
+    assert 0 < len(got) < 200 and all(v == "a" * 200 for v in got.values())
 
 
 def test_no_training_first_turn_near_repeats_a_heldout_one_even_when_its_later_turns_differ():
     """A conversation trains on its first turn: one whose first turn nearly repeats a held-out question must
     leave the pool even when its later turns, beside that first turn, put it under the near threshold."""
     import argparse
-    import importlib.util
 
     from capture.overlap import overlap
     from traffic import sharegpt
 
-    spec = importlib.util.spec_from_file_location("learning_curve", REPO_ROOT / "benchmarks" / "learning_curve.py")
-    lc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lc)
+    lc = load_benchmark()
     rng = random.Random(1)
     rows = []
     for i in range(24):

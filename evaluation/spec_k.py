@@ -1,0 +1,75 @@
+"""Which K (speculative tokens per step) pays at each batch size, from per-position acceptance and step costs.
+
+A P-EAGLE head drafts its K positions in one pass, so serving it with fewer positions keeps the first
+ones' acceptance: with ``acceptance_rate_per_pos`` as vLLM counts it (position i is accepted only when
+every position before it was, per draft), a step that drafts k positions emits on average
+``1 + sum(rate[:k])`` tokens. Its cost depends on the batch size: the target verifies ``1 + k`` tokens
+per sequence (nearly free while a small batch is bound by reading the weights, dear once the batch
+fills the device), and the drafter runs once. The best k maximises tokens per second of step time;
+k = 0 is no speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+# seconds of one decoding step at (batch size, k); k = 0 is a plain decoding step
+StepCost = Callable[[int, int], float]
+
+
+@dataclass(frozen=True)
+class KChoice:
+    batch_size: int
+    k: int
+    tokens_per_step: float  # per sequence
+    speedup: float  # tokens per second against no speculation at this batch size
+
+
+def expected_tokens(rate_per_pos: Sequence[float], k: int) -> float:
+    """Tokens one sequence gains per step when drafting ``k`` positions (the target's own token included)."""
+    if k < 0 or k > len(rate_per_pos):
+        raise ValueError(f"k={k}: the head measured {len(rate_per_pos)} positions")
+    return 1.0 + sum(rate_per_pos[:k])
+
+
+def table_cost(seconds: Mapping[tuple[int, int], float]) -> StepCost:
+    """A :data:`StepCost` from measured step times keyed by (batch size, k)."""
+    def cost(batch_size: int, k: int) -> float:
+        try:
+            return seconds[(batch_size, k)]
+        except KeyError:
+            raise KeyError(f"no measured step time for batch size {batch_size}, k={k}") from None
+    return cost
+
+
+def best_k(rate_per_pos: Sequence[float], cost: StepCost, batch_sizes: Sequence[int],
+           max_k: int | None = None) -> list[KChoice]:
+    """Per batch size, the k in 0..``max_k`` (default: every measured position) with the most tokens per
+    second; ties go to the smaller k (less verification work for the same gain)."""
+    top = len(rate_per_pos) if max_k is None else min(max_k, len(rate_per_pos))
+    out = []
+    for b in batch_sizes:
+        base = cost(b, 0)
+        if base <= 0:
+            raise ValueError(f"step time at batch size {b}, k=0 is {base}: must be positive")
+        rate = {k: expected_tokens(rate_per_pos, k) / cost(b, k) for k in range(top + 1)}
+        k = max(rate, key=lambda kk: (rate[kk], -kk))
+        out.append(KChoice(b, k, expected_tokens(rate_per_pos, k), rate[k] * base))
+    return out
+
+
+def per_batch_size_schedule(choices: Sequence[KChoice], last: int | None = None) -> list[tuple[int, int, int]]:
+    """``[[first, last, k], ...]`` for ``[serving] num_speculative_tokens_per_batch_size``: each measured
+    batch size's k holds from it up to the next measured one; the last range ends at ``last``
+    (default: the largest measured batch size)."""
+    rows: list[tuple[int, int, int]] = []
+    cs = sorted(choices, key=lambda c: c.batch_size)
+    for i, c in enumerate(cs):
+        hi = cs[i + 1].batch_size - 1 if i + 1 < len(cs) else (last or c.batch_size)
+        lo = 1 if i == 0 else c.batch_size
+        if rows and rows[-1][2] == c.k:
+            rows[-1] = (rows[-1][0], hi, c.k)
+        else:
+            rows.append((lo, hi, c.k))
+    return rows

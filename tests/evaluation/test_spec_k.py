@@ -1,0 +1,34 @@
+import pytest
+
+from evaluation.spec_k import best_k, expected_tokens, per_batch_size_schedule, table_cost
+
+
+def test_expected_tokens_sums_the_first_positions_rates():
+    rates = [0.4, 0.1, 0.02]
+    assert expected_tokens(rates, 0) == 1.0
+    assert expected_tokens(rates, 2) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        expected_tokens(rates, 4)
+
+
+def test_best_k_falls_as_verification_gets_dear():
+    rates = [0.4, 0.1, 0.02]
+    # batch 1: verifying more tokens costs almost nothing; batch 64: each verified token costs in full
+    seconds = {}
+    for k in range(4):
+        seconds[(1, k)] = 10.0 + 0.1 * k
+        seconds[(8, k)] = 10.0 + 2.0 * k
+        seconds[(64, k)] = 10.0 * (1 + k)
+    choices = best_k(rates, table_cost(seconds), [1, 8, 64])
+    assert [c.k for c in choices] == [3, 1, 0]
+    assert choices[0].speedup == pytest.approx(1.52 / 10.3 * 10.0)
+    assert choices[1].tokens_per_step == pytest.approx(1.4) and choices[2].speedup == 1.0
+    assert per_batch_size_schedule(choices, last=256) == [(1, 7, 3), (8, 63, 1), (64, 256, 0)]
+    # ranges with the same k merge; max_k bounds the choice
+    assert [c.k for c in best_k(rates, table_cost(seconds), [1, 8], max_k=1)] == [1, 1]
+    assert per_batch_size_schedule(best_k(rates, table_cost(seconds), [1, 8], max_k=1)) == [(1, 8, 1)]
+
+
+def test_a_missing_step_time_is_named():
+    with pytest.raises(KeyError, match="batch size 2, k=1"):
+        best_k([0.5], table_cost({(2, 0): 1.0}), [2])
