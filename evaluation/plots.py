@@ -90,3 +90,52 @@ def plot_bench(result: "BenchResult", path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_learning_curve(runs: list[dict], path: str | Path, anchors: list[dict] | None = None) -> Path:
+    """Acceptance length and per-position acceptance against training conversations (log scale), one marker
+    per run's device (``runs``: benchmarks/learning_curve.py results), the largest point's goal as a line;
+    ``anchors`` (``{"label", "conversations", "acceptance_length", "per_position"}``): published figures, as stars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    markers = {"cuda": "o", "cpu": "s"}
+    goal = None
+    for run in runs:
+        pts = sorted(run.get("points", []), key=lambda p: p["conversations"])
+        if not pts:
+            continue
+        kind = "cuda" if str(run.get("device", "")).startswith("cuda") else "cpu"
+        label = f"{run.get('device_name') or kind}"
+        xs = [p["conversations"] for p in pts]
+        ax1.plot(xs, [p["acceptance"]["mean_acceptance_length"] for p in pts], marker=markers[kind], label=label)
+        for d in range(len(pts[0]["acceptance"]["acceptance_rate_per_pos"])):
+            ax2.plot(xs, [p["acceptance"]["acceptance_rate_per_pos"][d] for p in pts], marker=markers[kind],
+                     color=f"C{d}", linestyle="-" if kind == "cuda" else "--", label=f"position {d + 1} ({label})")
+        goal = (run.get("goal") or {}).get("acceptance_length", goal)
+    for a in anchors or []:
+        ax1.plot([a["conversations"]], [a["acceptance_length"]], marker="*", markersize=12, color="black",
+                 linestyle="none", label=a["label"])
+        for d, r in enumerate(a["per_position"]):
+            ax2.plot([a["conversations"]], [r], marker="*", markersize=12, color=f"C{d}", linestyle="none",
+                     label=f"position {d + 1} ({a['label']})" if d == 0 else None)
+    if goal:
+        ax1.axhline(goal, color="#999999", linestyle=":", label=f"target {goal}")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("training conversations (on-policy ShareGPT first turns)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("acceptance length at K=3 (held-out)")
+    ax2.set_ylabel("acceptance rate per draft position")
+    ax1.set_title("acceptance length")
+    ax2.set_title("per position (accepted with every earlier one)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
