@@ -265,12 +265,14 @@ def captured(capture_dir: Path) -> int:
 
 
 def client_case(url: str, c: int, seconds: float, stream: bool, cores: str) -> dict:
-    out = subprocess.run(["taskset", "-c", cores, sys.executable, __file__, "--client", url, "--concurrency", str(c),
-                          "--seconds", str(seconds), *(["--stream"] if stream else [])],
-                         capture_output=True, text=True, timeout=seconds + 120)
-    if out.returncode != 0:
-        raise RuntimeError(f"clients failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        out = subprocess.run(["taskset", "-c", cores, sys.executable, __file__, "--client", url, "--concurrency",
+                              str(c), "--seconds", str(seconds), "--result", f.name,
+                              *(["--stream"] if stream else [])], capture_output=True, text=True,
+                             timeout=seconds + 120)
+        if out.returncode != 0:
+            raise RuntimeError(f"clients failed: {out.stderr[-2000:]}")
+        return json.loads(Path(f.name).read_text())
 
 
 def main() -> int:
@@ -288,13 +290,15 @@ def main() -> int:
     ap.add_argument("--head", help=argparse.SUPPRESS)
     ap.add_argument("--client", help=argparse.SUPPRESS)
     ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.replica:
         run_replica(args.replica, args.head)
         return 0
     if args.client:
-        print(json.dumps(run_clients(args.client, args.concurrency[0], args.seconds, args.stream)))
+        Path(args.result).write_text(json.dumps(run_clients(args.client, args.concurrency[0], args.seconds,
+                                                            args.stream)))
         return 0
 
     import httpx

@@ -51,7 +51,7 @@ from serving.admin import make_auth_dependency
 from serving.capture_writer import CaptureWriter
 from serving.pool import Pool, Replica
 from serving.token_ids import StreamStripper, names_field, strip_json, wants_ids, with_ids
-from serving.upstream import PooledTransport
+from serving.upstream import UpstreamClient
 
 log = logging.getLogger(__name__)
 # Request headers passed to a replica; everything else (cookies, credentials, X-Forwarded-*,
@@ -274,10 +274,9 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        # Connections taken in O(1) (serving.upstream): httpx's own pool costs more per request the
-        # more requests are in flight.
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0),
-                                            transport=PooledTransport(verify=pool.verify))
+        # Connections taken in O(1), requests sent without httpx's client layers (serving.upstream):
+        # httpx's own pool costs more per request the more requests are in flight.
+        state["client"] = UpstreamClient(timeout=httpx.Timeout(request_timeout, connect=5.0), verify=pool.verify)
         if writer is not None:
             writer.start()
         try:

@@ -285,3 +285,44 @@ class PooledTransport(httpx.AsyncBaseTransport):
         for stack in stacks.values():
             for conn in stack:
                 conn.close()
+
+
+class UpstreamClient(httpx.AsyncClient):
+    """httpx's client over a :class:`PooledTransport`, without the per-request layers a router has no use for.
+
+    The router sends to replicas with no auth, no redirects and no cookies, to a handful of URLs: a
+    request is built from a cached parsed URL, the router's headers and the client's timeouts (not the
+    client's default headers: no ``accept-encoding``, as capture wants the plain body), and sent
+    straight to the transport. Anything else (auth, redirects, other arguments) takes httpx's path.
+    """
+
+    def __init__(self, *, timeout: httpx.Timeout, verify: typing.Any = True, **transport_kw: typing.Any) -> None:
+        super().__init__(timeout=timeout, transport=PooledTransport(verify=verify, **transport_kw))
+        self._pooled = typing.cast(PooledTransport, self._transport)
+        self._timeouts = self.timeout.as_dict()
+        self._urls: dict[str, httpx.URL] = {}
+
+    def build_request(self, method: str, url: typing.Any, *, content: typing.Any = None,  # type: ignore[override]
+                      headers: typing.Any = None, **kw: typing.Any) -> httpx.Request:
+        if kw or not isinstance(url, str) or not isinstance(content, (bytes, type(None))):
+            return super().build_request(method, url, content=content, headers=headers, **kw)
+        parsed = self._urls.get(url)
+        if parsed is None:
+            parsed = httpx.URL(url)
+            if len(self._urls) < 1024:
+                self._urls[url] = parsed
+        return httpx.Request(method, parsed, content=content, headers=headers, extensions={"timeout": self._timeouts})
+
+    async def send(self, request: httpx.Request, *, stream: bool = False,  # type: ignore[override]
+                   auth: typing.Any = httpx.USE_CLIENT_DEFAULT,
+                   follow_redirects: typing.Any = httpx.USE_CLIENT_DEFAULT) -> httpx.Response:
+        if auth is not httpx.USE_CLIENT_DEFAULT or follow_redirects not in (httpx.USE_CLIENT_DEFAULT, False):
+            return await super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
+        response = await self._pooled.handle_async_request(request)
+        response.request = request
+        if not stream:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        return response
