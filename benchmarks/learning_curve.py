@@ -390,23 +390,14 @@ def measure_step_costs(runner, batch_sizes: list[int], k: int, context: int, rep
 
 def k_choice(costs: dict[tuple[int, int], float], rates: list[float], head_layers: int, target_layers: int,
              batch_sizes: list[int]) -> dict[str, Any]:
-    """The best K per batch size: the verification times measured, and the drafter's single pass over the
-    ``k`` positions approximated as a target forward of the same tokens scaled by its share of the layers."""
-    from evaluation.spec_k import best_k, per_batch_size_schedule
+    """The best K per batch size (:mod:`evaluation.spec_k`) from the verification times measured here."""
+    from evaluation.spec_k import best_k, per_batch_size_schedule, verification_cost
 
-    share = head_layers / target_layers
-
-    def verify(b: int, kk: int) -> float:
-        # Verifying more tokens never costs less: a faster reading at a larger k is timing noise.
-        return max(costs[(b, j)] for j in range(kk + 1))
-
-    def cost(b: int, kk: int) -> float:
-        return verify(b, kk) + (share * verify(b, kk - 1) if kk else 0.0)
-
-    choices = best_k(rates, cost, batch_sizes)
+    choices = best_k(rates, verification_cost(costs, head_layers, target_layers), batch_sizes)
     return {"per_batch_size": [vars(c) for c in choices], "schedule": per_batch_size_schedule(choices),
             "step_seconds": {f"{b}x{kk}": round(s, 6) for (b, kk), s in sorted(costs.items())},
-            "drafter_cost": f"a target forward of the same batch with k tokens per sequence x {share:.3f} (layers)"}
+            "drafter_cost": f"a target forward of the same batch with k tokens per sequence x "
+                            f"{head_layers / target_layers:.3f} (layers)"}
 
 
 def extrapolate(points: list[dict[str, Any]], goal: float) -> dict[str, Any] | None:

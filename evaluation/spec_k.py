@@ -73,3 +73,34 @@ def per_batch_size_schedule(choices: Sequence[KChoice], last: int | None = None)
         else:
             rows.append((lo, hi, c.k))
     return rows
+
+
+def parse_step_seconds(data: Mapping[str, float]) -> dict[tuple[int, int], float]:
+    """``{"BxK": seconds}`` (as benchmarks/learning_curve.py writes ``k_choice.step_seconds``) -> ``{(B, K): seconds}``."""
+    out = {}
+    for key, s in data.items():
+        b, _, k = key.partition("x")
+        try:
+            out[(int(b), int(k))] = float(s)
+        except ValueError:
+            raise ValueError(f"step time key {key!r}: expected BATCHxK, e.g. '8x2'") from None
+    return out
+
+
+def verification_cost(step_seconds: Mapping[tuple[int, int], float], head_layers: int,
+                      target_layers: int) -> StepCost:
+    """A :data:`StepCost` from the target's measured verification forwards (``(B, k)``: ``1 + k`` new tokens
+    per sequence) plus the drafter's one pass over k positions, approximated as a target forward of the
+    same tokens scaled by the head's share of the layers."""
+    share = head_layers / target_layers
+
+    def verify(b: int, k: int) -> float:
+        # Verifying more tokens never costs less: a faster reading at a larger k is timing noise.
+        try:
+            return max(step_seconds[(b, j)] for j in range(k + 1))
+        except KeyError:
+            raise KeyError(f"no measured step time for batch size {b}, k<={k}") from None
+
+    def cost(b: int, k: int) -> float:
+        return verify(b, k) + (share * verify(b, k - 1) if k else 0.0)
+    return cost

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -50,6 +51,10 @@ def eval_cmd(
     max_new_tokens: Annotated[Optional[int], typer.Option(
         "--max-new-tokens", min=1, help="Tokens per prompt (default [bench].max_tokens).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate at most this many conversations.")] = None,
+    step_times: Annotated[Optional[Path], typer.Option(
+        "--step-times", help="Measured step seconds per batch size and k: a benchmarks/learning_curve.py result "
+                             "(its k_choice.step_seconds) or a JSON {\"BxK\": seconds}; prints the K that pays "
+                             "at each batch size.")] = None,
     target: TargetOpt = None,
     config: ConfigOpt = None,
     json_: JsonOpt = False,
@@ -75,7 +80,30 @@ def eval_cmd(
     human = (f"{res['num_prompts']} prompts, {res['num_drafts']} drafts: mean acceptance length "
              f"{res['mean_acceptance_length']:.3f}, per position "
              + ", ".join(f"{r:.3f}" for r in res["acceptance_rate_per_pos"]))
+    if step_times is not None:
+        res["k_choice"] = _k_choice(head, step_times, res["acceptance_rate_per_pos"], cfg, target)
+        human += "\nbest K per batch size: " + ", ".join(
+            f"{c['batch_size']}: K={c['k']} ({c['speedup']:.2f}x)" for c in res["k_choice"]["per_batch_size"])
+        human += ("\n[serving] num_speculative_tokens_per_batch_size = "
+                  + json.dumps([list(r) for r in res["k_choice"]["schedule"]]))
     emit(res, json_, human)
+
+
+def _k_choice(head: Path, path: Path, rates: list[float], cfg, target: Optional[Path]) -> dict:
+    """The best K per batch size from ``path``'s measured step times and this head's per-position acceptance."""
+    from evaluation.spec_k import best_k, parse_step_seconds, per_batch_size_schedule, verification_cost
+
+    try:
+        data = json.loads(path.read_text())
+        data = (data.get("k_choice") or {}).get("step_seconds", data)
+        seconds = parse_step_seconds(data)
+        head_layers = json.loads((head / "config.json").read_text()).get("num_hidden_layers", 1)
+        target_layers = json.loads((_target(cfg, target) / "config.json").read_text())["num_hidden_layers"]
+        sizes = sorted({b for b, _ in seconds})
+        choices = best_k(rates, verification_cost(seconds, head_layers, target_layers), sizes)
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        fail(f"--step-times {path}: {error_text(exc)}")
+    return {"per_batch_size": [vars(c) for c in choices], "schedule": per_batch_size_schedule(choices)}
 
 
 @head_app.command("init")

@@ -32,3 +32,18 @@ def test_best_k_falls_as_verification_gets_dear():
 def test_a_missing_step_time_is_named():
     with pytest.raises(KeyError, match="batch size 2, k=1"):
         best_k([0.5], table_cost({(2, 0): 1.0}), [2])
+
+
+def test_verification_cost_adds_the_drafter_share_and_ignores_noise_that_makes_more_tokens_cheaper():
+    from evaluation.spec_k import parse_step_seconds, verification_cost
+
+    seconds = parse_step_seconds({"1x0": 10.0, "1x1": 9.0, "1x2": 12.0})
+    assert seconds[(1, 2)] == 12.0
+    cost = verification_cost(seconds, head_layers=1, target_layers=10)
+    assert cost(1, 0) == 10.0
+    assert cost(1, 1) == pytest.approx(10.0 + 0.1 * 10.0)  # 9.0 read as 10.0: never cheaper than k=0
+    assert cost(1, 2) == pytest.approx(12.0 + 0.1 * 10.0)
+    with pytest.raises(ValueError, match="BATCHxK"):
+        parse_step_seconds({"8-2": 1.0})
+    with pytest.raises(KeyError, match="batch size 4"):
+        cost(4, 1)
