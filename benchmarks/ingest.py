@@ -3,9 +3,11 @@
     python benchmarks/ingest.py --n 1000000
 
 Synthetic traffic (capture.synth: OpenAI chat, streamed chat, completions, TGI,
-JumpStart chat in BASE64, 5% tabular CSV, 2% replays) is generated once and cached
-under --data. Each contender then runs in its own fresh process so that its peak
-RSS (resource.getrusage, self and children) is its own:
+JumpStart chat in BASE64, 5% tabular CSV, 2% replays, and 40% reasoning and tool-call
+traffic as vLLM writes it, a quarter of it with token ids; ``--mix plain`` leaves those out,
+as the mix was before) is generated once and cached under --data. Each contender then runs
+in its own fresh process so that its peak RSS (resource.getrusage, self and children) is
+its own:
 
 * ``capture``: ``capture.ingest.ingest`` (decode, normalize, redact, dedupe, Parquet, catalog):
   worker processes decode each file a chunk of lines at a time (``capture.batchpath``; the
@@ -53,15 +55,16 @@ from adapt.memory import available_bytes  # noqa: E402  (after the path: run as 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 
-def _gen_chunk(args: tuple[str, int, int, int]) -> int:
-    from capture.synth import write_layout
+def _gen_chunk(args: tuple[str, int, int, int, str]) -> int:
+    from capture.synth import DEFAULT_MIX, PLAIN_MIX, write_layout
 
-    root, k, n, per_file = args
-    write_layout(root, n, per_file=per_file, seed=k, start=T0 + timedelta(seconds=k * n))
+    root, k, n, per_file, mix = args
+    write_layout(root, n, per_file=per_file, seed=k, start=T0 + timedelta(seconds=k * n),
+                 mix=PLAIN_MIX if mix == "plain" else DEFAULT_MIX)
     return n
 
 
-def generate(data: Path, n: int, per_file: int) -> None:
+def generate(data: Path, n: int, per_file: int, mix: str = "exchange") -> None:
     """Write ``n`` records (2 processes); a marker file makes later runs reuse them."""
     marker = data / ".complete"
     if marker.exists():
@@ -72,7 +75,7 @@ def generate(data: Path, n: int, per_file: int) -> None:
     sizes = [n // chunks + (1 if i < n % chunks else 0) for i in range(chunks)]
     t = time.time()
     with mp.get_context("spawn").Pool(2) as pool:
-        pool.map(_gen_chunk, [(str(data), k, sizes[k], per_file) for k in range(chunks)])
+        pool.map(_gen_chunk, [(str(data), k, sizes[k], per_file, mix) for k in range(chunks)])
     marker.write_text(str(n))
     print(f"generated {n} records in {time.time() - t:.0f}s under {data}", file=sys.stderr)
 
@@ -272,6 +275,8 @@ def main() -> None:
     ap.add_argument("--per-file", type=int, default=5_000, help="records per capture file")
     ap.add_argument("--workers", type=int, default=None, help="ingest worker processes (default: config, 2)")
     ap.add_argument("--data", type=Path, default=None, help="where generated capture files are cached")
+    ap.add_argument("--mix", choices=("exchange", "plain"), default="exchange",
+                    help="synthetic traffic: with reasoning and tool calls (capture.synth.DEFAULT_MIX), or without")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--naive-n", type=int, default=None,
@@ -290,12 +295,12 @@ def main() -> None:
         ap.add_argument(hidden, default="", help=argparse.SUPPRESS)
     ap.add_argument("--state", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    data = args.data or Path(tempfile.gettempdir()) / "drafter-adapt-bench" / f"ingest-{args.n}-{args.per_file}"
+    data = args.data or Path(tempfile.gettempdir()) / "drafter-adapt-bench" / f"ingest-{args.n}-{args.per_file}-{args.mix}"
     if args.child:
         child(args.child, data, args.workers, args.naive_n, args)
         return
 
-    generate(data, args.n, args.per_file)
+    generate(data, args.n, args.per_file, args.mix)
     if args.writers:
         writers_main(args, data)
         return

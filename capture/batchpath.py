@@ -46,7 +46,11 @@ from capture.warehouse import SCHEMA, TURN
 # The columns a decoded line yields (typed as in the warehouse); capture.ingest adds hashes and provenance.
 ROW_SCHEMA = pa.schema([SCHEMA.field(name) for name in (
     "line_no", "conversations", "event_id", "inference_id", "inference_time", "format", "raw", "model",
-    "temperature", "top_p", "max_tokens", "dt")])
+    "temperature", "top_p", "max_tokens", "messages", "tools", "tool_choice", "chat_template_kwargs", "finish_reason",
+    "prompt_token_ids", "output_token_ids", "dt")])
+# What the fast paths leave null: they decline every exchange the reference keeps whole (see
+# capture.formats.Answer), so only the reference fills these.
+STRUCTURED = ("messages", "tools", "tool_choice", "chat_template_kwargs", "prompt_token_ids", "output_token_ids")
 
 
 # ---- the msgspec path: typed structs of the common formats ---------------------------------
@@ -84,6 +88,14 @@ class _Msg(Struct):
     content: str
 
 
+class _ChatMsg(Struct, forbid_unknown_fields=True):
+    """A chat message the fast paths take: role/content only (tool_calls, names, reasoning and
+    the like are the reference's, which keeps the messages as sent)."""
+
+    role: str
+    content: str
+
+
 class _Params(Struct):
     temperature: Union[float, None] = None
     top_p: Union[float, None] = None
@@ -98,8 +110,12 @@ assert set(rules.MAX_TOKENS_KEYS) <= set(_Params.__struct_fields__), rules.MAX_T
 
 # kw_only: required fields after the optional ones they inherit.
 class _ChatReq(_Params, kw_only=True):
-    messages: list[_Msg]
+    messages: list[_ChatMsg]
     model: Union[str, None] = None
+    # Present and not null: the reference keeps the exchange whole; declined here.
+    tools: Any = None
+    tool_choice: Any = None
+    chat_template_kwargs: Any = None
 
 
 class _CompletionReq(_Params, kw_only=True):
@@ -127,15 +143,22 @@ class _DialogReq(Struct):
 
 class _RespMsg(Struct):
     content: str
+    reasoning: Any = None
+    reasoning_content: Any = None
+    tool_calls: Any = None  # null or [] (vLLM's answer without calls); anything else is declined
 
 
 class _Choice(Struct):
     message: Union[_RespMsg, None] = None
     text: Union[str, None] = None
+    finish_reason: Union[str, None] = None
+    token_ids: Any = None
+    prompt_token_ids: Any = None
 
 
 class _Resp(Struct):
     choices: list[_Choice]
+    prompt_token_ids: Any = None
     model: Union[str, None] = None
     object: Union[str, None] = None
     error: Union[Any, UnsetType] = UNSET
@@ -143,16 +166,23 @@ class _Resp(Struct):
 
 class _Delta(Struct):
     content: Union[str, None] = None
+    reasoning: Any = None
+    reasoning_content: Any = None
+    tool_calls: Any = None
 
 
 class _StreamChoice(Struct):
     index: int = 0
     delta: Union[_Delta, None] = None
     text: Union[str, None] = None
+    finish_reason: Union[str, None] = None
+    token_ids: Any = None
+    prompt_token_ids: Any = None
 
 
 class _Chunk(Struct):
     choices: Union[list[_StreamChoice], None] = None
+    prompt_token_ids: Any = None
     model: Union[str, None] = None
     error: Union[Any, UnsetType] = UNSET
     token: Union[Any, UnsetType] = UNSET
@@ -193,7 +223,7 @@ def _from(role: str) -> str | None:
     return frm
 
 
-def _turns(msgs: list) -> tuple[list[tuple[str, str]], bool]:
+def _turns(msgs: list, chat: bool = False) -> tuple[list[tuple[str, str]], bool]:
     """Turns of role/content messages, and whether one is the user's."""
     turns = []
     human = False
@@ -201,6 +231,8 @@ def _turns(msgs: list) -> tuple[list[tuple[str, str]], bool]:
         frm = _from(m.role)
         if frm is None or not m.content:
             raise _Decline  # unknown roles and empty content (tool calls) need the reference rules
+        if chat and m.role not in rules.PLAIN_ROLES:
+            raise _Decline  # tool, developer, ...: the reference keeps the messages as sent
         human = human or frm == rules.HUMAN
         turns.append((frm, m.content))
     return turns, human
@@ -234,26 +266,35 @@ def canonical_sse(text: str) -> str | None:
     return arr
 
 
-def _stream(text: str) -> tuple[str, str | None]:
+def _stream(text: str) -> tuple[str, str | None, str | None]:
     arr = canonical_sse(text)
     chunks = _chunks_dec.decode(arr if arr is not None else _sse_array(text))
     out = []
-    model = None
+    model = finish = None
     for ch in chunks:
         if ch.error is not UNSET or ch.token is not UNSET or ch.generated_text is not UNSET:
             raise _Decline  # error events and TGI token streams
+        if ch.prompt_token_ids is not None:
+            raise _Decline  # token ids: the reference's
         if ch.model is not None:
             model = ch.model
         for c in ch.choices or ():
+            if c.token_ids is not None or c.prompt_token_ids is not None:
+                raise _Decline
+            d = c.delta
+            if d is not None and (d.reasoning is not None or d.reasoning_content is not None
+                                  or d.tool_calls is not None):
+                raise _Decline  # reasoning and tool calls: the reference keeps them
             if c.index != 0:
                 continue
-            d = c.delta
+            if c.finish_reason is not None:
+                finish = c.finish_reason
             if d is not None:
                 if d.content is not None:
                     out.append(d.content)
             elif c.text is not None:
                 out.append(c.text)
-    return "".join(out), model
+    return "".join(out), model, finish
 
 
 # Line breaks to str.splitlines(), which the reference parser reads SSE lines with, besides "\n".
@@ -289,20 +330,27 @@ def _sse_array(text: str) -> str:
     return "[" + joined + "]"
 
 
-def _openai_answer(text: str, ct: str | None, chat: bool) -> tuple[str, str | None]:
+def _openai_answer(text: str, ct: str | None, chat: bool) -> tuple[str, str | None, str | None]:
+    """The answer's text, the model and the finish reason."""
     if rules.looks_sse(text, ct):
         return _stream(text)
     r = _resp_dec.decode(text)
     if r.error is not UNSET or r.object == "error" or not r.choices:
         raise _Decline
     c = r.choices[0]
+    if r.prompt_token_ids is not None or c.token_ids is not None or c.prompt_token_ids is not None:
+        raise _Decline  # token ids: the reference's
     if chat:
-        if c.message is None:
+        m = c.message
+        if m is None:
             raise _Decline
-        return c.message.content, r.model
+        if m.reasoning is not None or m.reasoning_content is not None or not (
+                m.tool_calls is None or (type(m.tool_calls) is list and not m.tool_calls)):
+            raise _Decline  # reasoning and tool calls: the reference keeps them
+        return m.content, r.model, c.finish_reason
     if c.text is None:
         raise _Decline
-    return c.text, r.model
+    return c.text, r.model, c.finish_reason
 
 
 def _tgi_answer(text: str, ct: str | None) -> str:
@@ -335,9 +383,9 @@ def escapes_ascii(text: str) -> bool:
     return "\\" in text and "\\u00" in text and _ASCII_ESCAPE.search(text) is not None
 
 
-# What one exchange yields: turns, format, raw, model, temperature, top_p, max_tokens.
+# What one exchange yields: turns, format, raw, model, temperature, top_p, max_tokens, finish_reason.
 Exchange = tuple[list[tuple[str, str]], str, bool, Union[str, None], Union[float, None], Union[float, None],
-                 Union[int, None]]
+                 Union[int, None], Union[str, None]]
 
 
 def exchange(req_text: str, resp_text: str, resp_ct: str | None) -> Exchange:
@@ -347,18 +395,18 @@ def exchange(req_text: str, resp_text: str, resp_ct: str | None) -> Exchange:
         raise _Decline
     if '"messages"' in req_text:
         r = _chat_dec.decode(req_text)
-        if not r.messages:
+        if not r.messages or r.tools is not None or r.tool_choice is not None or r.chat_template_kwargs is not None:
             raise _Decline
-        turns, human = _turns(r.messages)
-        answer, model = _openai_answer(resp_text, resp_ct, chat=True)
+        turns, human = _turns(r.messages, chat=True)
+        answer, model, finish = _openai_answer(resp_text, resp_ct, chat=True)
         out = (turns, rules.OPENAI_CHAT, False, r.model if r.model is not None else model, r.temperature, r.top_p,
-               _max_tokens(r))
+               _max_tokens(r), finish)
     elif '"prompt"' in req_text:
         r = _completion_dec.decode(req_text)
-        answer, model = _openai_answer(resp_text, resp_ct, chat=False)
+        answer, model, finish = _openai_answer(resp_text, resp_ct, chat=False)
         human = True
         out = ([(rules.HUMAN, r.prompt)], rules.OPENAI_COMPLETION, True, r.model if r.model is not None else model,
-               r.temperature, r.top_p, _max_tokens(r))
+               r.temperature, r.top_p, _max_tokens(r), finish)
     elif '"inputs"' in req_text:
         after = req_text.split('"inputs"', 1)[1].lstrip().lstrip(":").lstrip()[:2]
         if after[:1] == '"':
@@ -378,7 +426,7 @@ def exchange(req_text: str, resp_text: str, resp_ct: str | None) -> Exchange:
             (turns, human), fmt, raw = _turns(r.inputs), rules.JUMPSTART_CHAT, False
             answer = _tgi_answer(resp_text, resp_ct)
         p = r.parameters
-        out = (turns, fmt, raw, r.model, p.temperature if p else None, p.top_p if p else None, _max_tokens(p))
+        out = (turns, fmt, raw, r.model, p.temperature if p else None, p.top_p if p else None, _max_tokens(p), None)
     else:
         raise _Decline
     if not answer or answer.isspace() or not human:  # isspace: "not answer.strip()" without the copy
@@ -557,7 +605,7 @@ def _native_chunk(out: dict, first_line_no: int, hour: datetime | None) -> Chunk
         when = when.fill_null(pa.scalar(hour, when.type))
     turns = pa.StructArray.from_arrays([_utf8(out["turns"], out["from"]), _utf8(out["turns"], out["value"])],
                                        fields=list(TURN))
-    cols = {name: _utf8(n, out[name]) for name in ("event_id", "inference_id", "format", "model")}
+    cols = {name: _utf8(n, out[name]) for name in ("event_id", "inference_id", "format", "model", "finish_reason")}
     for name in ("temperature", "top_p", "max_tokens"):
         values, validity, nulls = out[name]
         cols[name] = pa.Array.from_buffers(ROW_SCHEMA.field(name).type, n,
@@ -593,10 +641,11 @@ def decode_chunk_msgspec(lines: list[bytes], first_line_no: int, max_line: int, 
     declined: list[int] = []
     skips: Counter = Counter()
     cols: dict[str, list] = {k: [] for k in ("idx", "event_id", "inference_id", "time", "format", "raw", "model",
-                                             "temperature", "top_p", "max_tokens", "n_turns")}
+                                             "temperature", "top_p", "max_tokens", "finish_reason", "n_turns")}
     idx, ev, inf, tm = cols["idx"], cols["event_id"], cols["inference_id"], cols["time"]
     fmt, raw, model, temp, top_p, max_tok, n_turns = (cols[k] for k in ("format", "raw", "model", "temperature",
                                                                        "top_p", "max_tokens", "n_turns"))
+    finish = cols["finish_reason"]
     turns: list[tuple[str, str]] = []
     with _gc_paused():
         recs = _decode_outer(lines, max_line)
@@ -642,7 +691,7 @@ def decode_chunk_msgspec(lines: list[bytes], first_line_no: int, max_line: int, 
                 declined.append(i)
                 continue
             try:
-                conv_turns, f, r, m, t, p, mt = exchange(req, resp, out.observedContentType)
+                conv_turns, f, r, m, t, p, mt, fr = exchange(req, resp, out.observedContentType)
             except (_Decline, *_Invalid):
                 declined.append(i)
                 continue
@@ -665,6 +714,7 @@ def decode_chunk_msgspec(lines: list[bytes], first_line_no: int, max_line: int, 
             temp.append(t)
             top_p.append(p)
             max_tok.append(mt)
+            finish.append(fr)
             n_turns.append(len(conv_turns))
             turns += conv_turns
     when = parse_times(tm)
@@ -696,7 +746,7 @@ def _batch(cols: dict[str, list], turns: list[tuple[str, str]], when: pa.Array, 
         t_value=[t[1] for t in turns],
         event_id=cols["event_id"], inference_id=cols["inference_id"], inference_time=when,
         format=cols["format"], raw=cols["raw"], model=cols["model"], temperature=cols["temperature"],
-        top_p=cols["top_p"], max_tokens=cols["max_tokens"],
+        top_p=cols["top_p"], max_tokens=cols["max_tokens"], finish_reason=cols["finish_reason"],
     )
 
 
@@ -723,6 +773,8 @@ def rows_batch(*, line_no: list[int] | pa.Array, offsets: list[int] | pa.Array, 
             arrays.append(when)
         elif f.name == "dt":
             arrays.append(when.cast(pa.date32()))
+        elif f.name in STRUCTURED and cols.get(f.name) is None:
+            arrays.append(pa.nulls(len(when), f.type))  # a fast path's rows: none of them structured
         else:
             arrays.append(_array(cols[f.name], f.type))
     return pa.RecordBatch.from_arrays(arrays, schema=ROW_SCHEMA)

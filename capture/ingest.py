@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -34,9 +35,9 @@ from botocore.exceptions import BotoCoreError
 from capture import backend, native
 from capture.dedupe import HashSet
 from capture.batchpath import ROW_SCHEMA, decode_block, rows_batch, split_block
-from capture.formats import to_conversation
+from capture.formats import content_text, to_conversation
 from capture.records import Reject, decode_line
-from capture.redact import redact_array, redact_values
+from capture.redact import flagged, redact_array, redact_values
 from capture.sources import (BLOCK_BYTES, LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when,
                              s3_client)
 from capture.stitch import Known, Prefixes, stitch_file
@@ -180,6 +181,15 @@ class FileOptions:
         return self if self.client is not None or self.s3 is None else replace(self, client=s3_client(self.s3))
 EPOCH_DAY = date(1970, 1, 1)
 
+# The columns of the whole exchange (capture.warehouse.SCHEMA), as Conversation names them;
+# the JSON text ones are what redaction walks besides the turns.
+EXCHANGE_TEXT = ("messages", "tools", "tool_choice", "chat_template_kwargs")
+EXCHANGE_COLUMNS = (*EXCHANGE_TEXT, "finish_reason", "prompt_token_ids", "output_token_ids")
+TOKEN_ID_COLUMNS = ("prompt_token_ids", "output_token_ids")
+# Counted in a run's redactions: rows whose token ids were dropped because redaction changed
+# the row (ids decode to the text they came from, secret included).
+IDS_DROPPED = "token_ids_dropped_redacted"
+
 
 def _storable(*texts: str | None) -> bool:
     """False if a text holds a lone surrogate, which JSON escapes allow and UTF-8 (so Arrow) cannot."""
@@ -197,7 +207,8 @@ class _PerLine:
 
     def __init__(self) -> None:
         self.cols: dict[str, list] = {k: [] for k in ("line_no", "event_id", "inference_id", "inference_time", "format",
-                                                      "raw", "model", "temperature", "top_p", "max_tokens")}
+                                                      "raw", "model", "temperature", "top_p", "max_tokens",
+                                                      *EXCHANGE_COLUMNS)}
         self.offsets = [0]
         self.t_from: list[str] = []
         self.t_value: list[str] = []
@@ -213,7 +224,8 @@ class _PerLine:
             if when is None:
                 raise Reject("quarantine", "missing_field", "eventMetadata.inferenceTime (and no layout hour)")
             turns = conv.turns
-            if not _storable(rec.event_id, rec.inference_id, conv.model, *(v for _, v in turns)):
+            if not _storable(rec.event_id, rec.inference_id, conv.model, conv.finish_reason, *(v for _, v in turns),
+                             *(getattr(conv, k) for k in EXCHANGE_TEXT)):
                 raise Reject("quarantine", "invalid_utf8", "decoded text holds a lone surrogate (a \\ud800-style escape)")
         except Reject as rej:
             if rej.kind == "skip":
@@ -239,6 +251,8 @@ class _PerLine:
         c["temperature"].append(conv.temperature)
         c["top_p"].append(conv.top_p)
         c["max_tokens"].append(conv.max_tokens)
+        for k in EXCHANGE_COLUMNS:
+            c[k].append(getattr(conv, k))
 
     def batch(self) -> pa.RecordBatch:
         return rows_batch(offsets=self.offsets, t_from=self.t_from, t_value=self.t_value, **self.cols)
@@ -332,24 +346,49 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedA
     t_from, t_value = turns.field("from"), turns.field("value")
     row_redactions: list[tuple[int, dict[str, int]]] = []
     changed = {}
+    per_row: dict[int, dict[str, int]] = {}
     if redact:
         # Vectorized over every turn of the file; see capture.redact for why.
         t_value, changed = redact_array(t_value)
         if changed:
             offs = offsets.to_numpy()
-            per_row: dict[int, dict[str, int]] = {}
             for i, counts in changed.items():
                 row = int(np.searchsorted(offs, i, side="right")) - 1
                 acc = per_row.setdefault(row, {})
                 for k, c in counts.items():
                     acc[k] = acc.get(k, 0) + c
-            row_redactions = sorted(per_row.items())
             convs = pa.ListArray.from_arrays(offsets, pa.StructArray.from_arrays([t_from, t_value], fields=list(TURN)))
+    exchange = _exchange_columns(rows, redact, per_row)
+    if exchange.turns:
+        # A secret inside a tool call's arguments is escaped twice in the turn's JSON text, where a
+        # labelled one ("password": ...) escapes the redactor: those turns are remade from the
+        # redacted messages (one turn a message), and redacted once more.
+        values = t_value.to_pylist()
+        offs = offsets.to_numpy(zero_copy_only=False)
+        at: list[int] = []
+        for r, texts in exchange.turns.items():
+            a, b = int(offs[r]), int(offs[r + 1])
+            if len(texts) == b - a:
+                values[a:b] = texts
+                at.extend(range(a, b))
+        again = [values[i] for i in at]
+        more = redact_values(again)
+        for j, counts in more.items():
+            values[at[j]] = again[j]
+            row = int(np.searchsorted(offs, at[j], side="right")) - 1
+            acc = per_row.setdefault(row, {})
+            for k, c in counts.items():
+                acc[k] = acc.get(k, 0) + c
+        t_value = pa.array(values, pa.string())
+        convs = pa.ListArray.from_arrays(offsets, pa.StructArray.from_arrays([t_from, t_value], fields=list(TURN)))
+    row_redactions = sorted(per_row.items())
     # The hash is of the stored (redacted) text: what dedupe compares is what is kept.
     if hashes is None or changed or len(hashes) != n:
         hashes, unique = content_hashes(offsets, t_from, t_value), False
     else:
         hashes = _combined(hashes)
+    if exchange.exact:
+        hashes, unique = _exact_hashes(hashes, exchange, offsets, t_from, t_value), False
     arrays = []
     for f in SCHEMA:
         if f.name in ("id", "content_hash"):
@@ -361,6 +400,8 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedA
             arrays.append(_repeat(v, n))
         elif f.name == "run_id":
             arrays.append(pa.nulls(n, f.type))
+        elif f.name in exchange.columns:
+            arrays.append(exchange.columns[f.name])
         else:
             arrays.append(rows.column(f.name))
     table = pa.Table.from_arrays(arrays, schema=SCHEMA)
@@ -373,6 +414,151 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedA
         new_index = np.cumsum(keep) - 1
         row_redactions = [(int(new_index[i]), c) for i, c in row_redactions if keep[i]]
     return table, row_redactions, dropped
+
+
+@dataclass
+class _Exchange:
+    """The exchange columns of a file's rows after redaction, and which rows are kept exactly."""
+
+    columns: dict[str, pa.Array]
+    exact: list[int]  # rows with a structured exchange or token ids
+    turns: dict[int, list[str]] = field(default_factory=dict)  # rows whose turn values redaction rebuilt
+
+
+def _exchange_columns(rows: pa.Table, redact: bool, per_row: dict[int, dict[str, int]]) -> _Exchange:
+    """Redact every string in the JSON of the exchange columns (values, not keys) and drop the
+    token ids of each row that redaction changed (counted in ``per_row`` as :data:`IDS_DROPPED`).
+
+    Only the reference decoder fills these columns, so for most files they are all null and this
+    costs a null count. A JSON string is redacted as the text it decodes to (an escape cannot hide
+    a secret): the redaction gate runs over each JSON text with its escapes undone (every string
+    of it then stands in it whole, between quotes), and only the rows it flags are parsed and
+    their strings redacted one by one.
+    """
+    n = rows.num_rows
+    cols = {k: _combined(rows.column(k)) for k in EXCHANGE_COLUMNS}
+    present = [k for k in (*EXCHANGE_TEXT, *TOKEN_ID_COLUMNS) if cols[k].null_count < n]
+    if not present:
+        return _Exchange(columns=cols, exact=[])
+    valid = np.zeros(n, dtype=bool)
+    for k in present:
+        valid |= _bool_mask(pc.is_valid(cols[k]))
+    exact = np.flatnonzero(valid).tolist()
+    if not redact:
+        return _Exchange(columns=cols, exact=exact)
+    suspects: set[int] = set()
+    for k in EXCHANGE_TEXT:
+        if k in present:
+            suspects.update(_gate_json(cols[k]))
+    texts = {k: cols[k].to_pylist() for k in EXCHANGE_TEXT if k in present} if suspects else {}
+    parsed: list[tuple[str, int, list]] = []
+    leaves: list[str] = []
+    slots: list[tuple[int, list | dict, Any]] = []  # (parsed index, container, key) of each leaf
+
+    def walk(owner: int, container: list | dict, key: Any) -> None:
+        v = container[key]
+        if isinstance(v, str):
+            slots.append((owner, container, key))
+            leaves.append(v)
+        elif isinstance(v, list):
+            for i in range(len(v)):
+                walk(owner, v, i)
+        elif isinstance(v, dict):
+            for k in v:
+                walk(owner, v, k)
+
+    for k, values in texts.items():
+        for r in sorted(suspects):
+            if values[r] is not None:
+                box = [json.loads(values[r])]
+                parsed.append((k, r, box))
+                walk(len(parsed) - 1, box, 0)
+    changed = redact_values(leaves) if leaves else {}  # in place; {leaf index: {kind: count}}
+    rebuilt: dict[int, list[str]] = {}
+    if changed:
+        dirty = set()
+        for i, counts in changed.items():
+            owner, container, key = slots[i]
+            container[key] = leaves[i]
+            dirty.add(owner)
+            acc = per_row.setdefault(parsed[owner][1], {})
+            for kind, c in counts.items():
+                acc[kind] = acc.get(kind, 0) + c
+        for owner in dirty:
+            k, r, box = parsed[owner]
+            texts[k][r] = json.dumps(box[0], ensure_ascii=False, separators=(",", ":"))
+            if k == "messages":
+                rebuilt[r] = turn_texts(box[0])
+        for k, values in texts.items():
+            cols[k] = pa.array(values, pa.string())
+    if per_row:
+        # Ids decode to the text they came from: a row redaction changed keeps the redacted text only.
+        exact_set = set(exact)
+        has_ids = [r for r in per_row if r in exact_set and any(cols[k][r].is_valid for k in TOKEN_ID_COLUMNS)]
+        if has_ids:
+            mask = np.zeros(n, dtype=bool)
+            mask[has_ids] = True
+            m = pa.array(mask)
+            for k in TOKEN_ID_COLUMNS:
+                cols[k] = pc.if_else(m, pa.nulls(n, cols[k].type), cols[k])
+            for r in has_ids:
+                per_row[r][IDS_DROPPED] = per_row[r].get(IDS_DROPPED, 0) + 1
+    return _Exchange(columns=cols, exact=exact, turns=rebuilt)
+
+
+def turn_texts(messages: list[dict]) -> list[str]:
+    """The ShareGPT values of a row's ``messages`` (as :func:`capture.formats.to_conversation` makes
+    them: the content's text, or the tool calls as JSON text where there is none)."""
+    out = []
+    for m in messages:
+        text = content_text(m.get("content"), "messages")
+        if not text and m.get("tool_calls"):
+            text = json.dumps(m["tool_calls"], ensure_ascii=False)
+        out.append(text)
+    return out
+
+
+# JSON escapes undone for the redaction gate: "\\" first (so that the one after a backslash
+# is not read as an escape's start), to a byte no JSON text holds raw, then back.
+_UNESCAPE = (("\\\\", "\x01"), ('\\"', '"'), ("\\n", "\n"), ("\\t", "\t"), ("\\r", "\r"), ("\x01", "\\"))
+
+
+def _gate_json(col: pa.Array) -> list[int]:
+    """Rows of a JSON text column the redaction gate flags, escapes undone; rows holding another
+    escape (\\b, \\f, \\u: control characters) are flagged too."""
+    if col.null_count == len(col):
+        return []
+    view = col
+    for a, b in _UNESCAPE:
+        view = pc.replace_substring(view, a, b)
+    odd = _bool_mask(pc.fill_null(pc.match_substring_regex(view, r"\\[bfu/]"), False))
+    hits = set(flagged(pc.fill_null(view, "")))
+    return sorted(hits | set(np.flatnonzero(odd).tolist()))
+
+
+def _bool_mask(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _exact_hashes(hashes: pa.Array, ex: _Exchange, offsets: pa.Array, t_from: pa.Array,
+                  t_value: pa.Array) -> pa.Array:
+    """Content hashes of the rows kept exactly: their turns and their exchange columns.
+
+    Two requests alike in text but not in tools, reasoning or ids are two examples, not a
+    replay. And since no prefix hash (:mod:`capture.stitch`, turns only) can equal such a hash,
+    a row kept exactly is never stitched away into a longer row that would lose it: each such
+    request stays its own example. It can still stand for plain rows that are its prefixes.
+    """
+    offs = offsets.to_numpy(zero_copy_only=False)
+    out = hashes.to_pylist()
+    frm, val = t_from.to_pylist(), t_value.to_pylist()
+    extra = {k: ex.columns[k].to_pylist() for k in EXCHANGE_COLUMNS}
+    for r in ex.exact:
+        a, b = int(offs[r]), int(offs[r + 1])
+        fields = [(k, "" if extra[k][r] is None else extra[k][r] if isinstance(extra[k][r], str)
+                   else json.dumps(extra[k][r])) for k in EXCHANGE_COLUMNS]
+        out[r] = content_hash([*zip(frm[a:b], val[a:b]), ("\x1fexchange", ""), *fields])
+    return pa.array(out, pa.string())
 
 
 def _combined(col: pa.ChunkedArray) -> pa.Array:

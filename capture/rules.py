@@ -40,6 +40,11 @@ ROLE_MAP = {
     "bot": GPT,
 }
 
+# Chat roles whose role/content messages a template renders as conversations' from/value says;
+# a message of any other role (tool, developer, ...) or with any other key is kept as sent (the
+# row's ``messages``), and the fast paths decline it.
+PLAIN_ROLES = frozenset(("system", "user", "assistant"))
+
 # What a row's ``format`` says, in the order of enum Format in capture.h.
 OPENAI_CHAT, OPENAI_COMPLETION, TGI, JUMPSTART_CHAT = "openai_chat", "openai_completion", "tgi", "jumpstart_chat"
 FORMATS = (OPENAI_CHAT, OPENAI_COMPLETION, TGI, JUMPSTART_CHAT)
@@ -156,4 +161,5 @@ def native_table() -> dict:
         "temperature": SAMPLING_RANGES["temperature"],
         "top_p": SAMPLING_RANGES["top_p"],
         "max_tokens_keys": MAX_TOKENS_KEYS,
+        "plain_roles": tuple(sorted(PLAIN_ROLES)),
     }

@@ -21,6 +21,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from capture.sharegpt import EXCHANGE_JSON_FIELDS
 from capture.warehouse import Warehouse
 
 if TYPE_CHECKING:
@@ -71,6 +72,17 @@ def load_split(cfg: Config, split: str = "train", heldout_hours: float | None = 
     return t.to_pylist()
 
 
+def export_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One exported JSONL row: ShareGPT ``conversations`` plus every column, the exchange's JSON
+    text columns (``messages``, ``tools``, ``tool_choice``, ``chat_template_kwargs``) as JSON values
+    (:func:`capture.sharegpt.to_exchange` reads both forms)."""
+    out = {k: _jsonable(v) for k, v in row.items()}
+    for k in EXCHANGE_JSON_FIELDS:
+        if isinstance(out.get(k), str):
+            out[k] = json.loads(out[k])
+    return out
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, datetime):
         return v.isoformat().replace("+00:00", "Z")
@@ -80,7 +92,8 @@ def _jsonable(v: Any) -> Any:
 
 
 def export(cfg: Config, split: str, out: str | Path, heldout_hours: float | None = None) -> int:
-    """Write one split as ShareGPT JSONL (one conversation a line, with metadata); returns the row count.
+    """Write one split as ShareGPT JSONL (one conversation a line, with metadata and the whole
+    exchange where kept: see :func:`export_row`); returns the row count.
 
     The file is written to a temporary name and renamed, so a reader never sees half of it.
     """
@@ -90,7 +103,7 @@ def export(cfg: Config, split: str, out: str | Path, heldout_hours: float | None
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in rows:
-            f.write(json.dumps({k: _jsonable(v) for k, v in r.items()}, ensure_ascii=False) + "\n")
+            f.write(json.dumps(export_row(r), ensure_ascii=False) + "\n")
     os.replace(tmp, out)
     return len(rows)
 

@@ -4,6 +4,13 @@ The shapes follow the documented wire formats: OpenAI chat/completions (plain an
 SSE-streamed), TGI/LMI ``{"inputs": str}`` → ``{"generated_text"}``, JumpStart chat
 ``{"inputs": [[...]]}`` → BASE64 ``[{"generation": {...}}]``, plus tabular CSV that an
 LLM reader must skip.
+
+:data:`EXCHANGE_FORMATS` are the reasoning and tool-calling traffic of a vLLM server run with
+``--reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes``: answers with
+``message.reasoning``, ``message.tool_calls`` (``function.arguments`` a JSON string), requests
+with ``tools``, ``tool_choice``, ``chat_template_kwargs``, earlier tool calls and ``tool``
+messages with their ids, streamed too (reasoning and tool-call deltas); some carry vLLM's
+``return_token_ids`` (prompt ids at the top, output ids in the choice), as the router's capture.
 """
 
 from __future__ import annotations
@@ -25,7 +32,24 @@ _WORDS = (
 ).split()
 
 FORMATS = ("openai_chat", "openai_chat_stream", "openai_completion", "tgi", "jumpstart_chat", "tabular_csv")
-DEFAULT_MIX = (0.40, 0.15, 0.10, 0.15, 0.15, 0.05)
+EXCHANGE_FORMATS = ("reasoning_chat", "reasoning_chat_stream", "tool_chat", "tool_chat_stream")
+ALL_FORMATS = FORMATS + EXCHANGE_FORMATS
+# The mix before reasoning and tool-call traffic (weights over FORMATS).
+PLAIN_MIX = (0.40, 0.15, 0.10, 0.15, 0.15, 0.05)
+# Weights over ALL_FORMATS: 40% reasoning and tool-call traffic.
+DEFAULT_MIX = (0.22, 0.09, 0.06, 0.09, 0.09, 0.05, 0.14, 0.06, 0.14, 0.06)
+
+_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string"}, "unit": {"type": "string",
+                                                                               "enum": ["c", "f"]}},
+                                          "required": ["city"]}}},
+    {"type": "function", "function": {"name": "search_orders", "description": "Find a customer's orders.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "customer": {"type": "string"}, "limit": {"type": "integer"}},
+                                          "required": ["customer"]}}},
+]
 
 
 def _text(rng: random.Random, mean_words: int) -> str:
@@ -49,6 +73,94 @@ class TextPool:
         return self.rng.choice(self.answers)
 
 
+def _vllm_message(content: str | None, reasoning: str | None = None, tool_calls: list | None = None) -> dict:
+    """A chat completion message as vLLM's OpenAI server writes it (nulls included)."""
+    return {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+            "function_call": None, "tool_calls": tool_calls or [], "reasoning": reasoning}
+
+
+def _ids(rng: random.Random, text: str) -> list[int]:
+    # About a token per word, ids as in a 150k vocabulary.
+    return [rng.randrange(151_000) for _ in range(len(text.split()) + 2)]
+
+
+def _tool_call(rng: random.Random, uid: int) -> dict:
+    if rng.random() < 0.5:
+        name, args = "get_weather", {"city": rng.choice(("Paris", "Lima", "Oslo", "Kyoto")), "unit": "c"}
+    else:
+        name, args = "search_orders", {"customer": f"cust-{uid}", "limit": rng.randint(1, 20)}
+    return {"id": f"chatcmpl-tool-{uid:x}{rng.randrange(1 << 32):08x}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def _structured(fmt: str, pool: TextPool, uid: int) -> dict:
+    """One reasoning or tool-calling exchange (see :data:`EXCHANGE_FORMATS`)."""
+    rng = pool.rng
+    prompt, answer = pool.prompt(uid), pool.answer()
+    thinking = pool.answer()
+    req: dict = {"model": "qwen3", "messages": [{"role": "user", "content": prompt}], "temperature": 0.6,
+                 "top_p": 0.95, "max_tokens": 1024}
+    ids = rng.random() < 0.25  # captured through the router: vLLM's return_token_ids
+    if ids:
+        req["return_token_ids"] = True
+    reasoning = thinking if fmt.startswith("reasoning") else None
+    calls = None
+    if fmt.startswith("tool"):
+        req["tools"] = _TOOLS
+        req["tool_choice"] = "auto"
+        if rng.random() < 0.5:
+            # A later step of an agent loop: the earlier call and its result come back.
+            earlier = _tool_call(rng, uid)
+            req["messages"] += [{"role": "assistant", "content": None, "tool_calls": [earlier]},
+                                {"role": "tool", "tool_call_id": earlier["id"], "content": pool.prompt(uid)}]
+        if rng.random() < 0.6:
+            calls = [_tool_call(rng, uid + 1)]
+            answer = None
+    if reasoning is not None and rng.random() < 0.3:
+        req["chat_template_kwargs"] = {"enable_thinking": True}
+    out_text = (reasoning or "") + (answer or "") + (json.dumps(calls) if calls else "")
+    finish = "tool_calls" if calls else "stop"
+    if not fmt.endswith("_stream"):
+        resp = {"id": f"chatcmpl-{uid}", "object": "chat.completion", "created": 1735689600, "model": "qwen3",
+                "choices": [{"index": 0, "message": _vllm_message(answer, reasoning, calls), "logprobs": None,
+                             "finish_reason": finish, "stop_reason": None,
+                             "token_ids": _ids(rng, out_text) if ids else None}],
+                "usage": {"prompt_tokens": 40, "completion_tokens": 90, "total_tokens": 130},
+                "prompt_token_ids": _ids(rng, prompt) if ids else None}
+        return {"request": req, "response": resp}
+    req["stream"] = True
+    head: dict = {"id": f"chatcmpl-{uid}", "object": "chat.completion.chunk", "created": 1735689600,
+                  "model": "qwen3"}
+    chunks = [head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}]}]
+    if ids:
+        chunks[0]["prompt_token_ids"] = _ids(rng, prompt)
+
+    def add(delta: dict, text: str) -> None:
+        ch: dict = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        if ids:
+            ch["token_ids"] = _ids(rng, text)
+        chunks.append(head | {"choices": [ch]})
+
+    for piece in _pieces(reasoning or ""):
+        add({"reasoning": piece}, piece)
+    for piece in _pieces(answer or ""):
+        add({"content": piece}, piece)
+    for i, call in enumerate(calls or ()):
+        args = call["function"]["arguments"]
+        add({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                             "function": {"name": call["function"]["name"], "arguments": ""}}]}, "")
+        for a in range(0, len(args), 12):
+            add({"tool_calls": [{"index": i, "function": {"arguments": args[a:a + 12]}}]}, args[a:a + 12])
+    chunks.append(head | {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]})
+    return {"request": req, "response": _sse(chunks), "response_content_type": "text/event-stream"}
+
+
+def _pieces(text: str) -> list[str]:
+    words = text.split(" ") if text else []
+    return [(" " if i else "") + " ".join(words[i:i + 4]) for i in range(0, len(words), 4)]
+
+
 def _sse(chunks: list[dict]) -> str:
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
@@ -58,6 +170,8 @@ def exchange(fmt: str, pool: TextPool, uid: int) -> dict:
     rng = pool.rng
     prompt, answer = pool.prompt(uid), pool.answer()
     temp = round(rng.choice((0.0, 0.2, 0.7, 1.0)), 2)
+    if fmt in EXCHANGE_FORMATS:
+        return _structured(fmt, pool, uid)
     if fmt == "openai_chat":
         req = {"model": "smollm2", "messages": [{"role": "system", "content": "You are helpful."},
                                                 {"role": "user", "content": prompt}],
@@ -104,7 +218,8 @@ def lines(n: int, seed: int = 0, start: datetime | None = None, mix: tuple[float
         if recent and rng.random() < duplicate_rate:
             kw = rng.choice(recent)  # the same exchange served again later: an exact duplicate
         else:
-            kw = exchange(rng.choices(FORMATS, weights=mix)[0], pool, uid0 + i)
+            kw = exchange(rng.choices(ALL_FORMATS if len(mix) == len(ALL_FORMATS) else FORMATS, weights=mix)[0],
+                          pool, uid0 + i)
             if len(recent) < 256:
                 recent.append(kw)
             else:
@@ -114,7 +229,7 @@ def lines(n: int, seed: int = 0, start: datetime | None = None, mix: tuple[float
 
 def write_layout(root: str | Path, n: int, *, endpoint: str = "ep", variant: str = "AllTraffic",
                  per_file: int = 1000, seed: int = 0, start: datetime | None = None,
-                 duplicate_rate: float = 0.02) -> list[Path]:
+                 duplicate_rate: float = 0.02, mix: tuple[float, ...] = DEFAULT_MIX) -> list[Path]:
     """Write ``n`` records as ``root/endpoint/variant/yyyy/mm/dd/hh/*.jsonl`` files of ``per_file`` lines."""
     root = Path(root)
     start = start or datetime(2025, 1, 1, tzinfo=timezone.utc)
@@ -122,7 +237,7 @@ def write_layout(root: str | Path, n: int, *, endpoint: str = "ep", variant: str
     f = None
     rng = random.Random(seed)
     pool = TextPool(rng)
-    for i, line in enumerate(lines(n, seed=seed, start=start, duplicate_rate=duplicate_rate, pool=pool)):
+    for i, line in enumerate(lines(n, seed=seed, start=start, duplicate_rate=duplicate_rate, pool=pool, mix=mix)):
         if i % per_file == 0:
             if f:
                 f.close()

@@ -91,6 +91,18 @@ SCHEMA = pa.schema(
         ("temperature", pa.float64()),
         ("top_p", pa.float64()),
         ("max_tokens", pa.int64()),
+        # The whole exchange where ``conversations`` is not exact (see capture.sharegpt.Exchange);
+        # null for plain role/content rows. JSON text: the request's messages as sent plus the
+        # response as a last assistant message; tools, tool_choice, chat_template_kwargs as sent.
+        ("messages", pa.string()),
+        ("tools", pa.string()),
+        ("tool_choice", pa.string()),
+        ("chat_template_kwargs", pa.string()),
+        ("finish_reason", pa.string()),
+        # vLLM's return_token_ids: what the target processed and generated (dropped where
+        # redaction changed the row: ids decode to the text they came from).
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("output_token_ids", pa.list_(pa.int32())),
         ("content_hash", pa.string()),
         ("run_id", pa.string()),
         ("dt", pa.date32()),

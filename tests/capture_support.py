@@ -22,7 +22,7 @@ from capture.ingest import FileOptions, FileResult, process_file
 from capture.records import Reject, decode_line, make_capture_record
 from capture.redact import Redactor
 from capture.sources import SourceObject
-from capture.synth import FORMATS, TextPool, exchange
+from capture.synth import ALL_FORMATS, TextPool, exchange
 from settings.config import Config
 
 T0 = datetime(2025, 5, 1, 10, 0, tzinfo=timezone.utc)
@@ -192,8 +192,13 @@ def same(line: bytes) -> bool:
     assert (row["event_id"], row["inference_id"], row["inference_time"]) == \
         (rec.event_id, rec.inference_id, rec.inference_time)
     got_turns = [(t["from"], t["value"]) for t in row["conversations"]]
-    assert (got_turns, row["format"], row["raw"], row["model"], row["temperature"], row["top_p"], row["max_tokens"]) == \
-        (conv.turns, conv.format, conv.raw, conv.model, conv.temperature, conv.top_p, conv.max_tokens), (row, conv)
+    assert (got_turns, row["format"], row["raw"], row["model"], row["temperature"], row["top_p"], row["max_tokens"],
+            row["finish_reason"]) == (conv.turns, conv.format, conv.raw, conv.model, conv.temperature, conv.top_p,
+                                      conv.max_tokens, conv.finish_reason), (row, conv)
+    # The fast paths keep no whole exchange: they decline every line the reference keeps whole.
+    assert all(row[k] is None for k in batchpath.STRUCTURED), row
+    assert (conv.messages, conv.tools, conv.tool_choice, conv.chat_template_kwargs, conv.prompt_token_ids,
+            conv.output_token_ids) == (None,) * 6, (conv, line[:300])
     assert conv.extra == {}
     return True
 
@@ -401,7 +406,7 @@ def _payload_text(rng: random.Random, payload, mutate: bool) -> str:
 
 def mutated_line(rng: random.Random, pool: TextPool, i: int) -> bytes:
     """A capture line of a random format, mutated (or not) in its payloads, outer document and bytes."""
-    kw = exchange(rng.choice(FORMATS), pool, i)
+    kw = exchange(rng.choice(ALL_FORMATS), pool, i)
     if rng.random() < 0.3:
         req, resp = rng.choice(VARIANTS)
         kw = {"request": req, "response": resp,

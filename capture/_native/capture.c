@@ -127,8 +127,35 @@ static int role_from(Span role) {
     return -1;
 }
 
+/* A field the rows keep only in the reference's structured columns (tools, reasoning, tool
+ * calls, token ids): null is as good as absent, anything else leaves the line to the reference. */
+static int absent(Scan *s) { return json_null(s) ? J_OK : J_DECLINE; }
+
+/* As absent(), an empty array too (vLLM writes "tool_calls": [] for an answer without calls). */
+static int absent_or_empty(Scan *s) {
+    if (json_null(s))
+        return J_OK;
+    if (json_peek(s) != '[')
+        return J_DECLINE;
+    Scan t = *s;
+    t.p++;
+    json_ws(&t);
+    if (json_peek(&t) != ']')
+        return J_DECLINE;
+    s->p = t.p + 1;
+    return J_OK;
+}
+
 /* A key equal to a rule's text. */
 static int key_is(Span key, const RuleText *t) { return key.len == t->len && memcmp(key.ptr, t->s, t->len) == 0; }
+
+/* A chat role a template renders as conversations' from/value says (RULES.plain_roles, as sent). */
+static int plain_role(Span role) {
+    for (int i = 0; i < N_PLAIN_ROLES; i++)
+        if (key_is(role, &RULES.plain_roles[i]))
+            return 1;
+    return 0;
+}
 
 /* ---- request payloads ------------------------------------------------------------- */
 
@@ -187,8 +214,8 @@ static int parse_parameters(Scan *s, Params *p, int depth) {
     return r;
 }
 
-/* batchpath._Msg: role and content, both strings. */
-static int parse_message(Scan *s, Arena *a, int depth, Span *role, Span *content) {
+/* batchpath._Msg: role and content, both strings (strict, batchpath._ChatMsg: no other key). */
+static int parse_message(Scan *s, Arena *a, int depth, int strict, Span *role, Span *content) {
     if (json_peek(s) != '{')
         return J_DECLINE;
     s->p++;
@@ -202,6 +229,8 @@ static int parse_message(Scan *s, Arena *a, int depth, Span *role, Span *content
         } else if (KEY(key, "content")) {
             ONCE(seen, 2);
             TRY(json_str(s, a, content));
+        } else if (strict) {
+            return J_DECLINE; /* tool_calls, tool_call_id, name, reasoning: the reference keeps them */
         } else {
             TRY(json_skip(s, depth + 1));
         }
@@ -212,16 +241,16 @@ static int parse_message(Scan *s, Arena *a, int depth, Span *role, Span *content
 }
 
 /* list[_Msg] → turns (batchpath._turns: known roles, non-empty content). */
-static int parse_messages(Scan *s, Row *row, int depth, int *human) {
+static int parse_messages(Scan *s, Row *row, int depth, int strict, int *human) {
     if (json_peek(s) != '[')
         return J_DECLINE;
     s->p++;
     int n = 0, r;
     while ((r = json_element(s, &n)) == 1) {
         Span role, content;
-        TRY(parse_message(s, &row->arena, depth + 1, &role, &content));
+        TRY(parse_message(s, &row->arena, depth + 1, strict, &role, &content));
         int from = role_from(role);
-        if (from < 0 || content.len == 0)
+        if (from < 0 || content.len == 0 || (strict && !plain_role(role)))
             return J_DECLINE;
         *human |= from == FROM_HUMAN;
         size_t first = n_pieces(row);
@@ -236,7 +265,7 @@ static int parse_inputs(Scan *s, int kind, Row *row, Request *req, int depth) {
     if (kind == REQ_TGI)
         return json_str(s, &row->arena, &req->text);
     if (kind == REQ_DIALOG)
-        return parse_messages(s, row, depth, &req->human);
+        return parse_messages(s, row, depth, 0, &req->human);
     /* list[list[_Msg]]: exactly one dialog, or the batch is left to the reference. */
     if (json_peek(s) != '[')
         return J_DECLINE;
@@ -245,7 +274,7 @@ static int parse_inputs(Scan *s, int kind, Row *row, Request *req, int depth) {
     while ((r = json_element(s, &n)) == 1) {
         if (n > 1)
             return J_DECLINE;
-        TRY(parse_messages(s, row, depth + 1, &req->human));
+        TRY(parse_messages(s, row, depth + 1, 0, &req->human));
     }
     if (r != J_OK)
         return r;
@@ -274,7 +303,10 @@ static int parse_request(Span text, int kind, Row *row, Request *req) {
             TRY(json_opt_str(&s, &row->arena, &req->model));
         } else if (kind == REQ_CHAT && KEY(key, "messages")) {
             ONCE(seen, B_MAIN);
-            TRY(parse_messages(&s, row, 1, &req->human));
+            TRY(parse_messages(&s, row, 1, 1, &req->human));
+        } else if (kind == REQ_CHAT && (KEY(key, "tools") || KEY(key, "tool_choice") ||
+                                        KEY(key, "chat_template_kwargs"))) {
+            TRY(absent(&s));
         } else if (kind == REQ_COMPLETION && KEY(key, "prompt")) {
             ONCE(seen, B_MAIN);
             TRY(json_str(&s, &row->arena, &req->text));
@@ -344,7 +376,7 @@ static int json_end(Scan *s) {
 
 /* batchpath._Choice (message: _RespMsg | None, text: str | None), remembered for choice 0. */
 typedef struct {
-    Span content, text; /* content.ptr: a message was given */
+    Span content, text, finish_reason; /* content.ptr: a message was given */
 } Choice;
 
 static int parse_choice(Scan *s, Arena *a, int depth, Choice *c) {
@@ -354,7 +386,7 @@ static int parse_choice(Scan *s, Arena *a, int depth, Choice *c) {
     unsigned seen = 0;
     int n = 0, r;
     Span key;
-    c->content.ptr = c->text.ptr = NULL;
+    c->content.ptr = c->text.ptr = c->finish_reason.ptr = NULL;
     while ((r = json_member(s, &n, &key)) == 1) {
         if (KEY(key, "message")) {
             ONCE(seen, 1);
@@ -371,6 +403,10 @@ static int parse_choice(Scan *s, Arena *a, int depth, Choice *c) {
                 if (KEY(mkey, "content")) {
                     ONCE(mseen, 1);
                     TRY(json_str(s, a, &c->content));
+                } else if (KEY(mkey, "reasoning") || KEY(mkey, "reasoning_content")) {
+                    TRY(absent(s));
+                } else if (KEY(mkey, "tool_calls")) {
+                    TRY(absent_or_empty(s));
                 } else {
                     TRY(json_skip(s, depth + 2));
                 }
@@ -382,6 +418,11 @@ static int parse_choice(Scan *s, Arena *a, int depth, Choice *c) {
         } else if (KEY(key, "text")) {
             ONCE(seen, 2);
             TRY(json_opt_str(s, a, &c->text));
+        } else if (KEY(key, "finish_reason")) {
+            ONCE(seen, 4);
+            TRY(json_opt_str(s, a, &c->finish_reason));
+        } else if (KEY(key, "token_ids") || KEY(key, "prompt_token_ids")) {
+            TRY(absent(s));
         } else {
             TRY(json_skip(s, depth + 1));
         }
@@ -399,7 +440,7 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
     unsigned seen = 0;
     int n = 0, r, n_choices = 0;
     Span key, object = {NULL, 0};
-    Choice first = {{NULL, 0}, {NULL, 0}};
+    Choice first = {{NULL, 0}, {NULL, 0}, {NULL, 0}};
     while ((r = json_member(&s, &n, &key)) == 1) {
         if (KEY(key, "choices")) {
             ONCE(seen, 1);
@@ -421,6 +462,8 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
         } else if (KEY(key, "object")) {
             ONCE(seen, 4);
             TRY(json_opt_str(&s, &row->arena, &object));
+        } else if (KEY(key, "prompt_token_ids")) {
+            TRY(absent(&s));
         } else if (KEY(key, "error")) {
             return J_DECLINE; /* error responses: the reference counts the skip */
         } else {
@@ -437,6 +480,7 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
     Span answer = chat ? first.content : first.text;
     if (answer.ptr == NULL)
         return J_DECLINE;
+    row->finish_reason = first.finish_reason;
     return push_piece(row, answer);
 }
 
@@ -448,7 +492,7 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
     unsigned seen = 0;
     int n = 0, r, has_delta = 0;
     int64_t index = 0;
-    Span key, content = {NULL, 0}, text = {NULL, 0};
+    Span key, content = {NULL, 0}, text = {NULL, 0}, finish = {NULL, 0};
     while ((r = json_member(s, &n, &key)) == 1) {
         if (KEY(key, "index")) {
             ONCE(seen, 1);
@@ -469,6 +513,8 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
                 if (KEY(dkey, "content")) {
                     ONCE(dseen, 1);
                     TRY(json_opt_str(s, &row->arena, &content));
+                } else if (KEY(dkey, "reasoning") || KEY(dkey, "reasoning_content") || KEY(dkey, "tool_calls")) {
+                    TRY(absent(s));
                 } else {
                     TRY(json_skip(s, depth + 2));
                 }
@@ -478,12 +524,19 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
         } else if (KEY(key, "text")) {
             ONCE(seen, 4);
             TRY(json_opt_str(s, &row->arena, &text));
+        } else if (KEY(key, "finish_reason")) {
+            ONCE(seen, 8);
+            TRY(json_opt_str(s, &row->arena, &finish));
+        } else if (KEY(key, "token_ids") || KEY(key, "prompt_token_ids")) {
+            TRY(absent(s));
         } else {
             TRY(json_skip(s, depth + 1));
         }
     }
     if (r != J_OK || index != 0)
         return r; /* n > 1 sampling: only choice 0 is the conversation */
+    if (finish.ptr != NULL)
+        row->finish_reason = finish; /* the last one given */
     if (has_delta)
         return content.ptr != NULL ? push_piece(row, content) : J_OK;
     return text.ptr != NULL ? push_piece(row, text) : J_OK;
@@ -513,6 +566,8 @@ static int parse_chunk(Scan *s, Row *row, int depth, Span *model) {
         } else if (KEY(key, "model")) {
             ONCE(seen, 2);
             TRY(json_opt_str(s, &row->arena, &chunk_model));
+        } else if (KEY(key, "prompt_token_ids")) {
+            TRY(absent(s));
         } else if (KEY(key, "error") || KEY(key, "token") || KEY(key, "generated_text")) {
             return J_DECLINE;
         } else {
@@ -969,7 +1024,7 @@ static int csv_content_type(Span ct) {
 
 void row_reset(Row *row) {
     Span null_span = {NULL, 0};
-    row->event_id = row->inference_id = row->inference_time = row->model = null_span;
+    row->event_id = row->inference_id = row->inference_time = row->model = row->finish_reason = null_span;
     row->format = row->raw = 0;
     row->temperature.has = row->top_p.has = row->max_tokens.has = 0;
     row->turns.len = row->pieces.len = 0;
@@ -1022,7 +1077,8 @@ int columns_init(Columns *c) {
     memset(c, 0, sizeof *c);
     int32_t zero = 0;
     TRY(buf_put(&c->conv_offsets, &zero, sizeof zero));
-    StrCol *cols[] = {&c->from, &c->value, &c->event_id, &c->inference_id, &c->inference_time, &c->model, &c->format};
+    StrCol *cols[] = {&c->from,  &c->value,  &c->event_id,     &c->inference_id,
+                      &c->inference_time, &c->model, &c->format, &c->finish_reason};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++)
         TRY(str_col_init(cols[i]));
     return J_OK;
@@ -1048,6 +1104,7 @@ int columns_add(Columns *c, const Row *row, int64_t index) {
     TRY(str_col_span(&c->inference_time, row->inference_time));
     TRY(str_col_span(&c->model, row->model));
     TRY(str_col_span(&c->format, rule_span(&RULES.formats[row->format])));
+    TRY(str_col_span(&c->finish_reason, row->finish_reason));
     TRY(bitmap_append(&c->raw, c->rows, row->raw));
     TRY(fixed_col_append(&c->temperature, &row->temperature.v, 8, row->temperature.has));
     TRY(fixed_col_append(&c->top_p, &row->top_p.v, 8, row->top_p.has));
@@ -1059,7 +1116,8 @@ int columns_add(Columns *c, const Row *row, int64_t index) {
 void columns_free(Columns *c) {
     buf_free(&c->index);
     buf_free(&c->conv_offsets);
-    StrCol *cols[] = {&c->from, &c->value, &c->event_id, &c->inference_id, &c->inference_time, &c->model, &c->format};
+    StrCol *cols[] = {&c->from,  &c->value,  &c->event_id,     &c->inference_id,
+                      &c->inference_time, &c->model, &c->format, &c->finish_reason};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++)
         str_col_free(cols[i]);
     buf_free(&c->raw);

@@ -18,6 +18,7 @@ enum Kind { KIND_JSON, KIND_BASE64, KIND_CSV, N_KIND, KIND_UNKNOWN = N_KIND };
 #define RULE_TEXT 64
 #define RULE_ROLES 64
 #define N_MAX_TOKENS_KEYS 3
+#define N_PLAIN_ROLES 3
 
 typedef struct {
     uint8_t s[RULE_TEXT];
@@ -44,6 +45,7 @@ typedef struct {
     uint8_t time_digit[RULE_TEXT]; /* 1 where the layout has a field's digit */
     double temperature_lo, temperature_hi, top_p_lo, top_p_hi;
     RuleText max_tokens_keys[N_MAX_TOKENS_KEYS]; /* first present wins */
+    RuleText plain_roles[N_PLAIN_ROLES];          /* chat roles kept as conversations alone, as sent */
 } Rules;
 
 extern Rules RULES;
@@ -59,7 +61,7 @@ typedef struct {
 
 /* The decoded line; Spans point into the line or into the arena. */
 typedef struct {
-    Span event_id, inference_id, inference_time, model;
+    Span event_id, inference_id, inference_time, model, finish_reason;
     int format, raw;
     OptF64 temperature, top_p;
     OptI64 max_tokens;
@@ -72,7 +74,7 @@ typedef struct {
 typedef struct {
     Buf index;        /* int64 */
     Buf conv_offsets; /* int32, rows + 1 */
-    StrCol from, value, event_id, inference_id, inference_time, model, format;
+    StrCol from, value, event_id, inference_id, inference_time, model, format, finish_reason;
     Buf raw; /* bitmap */
     FixedCol temperature, top_p, max_tokens;
     int64_t rows, turns;

@@ -24,12 +24,12 @@ static PyObject *fixed_col_tuple(const FixedCol *c) {
 
 static PyObject *columns_dict(const Columns *c, PyObject *declined, long long skips) {
     return Py_BuildValue(
-        "{s:L,s:L,s:L,s:O,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", (long long)c->rows, "turns",
+        "{s:L,s:L,s:L,s:O,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", (long long)c->rows, "turns",
         (long long)c->turns, "skips", skips, "declined", declined, "index", bytes_of(&c->index), "conv_offsets",
         bytes_of(&c->conv_offsets), "from", str_col_tuple(&c->from), "value", str_col_tuple(&c->value), "event_id",
         str_col_tuple(&c->event_id), "inference_id", str_col_tuple(&c->inference_id), "inference_time",
         str_col_tuple(&c->inference_time), "model", str_col_tuple(&c->model), "format", str_col_tuple(&c->format),
-        "raw", bytes_of(&c->raw), "temperature", fixed_col_tuple(&c->temperature), "top_p",
+        "finish_reason", str_col_tuple(&c->finish_reason), "raw", bytes_of(&c->raw), "temperature", fixed_col_tuple(&c->temperature), "top_p",
         fixed_col_tuple(&c->top_p), "max_tokens", fixed_col_tuple(&c->max_tokens));
 }
 
@@ -1009,7 +1009,8 @@ static PyObject *configure(PyObject *self, PyObject *rules) {
         rule_str(rules, "sse_sep", ANY_CASE, &r.sse_sep) < 0 || rule_str(rules, "sse_tail", ANY_CASE, &r.sse_tail) < 0 ||
         rule_time(rules, &r) < 0 || rule_range(rules, "temperature", &r.temperature_lo, &r.temperature_hi) < 0 ||
         rule_range(rules, "top_p", &r.top_p_lo, &r.top_p_hi) < 0 ||
-        rule_names(rules, "max_tokens_keys", ANY_CASE, r.max_tokens_keys, N_MAX_TOKENS_KEYS) < 0)
+        rule_names(rules, "max_tokens_keys", ANY_CASE, r.max_tokens_keys, N_MAX_TOKENS_KEYS) < 0 ||
+        rule_names(rules, "plain_roles", ANY_CASE, r.plain_roles, N_PLAIN_ROLES) < 0)
         return NULL;
     /* canonical_sse finds separators at line breaks; an empty content type would match any. */
     if (r.sse_sep.len == 0 || r.sse_sep.s[0] != '\n' || r.sse_content_type.len == 0 || r.sse_data.len == 0) {

@@ -18,7 +18,7 @@ from capture import ingest as ingest_mod
 from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record, parse_time
 from capture.sources import SourceObject, iter_blocks, iter_lines, list_objects
-from capture.synth import FORMATS, TextPool, exchange, write_layout
+from capture.synth import FORMATS, PLAIN_MIX, TextPool, exchange, write_layout
 from tests.capture_support import T0, VARIANTS, obj_of, write
 from tests.paths import DATACAPTURE
 
@@ -49,7 +49,7 @@ def declined(path: Path, hour=None) -> list[int]:
 
 
 def test_synthetic_traffic_of_every_format_is_decided_by_the_batch_path_alone(tmp_path):
-    files = write_layout(tmp_path / "cap", 1200, per_file=400, seed=7, start=T0)
+    files = write_layout(tmp_path / "cap", 1200, per_file=400, seed=7, start=T0, mix=PLAIN_MIX)
     formats = set()
     for p in files:
         assert declined(p) == []  # the batch path decides every line itself (CSV included: skipped)

@@ -23,7 +23,7 @@ from capture import ingest as ingest_mod
 from capture.ingest import FileOptions, process_file
 from capture.records import make_capture_record
 from capture.sources import SourceObject, iter_lines
-from capture.synth import FORMATS, TextPool, exchange, write_layout
+from capture.synth import FORMATS, PLAIN_MIX, TextPool, exchange, write_layout
 from tests.capture_support import (
     CONTENT_TYPES,
     ENCODINGS,
@@ -165,7 +165,7 @@ def test_native_range_hashes_reject_bad_ranges():
 
 
 def test_synthetic_traffic_of_every_format_is_identical(tmp_path):
-    for p in write_layout(tmp_path / "cap", 1500, per_file=500, seed=11, start=T0):
+    for p in write_layout(tmp_path / "cap", 1500, per_file=500, seed=11, start=T0, mix=PLAIN_MIX):
         lines = list(iter_lines(str(p)))
         assert check(lines, exact=True) == (len(lines), len(lines))
         check(lines, hour=T0, exact=True)
@@ -291,8 +291,9 @@ def test_mutated_corpus_agrees_with_the_msgspec_path():
         decided += a
         reference_decided += b
         check(chunk, hour=T0)
-    # The corpus must exercise acceptance, not only declines.
-    assert decided > 0.3 * len(lines) and decided > 0.8 * reference_decided, (decided, reference_decided)
+    # The corpus must exercise acceptance, not only declines (of which the whole exchanges, 40% of
+    # the synthetic mix, are many).
+    assert decided > 0.2 * len(lines) and decided > 0.8 * reference_decided, (decided, reference_decided)
 
 
 def test_a_missing_separator_anywhere_is_declined():
@@ -392,7 +393,8 @@ def test_no_pandas_import_on_the_native_path(tmp_path):
     import subprocess
     import sys
 
-    write_layout(tmp_path / "cap", 300, per_file=300, seed=5, start=T0)
+    # The plain mix: the reference's rows (reasoning and tool calls among them) are built with pa.array.
+    write_layout(tmp_path / "cap", 300, per_file=300, seed=5, start=T0, mix=PLAIN_MIX)
     # Files that yield no rows at all: all tabular (skipped), and empty.
     hour = tmp_path / "cap" / "ep" / "AllTraffic" / T0.strftime("%Y/%m/%d/%H")
     (hour / "tabular.jsonl").write_bytes((DATACAPTURE / "tabular-csv-sdk-fixture.jsonl").read_bytes())
@@ -411,7 +413,7 @@ def test_no_pandas_import_in_the_ingest_parent(tmp_path):
     import subprocess
     import sys
 
-    write_layout(tmp_path / "cap", 400, per_file=50, seed=5, start=T0 - timedelta(hours=30))
+    write_layout(tmp_path / "cap", 400, per_file=50, seed=5, start=T0 - timedelta(hours=30), mix=PLAIN_MIX)
     first = sorted((tmp_path / "cap").rglob("*.jsonl"))[0]
     with open(first, "a") as f:
         f.write('{"captureData": truncated\n')

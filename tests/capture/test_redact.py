@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from capture import backend, batchpath, native, redact
 from capture.redact import GATE, Redactor, redact_array, redact_text
-from capture.synth import lines as synth_lines
+from capture.synth import PLAIN_MIX, lines as synth_lines
 from tests.capture_support import assert_superset, c_gate, gates_cover_the_redactor, re2_gate
 
 KELVIN, LONG_S = "\u212a", "\u017f"
@@ -170,7 +170,9 @@ def test_gate_rejects_inconsistent_buffers():
 
 
 def _synth_values(n: int, seed: int = 5) -> pa.Array:
-    chunk = batchpath.decode_chunk([line.encode() for line in synth_lines(n, seed=seed)], 1, 8 << 20, None)
+    # The plain mix: the fast paths decline reasoning and tool-call records to the reference.
+    chunk = batchpath.decode_chunk([line.encode() for line in synth_lines(n, seed=seed, mix=PLAIN_MIX)], 1, 8 << 20,
+                                   None)
     return chunk.batch.column("conversations").flatten().field("value")
 
 

@@ -54,7 +54,9 @@ def test_the_c_decoder_follows_the_table_it_is_given(reconfigure):
     assert native_chunk([robot]).declined == [0] and native_chunk([user]).batch.num_rows == 1
     speakers = {rules.SYSTEM: "sys", rules.HUMAN: "person", rules.GPT: "bot"}
     roles = {k: speakers[v] for k, v in rules.ROLE_MAP.items() if k != "user"} | {"robot": "person"}
-    reconfigure(roles=roles, csv_content_type="application/x-table", speakers=tuple(speakers.values()))
+    # "robot" a role whose messages conversations render alone (rules.PLAIN_ROLES), "user" not.
+    reconfigure(roles=roles, csv_content_type="application/x-table", speakers=tuple(speakers.values()),
+                plain_roles=("system", "robot", "assistant"))
     got = native_chunk([robot, user, tabular])
     assert got.declined == [1] and got.skips == {"not_llm_traffic": 1}
     assert got.batch.column("conversations").to_pylist() == [[{"from": "person", "value": "q"},
