@@ -27,6 +27,8 @@ VERSIONS = (
     Supported("vllm", "0.32", "0.33", "EAGLE-3 with parallel drafting (P-EAGLE); the hot-swap's internals below"),
     Supported("torch", "2.13", "2.14", "the build vLLM 0.32 is compiled against"),
     Supported("mlflow", "3.0", "4.0", "client; a server of 2.9 or later keeps aliases"),
+    Supported("mlflow-server", "2.9", "4.0", "the tracking server: aliases (2.9) and the 3.x REST API the client speaks"),
+    Supported("python", "3.11", "3.13", "pyproject's requires-python; the locks are tested on 3.11"),
     Supported("apache-airflow", "3.0", "4.0", "the DAGs use the Airflow 3 task SDK and /api/v2"),
 )
 

@@ -70,12 +70,12 @@ def check_config(cfg: Config) -> Check:
 
 
 def check_python_stack(_: Config) -> Check:
-    import sys
+    import platform
 
     import torch
 
     info = {
-        "python": sys.version.split()[0],
+        "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "transformers": _version("transformers"),
@@ -85,8 +85,9 @@ def check_python_stack(_: Config) -> Check:
         "pydantic": _version("pydantic"),
     }
     importlib.import_module("transformers")
-    bad = _outside("torch", torch.__version__)
-    return Check("python", bad is None, True, info["python"], bad or "torch + transformers import", info)
+    problems = [p for p in (_outside("python", info["python"]), _outside("torch", torch.__version__)) if p]
+    return Check("python", not problems, True, info["python"], "; ".join(problems) or "torch + transformers import",
+                 info)
 
 
 def vllm_internals() -> dict[str, str]:
@@ -260,13 +261,26 @@ def check_mlflow(cfg: Config) -> Check:
         r = httpx.get(uri.rstrip("/") + "/health", timeout=5)
         r.raise_for_status()
         info: dict[str, Any] = {"tracking_uri": uri}
+        problems = [bad] if bad else []
         try:
             v = httpx.get(uri.rstrip("/") + "/version", timeout=5)
             if v.status_code == 200:
                 info["server_version"] = v.text.strip()
         except httpx.HTTPError:
             pass
-        return Check("mlflow", bad is None, True, version, bad or f"server healthy at {uri} ({where})", info)
+        server = info.get("server_version")
+        if server is None:
+            problems.append(f"the tracking server at {uri} does not say its version (GET /version): an MLflow "
+                            f"server {_supported('mlflow-server').low} or later answers it")
+        elif _outside("mlflow-server", server):
+            s = _supported("mlflow-server")
+            problems.append(f"the tracking server is MLflow {server}; this release supports servers "
+                            f">={s.low},<{s.high} ({s.note})")
+        registry = os.environ.get("MLFLOW_REGISTRY_URI")
+        if registry:
+            info["registry_uri"] = registry
+        return Check("mlflow", not problems, True, version,
+                     "; ".join(problems) or f"server {server} healthy at {uri} ({where})", info)
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         if not path.is_file():
@@ -323,9 +337,68 @@ def check_seaweedfs(_: Config) -> Check:
     )
 
 
+DEV_ROUTES = ("/collective_rpc", "/start_draft_weight_update")
+
+
+def probe_dev_routes(url: str, headers: dict[str, str], verify: Any = True) -> str | None:
+    """Why the replica or agent at ``url`` is not safe (it serves one of vLLM's dev routes, or cannot be
+    asked), or None when every dev route answers 404."""
+    import httpx
+
+    for path in DEV_ROUTES:
+        try:
+            r = httpx.post(url.rstrip("/") + path, json={}, headers=headers, timeout=5, verify=verify)
+        except httpx.HTTPError as exc:
+            return f"{url}: unreachable ({type(exc).__name__}: {exc})"
+        if r.status_code in (401, 403):
+            return f"{url}{path}: HTTP {r.status_code} with the configured token (is it the right one?)"
+        if r.status_code != 404:
+            return (f"{url} exposes vLLM's dev route {path} (HTTP {r.status_code}): it runs with "
+                    "VLLM_SERVER_DEV_MODE; run it inside `adapt agent --embed` without that variable")
+    return None
+
+
+def check_replicas(cfg: Config) -> Check:
+    """No vLLM dev routes anywhere: not enabled in this environment, not served by a replica of this
+    host's pool that is up, nor by an attached agent."""
+    import httpx
+
+    from serving.admin import tls_verify
+    from serving.vllm_internals import DEV_MODE_ENV, dev_mode_on
+
+    s = cfg.serving
+    problems, probed = [], []
+    if dev_mode_on(dict(os.environ)):
+        problems.append(f"{DEV_MODE_ENV} is set here: every vLLM started from this environment would open its "
+                        "unauthenticated dev routes (replicas the pool starts drop it, `adapt agent` refuses it)")
+    admin = {"Authorization": f"Bearer {s.resolved_admin_token()}"} if s.resolved_admin_token() else {}
+    for i in range(s.replicas):
+        url = f"http://127.0.0.1:{s.base_port + i}"
+        try:
+            up = httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            up = False
+        if up:  # a pool is running here: its replicas must not serve dev routes
+            probed.append(url)
+            problem = probe_dev_routes(url, admin)
+            if problem and "with the configured token" not in problem:
+                problems.append(problem)
+    if s.attach_urls:
+        problems.append(f"[serving].attach_urls {s.attach_urls}: bare replicas are refused; attach their agents")
+    token = s.resolved_agent_token()
+    for url in s.attach_agents:
+        probed.append(url)
+        problem = probe_dev_routes(url, {"Authorization": f"Bearer {token}"}, tls_verify(s.agent_ca_file))
+        if problem:
+            problems.append(problem)
+    detail = "; ".join(problems) or (f"no dev routes on {', '.join(probed)}" if probed else
+                                     f"{DEV_MODE_ENV} unset; no replica running here and no agent attached")
+    return Check("replicas", not problems, True, None, detail, {"probed": probed})
+
+
 CHECKS: list[Callable[[Config], Check]] = [
     check_config, check_python_stack, check_vllm, check_gpu, check_model_cache, check_s3, check_catalog, check_mlflow,
-    check_airflow, check_seaweedfs,
+    check_replicas, check_airflow, check_seaweedfs,
 ]
 
 

@@ -78,6 +78,77 @@ def test_the_mlflow_check_reads_a_local_store_without_changing_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
 
 
+@pytest.mark.parametrize("version,ok", [("3.11.7", True), ("3.12.1", True), ("3.10.14", False), ("3.13.0", False)])
+def test_python_versions_outside_the_table_are_refused(version, ok):
+    from app import supported
+
+    python = next(s for s in supported.VERSIONS if s.name == "python")
+    assert supported.in_range(version, python) is ok
+
+
+def _fake_server(routes: dict[str, tuple[int, str]]):
+    """An HTTP server answering ``routes`` ({path: (status, text)}), 404 elsewhere, on loopback."""
+    from starlette.responses import PlainTextResponse
+
+    from tests.services import LoopbackServer, free_port
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        status, text = routes.get(scope["path"], (404, "not found"))
+        await PlainTextResponse(text, status)(scope, receive, send)
+
+    return LoopbackServer(app, free_port())
+
+
+@pytest.mark.parametrize("server,ok", [("3.4.0", True), ("2.9.2", True), ("2.8.1", False), (None, False)])
+def test_the_mlflow_check_wants_a_supported_tracking_server(tmp_path, server, ok):
+    from app.commands import doctor
+
+    routes = {"/health": (200, "OK")}
+    if server:
+        routes["/version"] = (200, server)
+    with _fake_server(routes) as srv:
+        cfg = load_config(overrides={"state_dir": str(tmp_path), "mlflow": {"tracking_uri": srv.url}})
+        c = doctor.check_mlflow(cfg)
+    assert c.ok is ok, c.detail
+    if server == "2.8.1":
+        assert "the tracking server is MLflow 2.8.1; this release supports servers >=2.9,<4.0" in c.detail
+    if server is None:
+        assert "does not say its version" in c.detail
+
+
+def test_a_replica_or_agent_serving_vllm_dev_routes_fails_the_doctor(tmp_path, monkeypatch):
+    from app.commands import doctor
+
+    token = "kq3V9-pXo2_LmZr7TbW8yNcE4fHs"
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    base = {"state_dir": str(tmp_path)}
+    # Nothing running, nothing attached.
+    c = doctor.check_replicas(load_config(overrides={**base, "serving": {"replicas": 0}}))
+    assert c.ok and "unset" in c.detail
+    # An agent without dev routes (404 there), and one that is a dev-mode vLLM (200 on /collective_rpc).
+    with _fake_server({"/health": (200, "")}) as safe, \
+            _fake_server({"/health": (200, ""), "/collective_rpc": (200, "{}")}) as dev:
+        cfg = load_config(overrides={**base, "serving": {"replicas": 0, "attach_agents": [safe.url],
+                                                         "agent_token": token}})
+        c = doctor.check_replicas(cfg)
+        assert c.ok and c.info["probed"] == [safe.url]
+        cfg = load_config(overrides={**base, "serving": {"replicas": 0, "attach_agents": [safe.url, dev.url],
+                                                         "agent_token": token}})
+        c = doctor.check_replicas(cfg)
+        assert not c.ok and c.required
+        assert f"{dev.url} exposes vLLM's dev route /collective_rpc (HTTP 200)" in c.detail
+        # A dev-mode replica on the pool's own port is found too.
+        port = int(dev.url.rsplit(":", 1)[1])
+        c = doctor.check_replicas(load_config(overrides={**base, "serving": {"replicas": 1, "base_port": port}}))
+        assert not c.ok and "exposes vLLM's dev route" in c.detail
+    # The variable itself, wherever the doctor runs.
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    c = doctor.check_replicas(load_config(overrides={**base, "serving": {"replicas": 0}}))
+    assert not c.ok and "VLLM_SERVER_DEV_MODE is set here" in c.detail
+
+
 def test_the_report_says_where_the_configuration_came_from(tmp_path, monkeypatch):
     from app.commands import doctor
 
