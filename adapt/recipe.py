@@ -38,7 +38,7 @@ import torch
 
 from adapt.attention import SHAPES, Pick, candidates, pick_backend, unavailable_reason
 from adapt.checkpoint import save_head
-from adapt.data import StepBatches, mix_replay, snapshot_id, tokenize_rows
+from adapt.data import StepBatches, TokenizeReport, mix_replay, snapshot_id, tokenize_rows
 from adapt.device import pick_device, target_device_map, use_bf16_autocast
 from adapt.distributed import (barrier, broadcast_from_main, init_distributed, max_over_ranks, teardown_distributed,
                                wrap_data_parallel)
@@ -97,6 +97,7 @@ class TrainRecipe:
         self.progress, self.stop_after_steps = progress, stop_after_steps
         self.features: TargetFeatures | None = None
         self.acceptance: dict[str, Any] | None = None
+        self.tokenize_report = TokenizeReport()
         self.tokens_run, self.seconds = 0, 0.0  # this session's, not the resumed run's
         self._finished = False
         self.attention: Pick | None = None
@@ -139,9 +140,11 @@ class TrainRecipe:
         tc = self.tc
         tok = AutoTokenizer.from_pretrained(self.target_dir)
         rows = mix_replay(list(conversations), list(replay or []), tc.replay_ratio, tc.seed)
-        self.examples = tokenize_rows(tok, rows, tc.max_seq_len)
+        # A row that cannot be rendered as the target processed it is skipped and counted, never fatal.
+        self.tokenize_report = TokenizeReport()
+        self.examples = tokenize_rows(tok, rows, tc.max_seq_len, self.tokenize_report)
         if not self.examples:
-            raise ValueError("no conversation has assistant tokens to train on")
+            raise ValueError(f"no conversation has assistant tokens to train on ({self.tokenize_report.to_dict()})")
         self.snapshot = snapshot_id(self.examples)
         return tok.eos_token_id
 
@@ -344,6 +347,7 @@ class TrainRecipe:
             final_depth_loss=st.depth_loss, final_depth_acc=st.depth_acc, parent_sha=self.parent_sha,
             data_snapshot=self.snapshot, num_examples=len(self.examples),
             featurize_seconds=round(self.features.seconds, 3), acceptance=self.acceptance,
-            extra={**({"draft_vocab_refresh": self.vocab_refresh} if self.vocab_refresh else {}),
+            extra={"tokenize": self.tokenize_report.to_dict(),
+                   **({"draft_vocab_refresh": self.vocab_refresh} if self.vocab_refresh else {}),
                    **({"attention": self.attention.to_json()} if self.attention is not None else {})},
         )

