@@ -8,6 +8,7 @@ returned with the registered version when there is one.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,13 @@ def is_local_ref(spec: str) -> bool:
 
 
 def resolve_head(spec: str, download_dir: str | Path, tracking_uri: str | None = None,
-                 s3_client_kwargs: dict[str, Any] | None = None) -> tuple[Path, str | None]:
-    """A head reference → (local dir, registered version or None)."""
+                 s3_client_kwargs: dict[str, Any] | None = None,
+                 registry_uri: str | None = None) -> tuple[Path, str | None]:
+    """A head reference → (local dir, registered version or None).
+
+    ``models:/`` references are looked up in ``registry_uri``, else ``MLFLOW_REGISTRY_URI``, else the
+    tracking server (MLflow's own order).
+    """
     if spec.startswith("s3://"):
         return _from_s3(spec, Path(download_dir), s3_client_kwargs or {}), None
     if is_local_ref(spec):
@@ -39,6 +45,9 @@ def resolve_head(spec: str, download_dir: str | Path, tracking_uri: str | None =
 
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
+    registry = registry_uri or os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri
+    if registry:  # set every time: an earlier call's registry must not stay behind in this process
+        mlflow.set_registry_uri(registry)
     version = None
     if spec.startswith("models:/"):
         parts = spec[len("models:/"):].split("/")

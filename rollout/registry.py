@@ -5,6 +5,11 @@ The registry is the source of truth for what serves: the version the alias
 the stage ``Production`` is kept on the champion for tools that still read stages
 (MLflow 3 deprecates stages in favour of aliases, and still supports them).
 
+A registry without stages (Unity Catalog: ``[mlflow] stages = "auto"`` detects its
+``databricks-uc`` registry URI, ``"off"`` says so for any other) keeps the aliases alone;
+everything below then reads and moves the aliases only. The registry is
+``[mlflow] registry_uri`` (``MLFLOW_REGISTRY_URI``), else the tracking server.
+
 A person may move either one, in the MLflow UI or through the API: moving
 ``champion`` back to an older version, or that version to ``Production``, is a
 rollback. :meth:`Registry.sync` decides which one moved against the version it last
@@ -59,8 +64,11 @@ class Registry:
 
         self.cfg = cfg
         self.tracking_uri = tracking_uri or cfg.mlflow.tracking_uri
+        # A tracking URI given by the caller with no registry configured: the registry is that server.
+        self.registry_uri = cfg.mlflow.registry_uri or self.tracking_uri
+        self.stages = cfg.mlflow.model_copy(update={"registry_uri": self.registry_uri}).use_stages()
         self.name = cfg.mlflow.registered_model
-        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
 
     # -- experiment / model -----------------------------------------------------------
 
@@ -146,7 +154,7 @@ class Registry:
         except MlflowException as exc:
             if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
                 raise RegistryError(
-                    f"no version {version} of {self.name} in the registry at {self.tracking_uri}") from None
+                    f"no version {version} of {self.name} in the registry at {self.registry_uri}") from None
             raise
 
     def versions(self) -> list[Any]:
@@ -172,9 +180,12 @@ class Registry:
             raise
 
     def stage_version(self) -> str | None:
-        """The version in stage Production (at most one: promotion archives the rest)."""
+        """The version in stage Production (at most one: promotion archives the rest); None on a registry
+        without stages."""
         from mlflow.exceptions import MlflowException
 
+        if not self.stages:
+            return None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
@@ -254,7 +265,7 @@ class Registry:
         if version is None:
             return None, None
         moved: dict[str, Any] = {}
-        if stage != version:
+        if self.stages and stage != version:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 self.client.transition_model_version_stage(self.name, version, PRODUCTION,
@@ -287,10 +298,11 @@ class Registry:
             if prev_v is not None:
                 self.client.set_model_version_tag(self.name, version, T_PREVIOUS, prev_v)
                 self.client.set_registered_model_alias(self.name, PREVIOUS_ALIAS, prev_v)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                self.client.transition_model_version_stage(self.name, version, PRODUCTION,
-                                                           archive_existing_versions=True)
+            if self.stages:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    self.client.transition_model_version_stage(self.name, version, PRODUCTION,
+                                                               archive_existing_versions=True)
             self.client.set_registered_model_alias(self.name, ALIAS, version)
             self.client.set_registered_model_tag(self.name, T_SYNCED, version)
         if reason:
@@ -317,7 +329,7 @@ class Registry:
         from headspec.resolve import resolve_head
 
         dest = Path(dest_dir or Path(self.cfg.head.heads_dir) / "downloaded")
-        path, _ = resolve_head(self.head_uri(version), dest, self.tracking_uri)
+        path, _ = resolve_head(self.head_uri(version), dest, self.tracking_uri, registry_uri=self.registry_uri)
         if not (path / "config.json").is_file():
             raise RegistryError(f"version {version} has no head directory (looked in {path})")
         return path
@@ -329,7 +341,8 @@ class Registry:
         if champion is not None and str(champion) == str(mv.version):
             names.add(ALIAS)
         names |= {a for a, v in (aliases or {}).items() if str(v) == str(mv.version)}
-        return {"version": mv.version, "stage": mv.current_stage, "run_id": mv.run_id,
+        return {"version": mv.version, "stage": getattr(mv, "current_stage", None) if self.stages else None,
+                "run_id": mv.run_id,
                 "aliases": sorted(names), "tags": dict(mv.tags or {}),
                 "source": mv.source, "created": mv.creation_timestamp}
 

@@ -64,12 +64,13 @@ class HeadStore:
 
     def __init__(self, admin: ReplicaAdmin, target_dir: str | Path, heads_dir: str | Path, *,
                  tracking_uri: str | None = None, s3_client_kwargs: dict[str, Any] | None = None,
-                 keep: int = 3, local_paths: bool = False) -> None:
+                 keep: int = 3, local_paths: bool = False, registry_uri: str | None = None) -> None:
         self.admin = admin
         self.local_paths = local_paths
         self.target_dir = Path(target_dir)
         self.heads_dir = Path(heads_dir)
         self.tracking_uri = tracking_uri
+        self.registry_uri = registry_uri or None
         self.s3_client_kwargs = s3_client_kwargs or {}
         self.keep = keep
         self.held: dict[str, dict[str, Any]] = {}  # sha256 -> {"path", "uri"}
@@ -106,7 +107,8 @@ class HeadStore:
                 self.heads_dir.mkdir(parents=True, exist_ok=True)
                 try:
                     path, registered = await asyncio.to_thread(resolve_head, req.uri, self.heads_dir,
-                                                               self.tracking_uri, self.s3_client_kwargs)
+                                                               self.tracking_uri, self.s3_client_kwargs,
+                                                               self.registry_uri)
                     info = await asyncio.to_thread(validate_head, path, self.target_dir)
                 except (HeadError, OSError, ValueError) as exc:
                     raise AgentError(422, f"invalid head {req.uri}: {exc}") from exc

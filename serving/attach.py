@@ -126,6 +126,8 @@ def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_
                          base_port=replica_port, cpu=True)[0]
     replica = vllm_serve_argv(spec, cpu=cpu, python=python)
     sources = ["--tracking-uri", cfg.mlflow.tracking_uri]
+    if cfg.mlflow.registry_uri:
+        sources += ["--registry-uri", cfg.mlflow.registry_uri]
     if cfg.s3.endpoint_url:
         sources += ["--s3-endpoint", cfg.s3.endpoint_url]
     fetch = [python, "-m", "app", "replica", "fetch-head", head_uri, first, "--target", target_dir, *sources]

@@ -117,7 +117,7 @@ def prepare_process() -> None:
 
 
 async def serve_embedded(serve_argv: list[str], *, host: str, port: int, token: str, target_dir: str | Path,
-                         heads_dir: str | Path, tracking_uri: str | None = None,
+                         heads_dir: str | Path, tracking_uri: str | None = None, registry_uri: str | None = None,
                          s3_client_kwargs: dict[str, Any] | None = None, tls_cert: str = "", tls_key: str = "",
                          max_body_bytes: int = 8 << 20, header_timeout: float = 10.0, body_timeout: float = 30.0,
                          ready: Any = None, local_paths: bool = False, guard_inference: bool = True) -> None:
@@ -158,7 +158,8 @@ async def serve_embedded(serve_argv: list[str], *, host: str, port: int, token: 
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
         store = HeadStore(ReplicaAdmin(EngineWeightSync(engine)), target_dir, heads_dir,
-                          tracking_uri=tracking_uri, s3_client_kwargs=s3_client_kwargs, local_paths=local_paths)
+                          tracking_uri=tracking_uri, s3_client_kwargs=s3_client_kwargs, local_paths=local_paths,
+                          registry_uri=registry_uri)
         add_agent_routes(app, store, token)
         guarded = body_limit(app, max_bytes=max_body_bytes)
         if guard_inference:

@@ -193,7 +193,8 @@ class ServingStack(LoopService):
             self.pool, target_dir=self.target_dir, num_speculative_tokens=cfg.head.num_speculative_tokens,
             served_model_name=self.model_name, smoke_prompts=cfg.serving.smoke_prompts or None,
             download_dir=Path(cfg.head.heads_dir) / "downloaded",
-            tracking_uri=cfg.mlflow.tracking_uri, s3_client_kwargs=cfg.s3.client_kwargs())
+            tracking_uri=cfg.mlflow.tracking_uri, s3_client_kwargs=cfg.s3.client_kwargs(),
+            registry_uri=cfg.mlflow.registry_uri)
 
         async def swap_handler(body: dict) -> dict:
             rep = await self.controller.swap(str(body["head"]), version=body.get("version"),

@@ -100,7 +100,8 @@ class SwapController:
     def __init__(self, pool: Pool, *, target_dir: str | Path, num_speculative_tokens: int,
                  served_model_name: str, smoke_prompts: list[str] | None = None, smoke_max_tokens: int = 24,
                  collapse_fraction: float = 0.5, download_dir: str | Path | None = None,
-                 tracking_uri: str | None = None, s3_client_kwargs: dict[str, Any] | None = None) -> None:
+                 tracking_uri: str | None = None, s3_client_kwargs: dict[str, Any] | None = None,
+                 registry_uri: str | None = None) -> None:
         self.pool = pool
         self.target_dir = Path(target_dir)
         self.k = num_speculative_tokens
@@ -110,6 +111,7 @@ class SwapController:
         self.collapse_fraction = collapse_fraction
         self.download_dir = Path(download_dir or "/tmp")
         self.tracking_uri = tracking_uri
+        self.registry_uri = registry_uri or None
         self.s3_client_kwargs = s3_client_kwargs
         self.lock = asyncio.Lock()
         self.history: list[dict[str, Any]] = []
@@ -169,7 +171,8 @@ class SwapController:
         previous = dict(self.pool.current_head)
         try:
             head_dir, mlflow_version = await asyncio.to_thread(resolve_head, head, self.download_dir,
-                                                                self.tracking_uri, self.s3_client_kwargs)
+                                                                self.tracking_uri, self.s3_client_kwargs,
+                                                                self.registry_uri)
             info = await asyncio.to_thread(validate_head, head_dir, self.target_dir)
         except (HeadError, OSError, ValueError) as exc:
             return SwapReport(False, "refused", {"path": str(head)}, previous, error=f"invalid head: {exc}")

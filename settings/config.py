@@ -6,7 +6,8 @@ key by key, so each holds only what it changes (later wins):
 
 1. the embedded default;
 2. standard variables of the tools this product drives, where the embedded default
-   would otherwise win silently: ``MLFLOW_TRACKING_URI`` → ``[mlflow] tracking_uri``;
+   would otherwise win silently: ``MLFLOW_TRACKING_URI`` → ``[mlflow] tracking_uri``, ``MLFLOW_REGISTRY_URI`` →
+   ``[mlflow] registry_uri``;
 3. the file given with ``--config`` or ``ADAPT_CONFIG``;
 4. ``ADAPT__SECTION__KEY`` (``ADAPT__KEY`` for a top-level key) environment variables, as
    Airflow reads ``AIRFLOW__SECTION__KEY``: typed and validated like the file's values;
@@ -79,10 +80,29 @@ class WarehouseConfig(_Section):
     lease_s: float = Field(300.0, ge=1.0)
 
 
+# Registry URIs of registries without stages: Unity Catalog (MLflow's databricks-uc scheme).
+STAGELESS_REGISTRY_SCHEMES = ("databricks-uc", "uc:")
+
+
 class MlflowConfig(_Section):
     tracking_uri: str
     artifact_location: str
     registered_model: str
+    # The model registry, when it is not the tracking server (MLflow's MLFLOW_REGISTRY_URI, e.g.
+    # "databricks-uc"); empty: the tracking URI.
+    registry_uri: str = ""
+    # Whether the champion also carries the Production stage. "auto": yes, except on registries
+    # without stages (Unity Catalog); "off": aliases alone (champion, previous).
+    stages: Literal["auto", "on", "off"] = "auto"
+
+    def resolved_registry_uri(self) -> str:
+        return self.registry_uri or self.tracking_uri
+
+    def use_stages(self) -> bool:
+        """Whether the registry keeps stages beside the aliases."""
+        if self.stages != "auto":
+            return self.stages == "on"
+        return not self.resolved_registry_uri().startswith(STAGELESS_REGISTRY_SCHEMES)
 
 
 class HeadConfig(_Section):
@@ -452,7 +472,7 @@ def default_toml() -> str:
 
 ENV_PREFIX = "ADAPT__"
 # Variables of other tools that fill a key the user left at its embedded default (layer 2 above).
-TOOL_ENV = {"MLFLOW_TRACKING_URI": ("mlflow", "tracking_uri")}
+TOOL_ENV = {"MLFLOW_TRACKING_URI": ("mlflow", "tracking_uri"), "MLFLOW_REGISTRY_URI": ("mlflow", "registry_uri")}
 
 
 def _annotation(section: str | None, key: str) -> Any:

@@ -27,11 +27,11 @@ def rollback(cfg: Config, to: str | None = None) -> dict:
         to = reg.alias_version(PREVIOUS_ALIAS)
         if to is None:
             raise RegistryError(f"{reg.name} has no {PREVIOUS_ALIAS!r} version to roll back to "
-                                f"(registry {reg.tracking_uri}): pass --to N")
+                                f"(registry {reg.registry_uri}): pass --to N")
     mv = reg.get(to)  # RegistryError for an unknown version
     out = reg.promote(mv.version, reason=f"manual rollback to {mv.version}")
     return {"model": reg.name, "production": out["version"], "previous": out["previous"],
-            "head_sha256": mv.tags.get("head_sha256"), "alias": reg.alias_version()}
+            "head_sha256": mv.tags.get("head_sha256"), "alias": reg.alias_version(), "stages": reg.stages}
 
 
 def registry_list(cfg: Config) -> dict:
@@ -41,7 +41,7 @@ def registry_list(cfg: Config) -> dict:
     champion = reg.champion()
     return {"model": reg.name, "production": champion.version if champion else None,
             "champion": reg.alias_version(), "previous": reg.alias_version(PREVIOUS_ALIAS),
-            "versions": reg.describe_all()}
+            "stages": reg.stages, "versions": reg.describe_all()}
 
 
 registry_app = command_group(help="The MLflow model registry of drafter heads.")
@@ -152,7 +152,7 @@ def list_cmd(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     for v in out["versions"]:
         t = v["tags"]
         aliases = ",".join(v["aliases"])
-        lines.append(f"  v{v['version']:>3} {v['stage']:<10} {aliases:<18} sha {t.get('head_sha256', '')[:12]}  "
+        lines.append(f"  v{v['version']:>3} {v['stage'] or '-':<10} {aliases:<18} sha {t.get('head_sha256', '')[:12]}  "
                      f"parent {t.get('parent_version')}  {t.get('gate_verdict')}: {t.get('gate_reason', '')[:80]}")
     emit(out, json_, human="\n".join(lines))
 

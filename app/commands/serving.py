@@ -46,7 +46,7 @@ def _current_head(cfg: Config, head: Optional[str]) -> Path:
     if head and not is_local_ref(head):  # a URI: the pool keeps a local copy (for checks and restarts)
         try:
             return resolve_head(head, Path(cfg.head.heads_dir) / "downloaded", cfg.mlflow.tracking_uri,
-                                cfg.s3.client_kwargs())[0]
+                                cfg.s3.client_kwargs(), registry_uri=cfg.mlflow.registry_uri or None)[0]
         except Exception as exc:  # noqa: BLE001 - S3/MLflow unreachable or nothing there
             fail(f"cannot fetch the head {head}: {type(exc).__name__}: {exc}", 2)
     if head:
@@ -253,6 +253,9 @@ def _s3_kwargs(cfg: Config, endpoint: Optional[str]) -> dict:
 
 TrackingOpt = Annotated[Optional[str], typer.Option(
     "--tracking-uri", help="MLflow tracking URI for models:/ heads (default [mlflow].tracking_uri).")]
+RegistryOpt = Annotated[Optional[str], typer.Option(
+    "--registry-uri", help="MLflow model registry for models:/ heads (default [mlflow].registry_uri, "
+                           "MLFLOW_REGISTRY_URI; else the tracking URI).")]
 S3Opt = Annotated[Optional[str], typer.Option(
     "--s3-endpoint", help="S3 endpoint URL for s3:// heads (default [s3].endpoint_url; keys from AWS_*).")]
 TargetOpt = Annotated[Optional[str], typer.Option(
@@ -269,6 +272,7 @@ def agent(
     heads_dir: Annotated[Optional[Path], typer.Option(
         help="Where fetched heads are kept (default {heads_dir}/agent).")] = None,
     tracking_uri: TrackingOpt = None,
+    registry_uri: RegistryOpt = None,
     s3_endpoint: S3Opt = None,
     tls_cert: Annotated[Optional[str], typer.Option(
         help="TLS certificate (PEM; default [serving].agent_tls_cert).")] = None,
@@ -288,12 +292,12 @@ def agent(
         fail("give the replica's `vllm serve ...` line after --embed -- (`adapt replica command` prints it): "
              "the agent holds the engine itself; fronting a separate dev-mode replica is no longer supported", 2)
     _run_embedded(cfg, serve_argv, host=host, port=port or s.agent_port, token=token, target=target,
-                  heads_dir=heads_dir, tracking_uri=tracking_uri, s3_endpoint=s3_endpoint,
+                  heads_dir=heads_dir, tracking_uri=tracking_uri, registry_uri=registry_uri, s3_endpoint=s3_endpoint,
                   tls_cert=tls_cert if tls_cert is not None else s.agent_tls_cert,
                   tls_key=tls_key if tls_key is not None else s.agent_tls_key, json_=json_)
 
 
-def _run_embedded(cfg, serve_argv, *, host, port, token, target, heads_dir, tracking_uri, s3_endpoint,
+def _run_embedded(cfg, serve_argv, *, host, port, token, target, heads_dir, tracking_uri, registry_uri, s3_endpoint,
                   tls_cert, tls_key, json_) -> None:
     import asyncio
 
@@ -313,7 +317,8 @@ def _run_embedded(cfg, serve_argv, *, host, port, token, target, heads_dir, trac
         asyncio.run(serve_embedded(
             serve_argv, host=host, port=port, token=token, target_dir=_target_dir(cfg, target),
             heads_dir=heads_dir or Path(cfg.head.heads_dir) / "agent",
-            tracking_uri=tracking_uri or cfg.mlflow.tracking_uri, s3_client_kwargs=_s3_kwargs(cfg, s3_endpoint),
+            tracking_uri=tracking_uri or cfg.mlflow.tracking_uri, registry_uri=registry_uri or cfg.mlflow.registry_uri,
+            s3_client_kwargs=_s3_kwargs(cfg, s3_endpoint),
             tls_cert=tls_cert, tls_key=tls_key, max_body_bytes=s.max_body_bytes or cfg.capture.max_line_bytes,
             header_timeout=s.header_timeout_s, body_timeout=s.body_timeout_s,
             ready=lambda: emit({"agent": f"{scheme}://{host}:{port}", "embedded": True}, json_,
@@ -331,6 +336,7 @@ def fetch_head(
     json_: JsonOpt = False,
     target: TargetOpt = None,
     tracking_uri: TrackingOpt = None,
+    registry_uri: RegistryOpt = None,
     s3_endpoint: S3Opt = None,
 ) -> None:
     """Fetch a head by URI and validate it against the target (a replica's first head)."""
@@ -351,7 +357,8 @@ def fetch_head(
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
         try:
             got, version = resolve_head(head, tmp, tracking_uri or cfg.mlflow.tracking_uri,
-                                        _s3_kwargs(cfg, s3_endpoint))
+                                        _s3_kwargs(cfg, s3_endpoint),
+                                        registry_uri=registry_uri or cfg.mlflow.registry_uri or None)
             info = validate_head(got, target_dir)
         except HeadError as exc:
             fail(f"invalid head {head}: {exc}")

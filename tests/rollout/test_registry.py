@@ -191,3 +191,76 @@ def test_the_champion_that_serves_is_the_one_the_sync_decided(cfg, registry_db):
     assert reg.sync_champion() == (v2, {"alias": {"from": v1, "to": v2}, "previous": v1, "version": v2,
                                         "decided_by": "stage"})
     assert reg.alias_version() == v2  # the pool follows v2 only now, with the alias: moving it back is a move
+
+
+def test_a_registry_without_stages_keeps_the_champion_by_aliases_alone(cfg, registry_db, tmp_path):
+    """Unity Catalog has no stages: with stages off (detected from its registry URI, or set), promotion, a
+    sync after a move by hand and the rollback command move the aliases only, and never call a stage API."""
+    from typer.testing import CliRunner
+
+    from app.cli import app
+    from rollout.registry import PREVIOUS_ALIAS, Registry
+
+    assert not cfg.mlflow.model_copy(update={"registry_uri": "databricks-uc"}).use_stages()
+    assert not cfg.mlflow.model_copy(update={"registry_uri": "databricks-uc://profile"}).use_stages()
+    assert cfg.mlflow.use_stages() and not cfg.mlflow.model_copy(update={"stages": "off"}).use_stages()
+    cfg = cfg.model_copy(update={"mlflow": cfg.mlflow.model_copy(update={"stages": "off"})})
+    v1, v2, v3 = versions(cfg, registry_db[1])
+    reg = Registry(cfg)
+    assert not reg.stages
+
+    def no_stages(*a, **k):
+        raise AssertionError("a stage API was called on a registry without stages")
+
+    reg.client.transition_model_version_stage = no_stages
+    reg.client.get_latest_versions = no_stages
+    assert reg.promote(v1) == {"version": v1, "previous": None}
+    assert reg.promote(v2) == {"version": v2, "previous": v1}
+    assert reg.aliases() == {"champion": v2, PREVIOUS_ALIAS: v1} and reg.stage_version() is None
+    assert reg.get(v2).current_stage == "None" and str(reg.champion().version) == v2
+    assert {d["stage"] for d in reg.describe_all()} == {None}
+    # A person moves the alias back (a rollback by hand): the sync follows it and records where it came from.
+    reg.client.set_registered_model_alias(reg.name, "champion", v3)
+    moved = reg.sync()
+    assert moved == {"previous": v2, "version": v3, "decided_by": "alias"}
+    assert reg.aliases() == {"champion": v3, PREVIOUS_ALIAS: v2} and reg.sync() is None
+    # `adapt rollback` with stages off: the alias alone.
+    f = tmp_path / "c.toml"
+    f.write_text(dump_toml(cfg))
+    r = CliRunner().invoke(app, ["rollback", "--config", str(f), "--json"])
+    out = json.loads(r.stdout)
+    assert r.exit_code == 0 and (out["production"], out["previous"], out["stages"]) == (v2, v3, False), r.output
+    assert Registry(cfg).aliases() == {"champion": v2, PREVIOUS_ALIAS: v3}
+    assert Registry(cfg).get(v2).current_stage == "None"
+    r = CliRunner().invoke(app, ["registry", "list", "--config", str(f)])
+    assert r.exit_code == 0 and f"v{v2:>3} -" in r.stdout, r.output
+
+
+def test_the_registry_uri_is_honoured_apart_from_the_tracking_server(cfg, registry_db, tmp_path, monkeypatch):
+    """MLFLOW_REGISTRY_URI (or [mlflow].registry_uri) names the registry: versions are registered there, the
+    candidate runs stay on the tracking server, and models:/ heads resolve from the registry."""
+    import mlflow
+
+    from headspec.resolve import resolve_head
+    from rollout.registry import Registry
+
+    other = f"sqlite:///{tmp_path / 'registry.db'}"
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", other)
+    c = load_config(overrides={"state_dir": str(tmp_path), "target": cfg.target.model_dump(),
+                               "mlflow": {"tracking_uri": cfg.mlflow.tracking_uri,
+                                          "artifact_location": cfg.mlflow.artifact_location,
+                                          "registered_model": cfg.mlflow.registered_model}})
+    assert c.mlflow.registry_uri == other and c.mlflow.resolved_registry_uri() == other
+    (v1,) = versions(c, registry_db[1][:1])
+    reg = Registry(c)
+    assert reg.registry_uri == other and reg.tracking_uri == cfg.mlflow.tracking_uri
+    assert [str(v.version) for v in mlflow.MlflowClient(other, other).search_model_versions(
+        f"name = '{reg.name}'")] == [v1]
+    tracking_only = mlflow.MlflowClient(cfg.mlflow.tracking_uri, cfg.mlflow.tracking_uri)
+    assert tracking_only.search_model_versions(f"name = '{reg.name}'") == []
+    assert tracking_only.get_run(reg.get(v1).run_id)  # the run is on the tracking server
+    # models:/ resolves from the registry (the file's setting too, without the variable).
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI")
+    got, version = resolve_head(f"models:/{reg.name}/{v1}", tmp_path / "dl", cfg.mlflow.tracking_uri,
+                                registry_uri=other)
+    assert version == v1 and (got / "config.json").is_file()
