@@ -280,6 +280,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per case and arm")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--modes", nargs="+", default=["json", "stream"], choices=["json", "stream"])
+    ap.add_argument("--target", default=MODEL, help="the target the router's head is checked against (a name or directory)")
     ap.add_argument("--router-core", default="0")
     ap.add_argument("--client-cores", default="1", help="the replica's and the clients' cores (taskset -c)")
     ap.add_argument("--router-only", action="store_true", help="skip the direct arm (profiling runs)")
@@ -308,19 +309,20 @@ def main() -> int:
     from settings.config import dump_toml, load_config
     from targets.model_zoo import ensure_target
 
-    os.sched_setaffinity(0, {int(x) for x in args.client_cores.split(",")})
+    os.sched_setaffinity(0, {c for part in args.client_cores.split(",") for a, _, b in [part.partition("-")]
+                             for c in range(int(a), int(b or a) + 1)})
     work = Path(tempfile.mkdtemp(prefix="router-rate-"))
     replica_port, router_port = free_ports(2)
     replica_url, router_url = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{router_port}"
     cfg = load_config(overrides={
-        "state_dir": str(work), "target": {"model": MODEL},
+        "state_dir": str(work), "target": {"model": args.target},
         "capture": {"source": str(work / "capture"), "endpoint": "", "redact": False},
         "serving": {"replicas": 0, "router_port": router_port, "attach_agents": [replica_url],
                     "capture_sampling_pct": 100}})
     (work / "adapt.toml").write_text(dump_toml(cfg))
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     head = init_random_head(target, work / "head", k=cfg.head.num_speculative_tokens, seed=0)
-    env = dict(os.environ, ADAPT_CONFIG=str(work / "adapt.toml"), ADAPT_ADMIN_TOKEN="", PYTHONPATH=str(REPO),
+    env = dict(os.environ, ADAPT_CONFIG=str(work / "adapt.toml"), ADAPT_ADMIN_TOKEN="", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                ADAPT_AGENT_TOKEN="router-rate-bench-token-0123456789abcdef")
     procs: list[subprocess.Popen] = []
     capture_dir = work / "capture"
