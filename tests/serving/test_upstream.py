@@ -179,3 +179,52 @@ def test_a_slow_reader_pauses_the_replica_and_loses_nothing():
             assert most <= HIGH_WATER + (256 << 10) + 65536  # reading stopped near the mark, not at 4 MiB
         srv.close()
     asyncio.run(main())
+
+
+def _self_signed(d) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, as files under ``d``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return str(d / "cert.pem"), str(d / "key.pem")
+
+
+def test_an_https_agent_is_verified_against_its_ca(tmp_path):
+    """Agents may serve HTTPS: the connection checks the agent's certificate against the pool's CA, and one
+    it cannot verify is a connect error (nothing reached the agent)."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def main():
+        state = {"connections": 0, "requests": 0, "script": lambda n, body: (ok(b'{"n":%d}' % n), "keep")}
+        srv = await asyncio.get_running_loop().create_server(lambda: _Server(state), "127.0.0.1", 0, ssl=server_ctx)
+        url = f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        async with _client(verify=ssl.create_default_context(cafile=cert)) as c:
+            for _ in range(3):
+                assert (await c.post(url + "/v1/chat/completions", content=b"{}")).status_code == 200
+        assert state["connections"] == 1
+        async with _client(verify=True) as c:  # the system's trust store does not know this CA
+            with pytest.raises(httpx.ConnectError):
+                await c.post(url + "/v1/chat/completions", content=b"{}")
+        srv.close()
+    asyncio.run(main())
