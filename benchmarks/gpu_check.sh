@@ -4,9 +4,10 @@
 #
 #   benchmarks/gpu_check.sh stage            call 1 of a two-call lend: the carried inputs (gpu-inputs/a) are
 #                                            copied to $GPU_STAGE (default /tmp/gpu-in, outside the checkout,
-#                                            which the next call replaces), the wheels installed, and the `flex`
-#                                            training step compiled once (train_step.py, short) so that Inductor's
-#                                            on-disk caches spare call 2 most of its compile
+#                                            which the next call replaces) and the wheels installed; with
+#                                            STAGE_WARM_S=N (seconds, default 0: off) also the `flex` training
+#                                            step compiled once (train_step.py, short), so that Inductor's on-disk
+#                                            caches may spare call 2 part of its compile (device time permitting)
 #   benchmarks/gpu_check.sh learning_curve   call 2: gpu-inputs/b joins the staged part, the GGUF is reassembled,
 #                                            and benchmarks/learning_curve.py runs within $LC_BUDGET minutes
 #                                            (default 8.4), rewriting $OUT/learning_curve.json after every point
@@ -61,10 +62,10 @@ stage)
     start=$(date +%s)
     # A short run of the flex step, as the curve trains it: Inductor's FX-graph and Triton caches (under /tmp)
     # are what a later process on this machine reuses; its figures are a bonus.
-    if [[ ${GPU_CHECK_CPU:-0} == 1 ]]; then
-        echo "no warm-up on a CPU (flex is CUDA's)" >&2
+    if [[ ${GPU_CHECK_CPU:-0} == 1 || ${STAGE_WARM_S:-0} == 0 ]]; then
+        echo "no warm-up (STAGE_WARM_S=0, or a CPU): call 2 compiles the step itself" >&2
     else
-        timeout "${STAGE_WARM_S:-150}" python benchmarks/train_step.py --backends flex --conversations 256 --steps 10 \
+        timeout "$STAGE_WARM_S" python benchmarks/train_step.py --backends flex --conversations 256 --steps 10 \
             --rounds 1 --json > "$OUT/train_step_warm.json" 2> "$OUT/train_step_warm.log" \
             || echo "the warm-up failed or timed out (rc $?): see train_step_warm.log; call 2 compiles instead" >&2
     fi

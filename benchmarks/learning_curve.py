@@ -350,7 +350,7 @@ def train_point(cfg, rows: list[dict], val_rows: list[dict], target: Path, out_d
     return {"steps": r.steps, "steps_per_epoch": per_epoch, "epochs": round(r.steps / per_epoch, 3),
             "best_epoch": best_epoch["epoch"] if best_epoch else None,
             "best_validation_loss": best_epoch["loss"] if best_epoch else None, "stopped": stopped,
-            "cap_seconds": round(cap_s, 1), "tokens": r.tokens, "train_seconds": round(train_s, 1),
+            "cap_seconds": round(cap_s, 1) if math.isfinite(cap_s) else None, "tokens": r.tokens, "train_seconds": round(train_s, 1),
             "seconds": round(time.monotonic() - t_start, 1), "featurize_seconds": r.featurize_seconds,
             "train_tok_s": round(r.tokens / max(train_s, 1e-9), 1), "attention": (r.extra.get("attention") or {}).get("backend"),
             "validation": history, "examples": r.num_examples}
@@ -615,7 +615,8 @@ def main() -> int:
     def run_point(n: int, cap: float, overrides: dict[str, Any], tag: str) -> dict[str, Any]:
         rows = [with_answer(r, answers[r["id"]]) for r in pool[:n] if answers[r["id"]]]
         over = {"state_dir": str(work / "state"), "training": {**training, **overrides.get("training", {}),
-                                                                 "max_steps": 1, "max_minutes": round(cap / 60, 4)}}
+                                                                 "max_steps": 1,
+                                                                 "max_minutes": round(cap / 60, 4) if math.isfinite(cap) else 0}}
         if "head" in overrides:
             over["head"] = overrides["head"]
         cfg = load_config(overrides=over)

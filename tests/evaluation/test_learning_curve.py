@@ -54,7 +54,8 @@ def test_tiny_learning_curve_runs_without_the_services_a_gpu_host_lacks(tmp_path
     data, out, cache = tmp_path / "sharegpt.json", tmp_path / "curve.json", tmp_path / "out" / "onpolicy.jsonl.gz"
     sharegpt_json(data)
     argv = ["--tiny", "--sharegpt", str(data), "--work-dir", str(tmp_path / "work"), "--out", str(out),
-            "--cache-out", str(cache), "--points", "6", "12", "--max-epochs", "3", "--device", "cpu"]
+            "--cache-out", str(cache), "--points", "6", "12", "--max-epochs", "3", "--device", "cpu",
+            "--budget-minutes", "0"]  # no wall-time cap: a loaded machine must not change what is asserted
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", RUN.format(blocked=BLOCKED, argv=argv)], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -170,3 +171,23 @@ def test_no_training_first_turn_near_repeats_a_heldout_one_even_when_its_later_t
     sel = lc.select(data, argparse.Namespace(max_turn_chars=2000, heldout=8, points=[30]))
     assert overlap(sel["pool"], sel["heldout"])["repeats_training"] == 0
     assert sel["hygiene"]["dropped_for_repeating_heldout"] >= 6 and len(sel["pool"]) == 30  # held-out ones' twins
+
+
+def test_generation_halves_its_batches_after_running_out_of_memory():
+    import argparse
+    import time
+
+    lc = load_benchmark()
+
+    class SmallDevice(FakeRunner):
+        def greedy_batch(self, prompts, max_new, stop):
+            if len(prompts) > 2:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().greedy_batch(prompts, max_new, stop)
+
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "x" * (10 + i)}]} for i in range(8)]
+    runner, answers = SmallDevice(), {}
+    args = argparse.Namespace(gen_batch=8, gen_batch_tokens=10**6, gen_max_tokens=3, save_every=1e9)
+    g = lc.generate(runner, rows, answers, args, time.monotonic() + 60, lambda: None)
+    assert g["answers"] == 8 and len(answers) == 8 and args.gen_batch == 2  # 8, then 4, then 2
+    assert all(len(b) <= 2 for b in runner.batches)
