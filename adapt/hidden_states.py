@@ -124,12 +124,13 @@ class TargetRunner:
         return new, mask + [flag] * (len(new) - len(ids))
 
     def prompt_ids(self, row: dict[str, Any] | list[dict[str, str]]) -> list[int]:
-        """Prompt for the last assistant turn (or the whole chat when it ends with a user turn)."""
-        msgs = row if isinstance(row, list) else to_messages(row)
-        last_asst = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
-        ctx = msgs[:last_asst] if last_asst is not None else msgs
-        text = self.tokenizer.apply_chat_template(ctx, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Prompt for the last assistant turn (or the whole chat when it ends with a user turn), as the
+        target read it: a captured row's stored prompt ids, else rendered as vLLM renders the request
+        (its tools and chat_template_kwargs included; :mod:`adapt.render`)."""
+        from adapt.render import last_prompt_ids
+        from capture.sharegpt import to_exchange
+
+        return last_prompt_ids(self.tokenizer, to_exchange({"conversations": row} if isinstance(row, list) else row))
 
     # --- forward --------------------------------------------------------------
 

@@ -312,6 +312,23 @@ def request_examples(tokenizer: Any, exchange: Any) -> list[ChainedExample]:
     return _chain(requests)
 
 
+def last_prompt_ids(tokenizer: Any, exchange: Any) -> list[int]:
+    """The prompt of the exchange's last request, as the target read it: the stored prompt ids, else
+    the messages before the last answer (all of them when none answers) rendered as vLLM renders
+    them; what an evaluation asks the target to continue."""
+    if exchange.prompt_token_ids is not None:
+        return list(exchange.prompt_token_ids)
+    msgs = exchange.messages
+    if exchange.raw:
+        return _encode(tokenizer, _text_content(msgs[0].get("content")) if msgs else "", special=True)
+    messages = vllm_messages(msgs)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    history = messages[:last] if last is not None else messages
+    text = _render(tokenizer, history, vllm_tools(exchange.tools), template_kwargs(exchange.chat_template_kwargs),
+                   prompt=True)
+    return _encode(tokenizer, text)
+
+
 def _chain(requests: list[RequestTokens]) -> list[ChainedExample]:
     """Requests -> examples: a request whose prompt ids start with the current example's ids
     extends it (its earlier outputs were its context, token for token); any other starts anew."""

@@ -195,3 +195,18 @@ def test_hostile_conversations_never_crash_and_counts_reconcile(tok, tiny_model)
         for ex in exs:
             assert len(ex.input_ids) == len(ex.loss_mask) <= 256 and bool(ex.loss_mask.any())
         json.dumps(rep.to_dict())
+
+
+def test_evaluation_prompts_are_the_last_requests_as_the_target_read_it(tok, tiny_model):
+    """TargetRunner.prompt_ids (what offline evaluation continues): the tools and kwargs count, stored ids win."""
+    from adapt.render import last_prompt_ids
+    from capture.sharegpt import to_exchange
+
+    req = [{"role": "user", "content": "weather in Paris?"}]
+    row = {"messages": req + [{"role": "assistant", "content": "sunny"}], "tools": TOOLS,
+           "chat_template_kwargs": {"enable_thinking": False}}
+    assert last_prompt_ids(tok, to_exchange(row)) == _prompt_ids(tok, req, TOOLS, enable_thinking=False)
+    assert last_prompt_ids(tok, to_exchange({**row, "prompt_token_ids": [1, 2], "output_token_ids": [3]})) == [1, 2]
+    # A plain row ending with a question: the whole chat is the prompt.
+    plain = {"conversations": [{"from": "human", "value": "hi"}]}
+    assert last_prompt_ids(tok, to_exchange(plain)) == _prompt_ids(tok, [{"role": "user", "content": "hi"}])
