@@ -260,8 +260,13 @@ def test_the_gpu_profile_trains_and_benches_on_a_gpu_of_its_own_from_the_gpu_loc
     assert w["build"]["args"] == {"LOCK": "images-gpu", "TORCH_FIND_LINKS": ""}
     assert w["image"] != s["airflow-scheduler"]["image"]
     assert s["pool-gpu"]["build"]["args"] == {"LOCK": "images-gpu", "TORCH_FIND_LINKS": ""}
-    assert gpu_reservation(w) == ["${GPU_WORKER_DEVICE:-0}"]
+    # Apart by default: the pool on GPU 0, training and the bench on GPU 1; the bench's GPUs in the worker
+    # are its own from 0 (no pool replica runs there), the rest of its environment Airflow's.
+    assert gpu_reservation(w) == ["${GPU_WORKER_DEVICE:-1}"]
     assert gpu_reservation(s["pool-gpu"]) == ["${POOL_GPU_DEVICE:-0}"]
+    assert w["environment"]["ADAPT__SERVING__REPLICAS"] == "0"
+    assert {k: v for k, v in w["environment"].items() if k != "ADAPT__SERVING__REPLICAS"} == \
+        s["airflow-worker"]["environment"]
     assert {n for n in s if gpu_reservation(s[n])} == {"airflow-worker-gpu", "pool-gpu"}
     assert all(s[n]["profiles"] == ["gpu"] for n in ("airflow-worker-gpu", "pool-gpu"))
     # The images' lock args name locks that exist, and the GPU one is the stock CUDA vLLM and torch.
