@@ -203,7 +203,7 @@ class ServingStack(LoopService):
             return rep.to_json()
 
         app = create_app(self.pool, writer=self.writer, admin_token=cfg.serving.resolved_admin_token(),
-                         swap_handler=swap_handler,
+                         swap_handler=swap_handler, capture_token_ids=cfg.serving.capture_token_ids,
                          max_body_bytes=cfg.serving.max_body_bytes or cfg.capture.max_line_bytes)
         config = server_config(app, cfg.serving.host, self.router_port, header_timeout=cfg.serving.header_timeout_s,
                                body_timeout=cfg.serving.body_timeout_s, log_level="warning", lifespan="on",

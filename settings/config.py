@@ -175,6 +175,9 @@ class ServingConfig(_Section):
     smoke_prompts: list[str] = []
     capture_sampling_pct: float = Field(100, ge=0, le=100)
     capture_endpoint: str = "local-endpoint"
+    # The router asks vLLM for return_token_ids on each request it captures, stores the ids with the
+    # record and strips them from the client's answer (serving.token_ids).
+    capture_token_ids: bool = True
     # -- the router's request limits ------------------------------------------------------
     # Largest request body (413 beyond); 0 = capture.max_line_bytes, the largest line ingest keeps.
     max_body_bytes: int = Field(0, ge=0)

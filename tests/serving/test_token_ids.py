@@ -228,12 +228,17 @@ def test_echo_is_not_asked_for_ids(tmp_path: Path):
         assert json.loads(app.state.seen[-1]) == body
 
 
-def test_a_router_that_captures_nothing_asks_for_no_ids():
+def test_a_router_that_captures_nothing_or_is_told_not_to_asks_for_no_ids(tmp_path: Path):
     app = fake_vllm()
-    with LoopbackServer(app, free_port()) as up, Router(up.url) as router:
-        body = REQUESTS["/v1/completions"]
-        assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
-        assert json.loads(app.state.seen[-1]) == body
+    body = REQUESTS["/v1/completions"]
+    with LoopbackServer(app, free_port()) as up:
+        with Router(up.url) as router:
+            assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
+        # [serving] capture_token_ids = false
+        with Router(up.url, capture_dir=tmp_path, capture_token_ids=False) as router:
+            assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
+    assert [json.loads(b) for b in app.state.seen] == [body, body]
+    assert [r["endpointOutput"]["data"] for r in captured(tmp_path)] == [_completion_json(False).decode()]
 
 
 def test_an_upstream_that_refuses_the_field_is_asked_again_without_it_then_left_alone(tmp_path: Path):
