@@ -93,8 +93,6 @@ def serve(
     head: Annotated[Optional[str], typer.Option(
         help="Head directory or URI (models:/name/N, s3://bucket/prefix); default: {heads_dir}/current.")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="Replicas to start (default [serving].replicas).")] = None,
-    attach: Annotated[Optional[list[str]], typer.Option(
-        help="Loopback replica URL to attach (repeatable; default [serving].attach_urls).")] = None,
     attach_agent: Annotated[Optional[list[str]], typer.Option(
         help="Agent URL to attach (repeatable; default [serving].attach_agents; `adapt replica command`).")] = None,
     router_port: Annotated[Optional[int], typer.Option(help="Router port.")] = None,
@@ -107,7 +105,7 @@ def serve(
 
     try:  # before the model is fetched: a refusal should come at once
         check_exposure(cfg.serving.host, cfg.serving.resolved_admin_token())
-        check_attachments(cfg.serving.attach_urls if attach is None else attach,
+        check_attachments(cfg.serving.attach_urls,
                           cfg.serving.attach_agents if attach_agent is None else attach_agent,
                           cfg.serving.resolved_agent_token())
     except ExposureError as exc:
@@ -115,7 +113,7 @@ def serve(
     head_dir = _current_head(cfg, head)  # a missing head is said before the target is fetched
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     stack = ServingStack(cfg, head_dir=head_dir, target_dir=target, replicas=replicas,
-                         attach_urls=attach, attach_agents=attach_agent, router_port=router_port)
+                         attach_agents=attach_agent, router_port=router_port)
     _run_until_stopped(stack, lambda: emit(
         {"router": stack.url, "replicas": [r.url for r in stack.pool.replicas], "head": stack.pool.current_head},
         json_, human=f"router {stack.url} serving {len(stack.pool.replicas)} replica(s); Ctrl-C stops"))
