@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import hashlib
 import json
 import math
 import random
@@ -30,8 +31,8 @@ import httpx
 
 from capture.sharegpt import to_messages
 from evaluation.result import SCHEMA_VERSION, BenchResult, HeadRef, analyze  # noqa: F401 (re-exported)
-from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC
-from serving.admin import ReplicaAdmin
+from evaluation.stats import CANDIDATE, CONTROL, LIVE, NOSPEC, SPEC_ARMS
+from serving.admin import AgentAdmin
 from serving.metrics import MEASURE_TIMEOUT, afetch_snapshot
 from settings.config import Config
 
@@ -237,13 +238,16 @@ class Slot:
     group: int = 0  # the prompt group: the same prompts in every round (the statistics' cluster)
 
 
-def prompt_groups(n_requests: int, c: int, group_size: int, cycle: int, min_groups: int) -> list[list[int]]:
+def prompt_groups(n_requests: int, c: int, group_size: int, cycle: int, min_groups: int,
+                  first: int = 0) -> list[list[int]]:
     """The held-out prompts cut into groups for concurrency ``c``: the clusters of the statistics.
 
     A group holds at least ``c`` prompts, so its slot runs one full wave at ``c``, and about
     ``group_size`` (the swap before every arm's turn costs time); there are at least
     ``min_groups`` when the prompts allow (the gate needs that many clusters), and a whole
-    number of Williams cycles (``cycle`` groups) where that keeps enough of them.
+    number of Williams cycles (``cycle`` groups) where that keeps enough of them. Prompts are
+    numbered from ``first`` (a batch of new held-out prompts continues the numbering, so its
+    groups are new clusters).
     """
     most = max(1, n_requests // max(1, c))
     want = max(n_requests // max(group_size, c), min(min_groups, most), 1)
@@ -251,7 +255,7 @@ def prompt_groups(n_requests: int, c: int, group_size: int, cycle: int, min_grou
     enough = [k for k in whole if k >= min(min_groups, most)]
     g = min(enough, key=lambda k: (abs(k - want), -k)) if enough else min(want, most)
     base, extra = divmod(n_requests, g)
-    out, start = [], 0
+    out, start = [], first
     for i in range(g):
         size = base + (1 if i < extra else 0)
         out.append(list(range(start, start + size)))
@@ -259,25 +263,74 @@ def prompt_groups(n_requests: int, c: int, group_size: int, cycle: int, min_grou
     return out
 
 
+# The groups are cut for the speculative arms' Williams cycle whichever arms run, so an attempt
+# with the no-speculation arm and one without it cut the same clusters and pool group by group.
+GROUP_CYCLE = len(mirrored_pairs(list(SPEC_ARMS), 0))
+
+
+def cycle_seed(cycle_id: str, seed: int = 0) -> int:
+    """The orders' seed of a cycle: its id hashed with ``[bench] seed``, so no arm is first every cycle."""
+    return int.from_bytes(hashlib.sha256(f"{cycle_id}:{seed}".encode()).digest()[:4], "big")
+
+
+def _no_repeats(segment: list[Slot], prev: str | None) -> list[Slot]:
+    """``segment``'s slots in an order whose first arm never repeats the arm that ran just before.
+
+    A load episode across a slot boundary then never hits one arm at the end of one group and
+    at the start of the next: it slows different arms in the two clusters, never the same arm
+    twice. The given order is kept where it already complies (depth-first, in that preference).
+    """
+    n = len(segment)
+    used = [False] * n
+    out: list[Slot] = []
+    steps = [0]
+
+    def go(last: str | None) -> bool:
+        if len(out) == n:
+            return True
+        steps[0] += 1
+        if steps[0] > 10_000:  # no such order (e.g. every slot starts with that arm): keep the given one
+            return False
+        for i, s in enumerate(segment):
+            if not used[i] and s.order[0] != last:
+                used[i] = True
+                out.append(s)
+                if go(s.order[-1]):
+                    return True
+                used[i] = False
+                out.pop()
+        return False
+
+    return out if go(prev) else segment
+
+
 def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int, group_size: int,
-         seed: int, min_groups: int = 6) -> list[Slot]:
+         seed: int, min_groups: int = 6, first_prompt: int = 0) -> list[Slot]:
     """The whole run as slots, in time order: round by round, concurrency by concurrency.
 
     Every arm is measured on the same few prompts within seconds of the others, so load
-    that comes and goes lands on all arms of a slot alike. The orders restart at every
-    concurrency: group g takes the g-th mirrored pair of the Williams cycle, its row in
-    even rounds and the row's mirror in odd ones, so with an even number of rounds each
-    group is balanced on its own, and each concurrency runs whole Williams cycles where
-    its group count is a multiple of the cycle.
+    that comes and goes lands on all arms of a slot alike. Group g at the i-th concurrency
+    takes the (g + i)-th mirrored pair of the Williams cycle, its row in even rounds and the
+    row's mirror in odd ones, so with an even number of rounds each group is balanced on its
+    own, and the arm that runs first after a concurrency switch changes from switch to
+    switch. Odd rounds visit the groups backwards (a mirror would otherwise start with the
+    arm the previous mirror ended with), and no slot starts with the arm that ran just
+    before it (:func:`_no_repeats`), across concurrency switches and rounds too. The prompt
+    groups do not depend on ``arms`` (:data:`GROUP_CYCLE`).
     """
     pairs = mirrored_pairs(arms, seed)
-    groups = {c: prompt_groups(n_requests, c, group_size, len(pairs), min_groups) for c in concurrencies}
-    slots = []
+    groups = {c: prompt_groups(n_requests, c, group_size, GROUP_CYCLE, min_groups, first_prompt)
+              for c in concurrencies}
+    slots: list[Slot] = []
     for r in range(rounds):
-        for c in concurrencies:
+        for ci, c in enumerate(concurrencies):
+            seg = []
             for g, prompts in enumerate(groups[c]):
-                row, mirror = pairs[g % len(pairs)]
-                slots.append(Slot(r, c, prompts, list(row if r % 2 == 0 else mirror), g))
+                row, mirror = pairs[(g + ci) % len(pairs)]
+                seg.append(Slot(r, c, prompts, list(row if r % 2 == 0 else mirror), g))
+            if r % 2:
+                seg.reverse()
+            slots += _no_repeats(seg, slots[-1].order[-1] if slots else None)
     return slots
 
 
@@ -286,22 +339,24 @@ def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int
 async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[BenchRequest], *,
                     concurrencies: list[int], rounds: int, confidence: float = 0.9,
                     restart=None, nospec_url: str | None = None, seed: int = 0, group_size: int = 4,
-                    min_groups: int = 6, progress=None) -> BenchResult:
+                    min_groups: int = 6, first_prompt: int = 0, progress=None, token: str = "") -> BenchResult:
     """Measure ``heads`` (``{"candidate": {...}, "live": {...}}`` with path/sha256/version) on ``url``.
 
     Arms: the candidate, the live head, the live head again as an A/A control and,
     with ``nospec_url`` (a replica without a drafter), no speculation. The :func:`plan`
     runs them slot by slot. Every arm's turn starts the same way: its head is loaded on
     the bench replica (in place, or, when the heads' shapes differ, by ``restart(head_path)``
-    for *every* arm, the live head's turns too) and one short warm-up request; without
-    ``restart`` heads of different shapes are an error. ``progress(msg)`` hears about
-    each round.
+    for *every* arm, the live head's turns too) and a warm-up of one wave of short requests
+    at the slot's concurrency; without ``restart`` heads of different shapes are an error.
+    ``reqs[i]`` is held-out prompt ``first_prompt + i`` (a cycle's later attempts replay new
+    prompts, numbered on). ``progress(msg)`` hears about each round. ``token``: the bench
+    replica's admin token (heads go in through its agent's ``/agent/*`` routes, never dev routes).
     """
-    admin = ReplicaAdmin(url)
+    admin = AgentAdmin(url, token, local=True)
     blocks: list[dict] = []
     swaps: list[dict] = []
     arms = [CANDIDATE, LIVE, CONTROL] + ([NOSPEC] if nospec_url else [])
-    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed, min_groups)
+    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed, min_groups, first_prompt)
     original = await admin.head_info()
     t_run = time.perf_counter()
     try:
@@ -313,10 +368,12 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                 arm_url = nospec_url if role == NOSPEC else url
                 if role != NOSPEC:
                     swaps.append(await _load(admin, heads[HEAD_OF[role]], restart, slot.round, role, how))
-                # A short warm-up so the first timed request does not pay for the swap.
-                async with httpx.AsyncClient() as c:
-                    await stream_one(c, arm_url, _short(reqs[slot.prompts[0]]))
-                b = await run_block(arm_url, [reqs[p] for p in slot.prompts], slot.concurrency)
+                # A short warm-up, one wave at the slot's concurrency (its batch shapes), so the first
+                # timed requests pay neither for the swap nor for a batch size not yet run.
+                wave = [reqs[p - first_prompt] for p in slot.prompts[:slot.concurrency]]
+                async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(wave) + 4)) as c:
+                    await asyncio.gather(*(stream_one(c, arm_url, _short(rq)) for rq in wave))
+                b = await run_block(arm_url, [reqs[p - first_prompt] for p in slot.prompts], slot.concurrency)
                 b.update(role=role, round=slot.round, concurrency=slot.concurrency, slot=i, prompts=slot.prompts)
                 if role == NOSPEC:
                     b["spec"] = None
@@ -339,6 +396,7 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                     await asyncio.to_thread(restart, original["path"])
     result = analyze(blocks, arms, concurrencies, confidence)
     result.seed, result.group_size, result.slots, result.swaps = seed, group_size, len(slots), swaps
+    result.first_prompt = first_prompt
     result.order = [s.order for s in slots if s.round < 2 and s.concurrency == concurrencies[0]]
     result.blocks = [{
         "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "slot": b["slot"],
@@ -347,6 +405,19 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
         "spec": b["spec"].to_json() if b["spec"] is not None else None,
     } for b in blocks]
     return result
+
+
+def heldout_batch(reqs: list[BenchRequest], size: int, batch: int) -> tuple[list[BenchRequest], int]:
+    """Batch ``batch`` of ``size`` prompts and the number of its first prompt.
+
+    A held-out set of k full batches gives k different ones (batch ``batch mod k``); one
+    smaller than ``size`` is a single batch, replayed by every attempt.
+    """
+    full = len(reqs) // size if size > 0 else 0
+    if full <= 1:
+        return reqs[:size], 0
+    first = (batch % full) * size
+    return reqs[first:first + size], first
 
 
 def _short(req: BenchRequest) -> BenchRequest:
@@ -358,7 +429,7 @@ def _block_tps(bl: list[dict]) -> float:
     return sum(r.output_tokens for b in bl for r in b["results"] if r.ok) / wall if wall > 0 else math.nan
 
 
-async def _load(admin: ReplicaAdmin, h: dict[str, Any], restart, rnd: int, role: str,
+async def _load(admin: AgentAdmin, h: dict[str, Any], restart, rnd: int, role: str,
                 how: str | None) -> dict[str, Any]:
     """Put ``h`` on the bench replica: in place, or by a restart when ``how`` says every arm restarts.
 
@@ -393,9 +464,15 @@ class BenchPlan:
     concurrencies: list[int] | None = None  # default [bench] concurrencies, and so on
     rounds: int | None = None
     max_prompts: int | None = None
+    group_size: int | None = None
     nospec: bool | None = None  # default [bench] nospec_reference
     nospec_url: str | None = None
     seed: int | None = None
+    # The cycle this bench belongs to: its id seeds the orders with ``seed`` (:func:`cycle_seed`).
+    cycle: str | None = None
+    # Which batch of ``max_prompts`` held-out prompts to replay: a cycle's n-th attempt takes batch n − 1,
+    # new prompt groups while the held-out set has them (else the batches wrap around).
+    prompt_batch: int = 0
     train: str | None = None  # training conversations (JSONL) to check held-out repeats against
     heldout_overlap: dict | None = None  # such a check made by the caller (the cycle's snapshot)
 
@@ -419,11 +496,15 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
     from targets.model_zoo import ensure_target
 
     url, nospec_url = bp.url, bp.nospec_url
+    token = cfg.serving.resolved_admin_token()
     if url is not None and not url_is_loopback(url):
-        # Heads go in by local path over the replica's dev-mode RPC, which never leaves loopback.
-        raise ValueError(f"bench replica {url} is not on loopback: the bench swaps heads into it by local path "
-                         "over its loopback RPC, so it must run on this worker (e.g. http://127.0.0.1:PORT); "
+        # Heads go in by local path (its agent's admin routes), so the replica runs on this worker.
+        raise ValueError(f"bench replica {url} is not on loopback: the bench swaps heads into it by local path, "
+                         "so it must run on this worker (e.g. http://127.0.0.1:PORT); "
                          "leave the URL out to have the bench start its own")
+    if url is not None and not token:
+        raise ValueError(f"bench replica {url}: its admin routes take the pool's admin token, and none is set "
+                         "(ADAPT_ADMIN_TOKEN or [serving].admin_token); leave the URL out to have the bench start its own")
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     dl = Path(cfg.head.heads_dir) / "downloaded"
     heads = {}
@@ -443,7 +524,8 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
             rows = kept
     if heldout_overlap is not None:
         heldout_overlap = {k: v for k, v in heldout_overlap.items() if k != "matches"}
-    reqs = rows_to_requests(rows, model, cfg.bench.max_tokens, bp.max_prompts or cfg.bench.max_prompts)
+    size = bp.max_prompts or cfg.bench.max_prompts
+    reqs, first = heldout_batch(rows_to_requests(rows, model, cfg.bench.max_tokens, len(rows)), size, bp.prompt_batch)
     if not reqs:
         raise ValueError("no replayable held-out conversations")
     concs = list(bp.concurrencies or cfg.bench.concurrencies)
@@ -452,11 +534,11 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
     procs: dict[str, ReplicaProcess] = {}
     if url is None:
         k = cfg.head.num_speculative_tokens
-        procs["spec"] = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, heads["live"]["path"], model, concs),
-                                       logs / "bench-replica.log")
-        url = procs["spec"].url
+        procs["spec"] = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, heads["live"]["path"], model, concs,
+                                                          cfg.bench), logs / "bench-replica.log")
+        url, token = procs["spec"].url, procs["spec"].spec.control_token
     if nospec and nospec_url is None:
-        procs["nospec"] = ReplicaProcess(bench_replica_spec(cfg.serving, 0, target, None, model, concs),
+        procs["nospec"] = ReplicaProcess(bench_replica_spec(cfg.serving, 0, target, None, model, concs, cfg.bench),
                                          logs / "bench-nospec-replica.log")
         nospec_url = procs["nospec"].url
 
@@ -469,6 +551,8 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
 
     rounds = bp.rounds or cfg.bench.rounds
     seed = cfg.bench.seed if bp.seed is None else bp.seed
+    if bp.cycle is not None:
+        seed = cycle_seed(bp.cycle, seed)
     try:
         for p in procs.values():
             p.start()
@@ -477,8 +561,9 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
         result = asyncio.run(run_bench(url, heads, reqs, concurrencies=concs, rounds=rounds,
                                        confidence=cfg.gate.confidence, restart=restart,
                                        nospec_url=nospec_url if nospec else None, seed=seed,
-                                       group_size=cfg.bench.group_size, min_groups=cfg.gate.min_clusters,
-                                       progress=progress))
+                                       group_size=bp.group_size or cfg.bench.group_size,
+                                       min_groups=cfg.gate.min_clusters,
+                                       first_prompt=first, progress=progress, token=token))
     finally:
         for p in procs.values():
             p.stop()

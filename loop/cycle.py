@@ -309,8 +309,10 @@ def step_evaluate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[
 def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
     """Replay the held-out traffic and decide: candidate vs live (with the A/A control), re-measured while inconclusive.
 
-    Every attempt replays the same held-out prompts in another counterbalanced order (its
-    own seed), is kept in ``bench-<n>/``, and is pooled with the earlier ones; the gate
+    Attempt n replays the n-th batch of ``[bench] max_prompts`` held-out prompts (new prompt
+    groups while the held-out set has them, else the same ones again) in another
+    counterbalanced order (its own seed, drawn from the cycle's id), is kept in
+    ``bench-<n>/``, and is pooled with the earlier ones; the gate
     (``loop.gate.decide``) looks at the pool after each attempt, at the level that keeps
     the false-promotion rate of all ``max_attempts`` looks together at ``[gate]``'s. The
     verdict is recorded here, and the gate step takes it as it is. A re-run of this step
@@ -333,6 +335,8 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     d = cx.dir(state["cycle_id"])
     results: list[BenchResult] = []
     attempts = []
+    size = gate_mod.size_attempts(_recent_benches(cx, state), cfg.gate, cfg.bench,
+                                  int(snap["heldout"].get("measured_rows") or cfg.bench.max_prompts))
     for n in range(1, cfg.gate.max_attempts + 1):
         try:  # an attempt already written (here or by another worker) is not measured again
             res = BenchResult.load(cx.local(state, f"bench-{n}/bench.json"))
@@ -343,7 +347,8 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
                 candidate=str(cx.local(state, tr["head_path"])), live=str(cx.local(state, base["live_path"])),
                 heldout=str(cx.local(state, snap["heldout"]["jsonl"])), out=d / f"bench-{n}", url=opts.bench_url,
                 nospec=(bool(opts.nospec_url) or None) if n == 1 else False, nospec_url=opts.nospec_url,
-                seed=cfg.bench.seed + n - 1,
+                seed=cfg.bench.seed + n - 1, cycle=state["cycle_id"], prompt_batch=n - 1,
+                max_prompts=size.prompts, rounds=size.rounds, group_size=size.group_size,
                 heldout_overlap=snap.get("heldout_overlap")), progress=opts.progress)
         results.append(res)
         verdict = gate_mod.decide(results, cfg.gate)
@@ -357,7 +362,28 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     return {"json_path": f"bench-{n}/bench.json", "plot_path": f"bench-{n}/bench.png", "dir_path": f"bench-{n}",
             "nospec_json_path": ref,
             "requests": results[-1].requests, "summary": attempts[-1]["summary"], "attempts": attempts,
-            "verdict": verdict.to_json()}
+            "size": size.to_json(), "verdict": verdict.to_json()}
+
+
+def _recent_benches(cx: Cycle, state: dict[str, Any], cycles: int = 3) -> list:
+    """The bench results of the last ``cycles`` cycles before this one that benchmarked: their noise sizes this one's."""
+    from evaluation.result import BenchResult
+
+    out: list = []
+    for cid in reversed([c for c in cx.store.cycle_ids() if c < state["cycle_id"]]):
+        st = cx.store.read_state(cid) or {}
+        paths = [a.get("json_path") for a in ((st.get("steps") or {}).get("bench") or {}).get("attempts") or []]
+        got = []
+        for path in paths:
+            try:
+                got.append(BenchResult.load(cx.local(st, path)))
+            except (OSError, ValueError, KeyError):  # gone or unreadable: that bench sizes nothing
+                continue
+        out += got
+        cycles -= bool(got)
+        if cycles <= 0:
+            break
+    return out
 
 
 def step_gate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:

@@ -25,11 +25,13 @@ The verdict is *rejected* if any check is (or if the candidate failed more reque
 the live head), *passed* if all are, else *inconclusive*.
 
 **Re-measurement adds data.** A cycle benchmarks an inconclusive candidate again, up to
-``max_attempts`` times; every attempt replays the same prompt groups in another order and
-is pooled with the earlier ones. Each look is tested at Pocock's constant nominal level
-for ``max_attempts`` looks (``evaluation.stats.pocock_level``), so all the looks together
-keep the false-promotion rate at ``α``. Rejection is non-binding (stopping early for it
-never adds promotions).
+``max_attempts`` times; each attempt replays new held-out prompt groups where the held-out
+set has them (else the same groups in another order) and is pooled with the earlier ones,
+group by group. Each look is tested at ``α / max_attempts``
+(``evaluation.stats.look_level``), so all the looks together keep the false-promotion
+rate at or below ``α`` however the looks correlate. Rejection is non-binding (stopping
+early for it never adds promotions). :func:`size_attempts` sizes a cycle's attempts
+from the noise of the last cycles' benches, within twice the default bench budget.
 
 **The A/A control is a diagnostic.** Control − live compares a head with itself: when its
 own interval (at ``aa_confidence``) leaves out 0 for any figure, load changed under that
@@ -42,10 +44,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from evaluation.result import BenchResult
-from evaluation.stats import (CANDIDATE, CONTROL, LIVE, Interval, clusters_needed, contrast, pocock_level,
+from evaluation.stats import (CANDIDATE, CONTROL, LIVE, Interval, clusters_needed, contrast, look_level,
                               pool_clusters, power, reference, t_interval)
 
 PASSED = "passed"
@@ -166,7 +168,7 @@ def decide(results: BenchResult | list[BenchResult], gate: Any) -> Verdict:
     results = [results] if isinstance(results, BenchResult) else list(results)
     look = len(results)
     looks = max(gate.max_attempts, look)
-    level = pocock_level(gate.level, looks)
+    level = look_level(gate.level, looks)
     last = results[-1]
     voids = {i + 1: why for i, r in enumerate(results) if (why := aa_void(r, gate)) is not None}
     kept = [r for i, r in enumerate(results) if i + 1 not in voids]
@@ -255,12 +257,12 @@ def power_plan(result: BenchResult, gate: Any, tok_gain: float = 0.10, acceptanc
 
     For a candidate ``tok_gain`` faster (a fraction of the reference's tok/s) and
     ``acceptance_gain`` tokens better in acceptance, each check's power at the first look
-    (Pocock's level for ``max_attempts`` looks) with the prompt groups this bench had,
+    (``α / max_attempts``) with the prompt groups this bench had,
     and the number of groups that would give ``target`` power at the same rounds and group
     size, with the held-out prompts that takes (``prompts_for_target``). The per-group noise is the candidate − reference spread where a candidate was measured,
     else the A/A control's (control − live has 4/3 the variance of candidate − reference).
     """
-    level = pocock_level(gate.level, gate.max_attempts)
+    level = look_level(gate.level, gate.max_attempts)
     refs = _refs(set(result.arms))
     out: dict[str, dict[str, Any]] = {}
     c1 = min(result.concurrencies)
@@ -286,3 +288,127 @@ def power_plan(result: BenchResult, gate: Any, tok_gain: float = 0.10, acceptanc
                                          if need is not None and sizes else None)
         out[name] = row
     return out
+
+
+@dataclass
+class AttemptSize:
+    """How a cycle's attempts replay held-out prompts: the bench's shape, and why this one."""
+
+    prompts: int  # held-out prompts per attempt (a later attempt takes new ones while the set has them)
+    rounds: int
+    group_size: int
+    budget: float  # prompt replays per attempt, as a multiple of the default bench's
+    power: float | None = None  # the weakest check's predicted power at the last look (None: no noise known)
+    why: str = ""
+    predicted: dict[str, float] = field(default_factory=dict)  # per check
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _noise(results: Sequence[BenchResult], gate: Any) -> dict[str, tuple[float, float, float]]:
+    """Per check, the per-group variance split into a per-turn and a per-prompt part, and the effect.
+
+    The A/A control (control − live) holds only the machine's noise: the candidate −
+    reference contrast holds 3/4 of it (its pooled reference halves one side) plus how the
+    candidate's advantage varies from prompt to prompt. The machine's part shrinks with the
+    rounds that replay a group, the prompts' part with the prompts in it; throughput in
+    units of the reference's tok/s, so benches of other heads and machines average.
+    """
+    acc: dict[str, list[tuple[float, float, float]]] = {}
+    for r in results:
+        if CONTROL not in r.arms or CANDIDATE not in r.arms or not r.concurrencies:
+            continue
+        refs = _refs(set(r.arms))
+        c1 = min(r.concurrencies)
+        items = [("mean_acceptance_length", c1, "mean_acceptance_length")]
+        items += [(f"output_tok_per_s@c{c}", c, "output_tok_per_s") for c in r.concurrencies]
+        for name, c, metric in items:
+            d = contrast(r.clusters, metric, c, CANDIDATE, refs, 0.9)
+            a = contrast(r.clusters, metric, c, CONTROL, [LIVE], 0.9)
+            if d.sd is None or a.sd is None:
+                continue
+            scale = 1.0
+            if metric == "output_tok_per_s":
+                ref = [v for v in reference(r.clusters, metric, c, refs) if not math.isnan(v)]
+                scale = sum(ref) / len(ref) if ref and sum(ref) > 0 else math.nan
+            sizes = [len(cl.prompts) for cl in r.clusters if cl.concurrency == c]
+            m0 = sum(sizes) / len(sizes)
+            machine = 0.75 * (a.sd / scale) ** 2
+            prompt = max(0.0, (d.sd / scale) ** 2 - machine)
+            acc.setdefault(name, []).append((machine * max(1, r.rounds), prompt * m0, c))
+    return {k: (sum(x[0] for x in v) / len(v), sum(x[1] for x in v) / len(v), v[0][2]) for k, v in acc.items()}
+
+
+def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, available: int, *,
+                  tok_gain: float = 0.10, acceptance_gain: float = 0.10, target: float = 0.8,
+                  most_budget: float = 2.0) -> AttemptSize:
+    """The shape of a cycle's attempts, from the last cycles' benches (``recent``), for ``target`` power.
+
+    For a candidate ``tok_gain`` faster and ``acceptance_gain`` tokens better, each shape's
+    power at the last look (every attempt pooled, at ``α / max_attempts``) is predicted from
+    the recent benches' noise (:func:`_noise`). The shapes: the default (``[bench]
+    max_prompts``, ``rounds``, ``group_size``), more prompts per attempt, and one round of
+    twice the prompts instead of replaying each twice, in groups of the configured size or
+    of 2 (more, shorter turns: the machine's noise averages over more of them), up to
+    ``most_budget`` times the default's prompt replays per attempt, and never more prompts
+    than the held-out set has (``available``). The default wins when it reaches ``target``,
+    else the cheapest shape that does (then the one with the fewest turns); when none does,
+    the most powerful. Without recent benches the default is what comes out.
+    """
+    from evaluation.bench import GROUP_CYCLE, prompt_groups
+
+    default = AttemptSize(bench.max_prompts, bench.rounds, bench.group_size, 1.0)
+    noise = _noise(recent, gate)
+    if not noise:
+        default.why = "no earlier bench with a candidate and an A/A control to size from: the default"
+        return default
+    attempts = max(1, gate.max_attempts)
+    level = look_level(gate.level, attempts)
+    base = bench.max_prompts * bench.rounds
+    shapes: list[tuple[int, int, int]] = [(bench.max_prompts, bench.rounds, bench.group_size)]
+    for f in (1.5, 2.0, 3.0, 4.0):
+        if f <= most_budget:
+            shapes.append((int(round(f * bench.max_prompts)), bench.rounds, bench.group_size))
+    for f in (1.0, 1.5, 2.0, 3.0, 4.0):
+        if f <= most_budget:
+            for m in sorted({bench.group_size, 2}, reverse=True):
+                shapes.append((int(round(f * base)), 1, m))
+
+    def predict(p: int, rounds: int, m: int) -> tuple[float, dict[str, float], int]:
+        batches = max(1, min(attempts, available // p))  # new prompt groups per attempt while they last
+        eff_rounds = rounds * attempts / batches
+        out, turns = {}, 0
+        for name, (machine, prompt, c) in noise.items():
+            groups = prompt_groups(p, c, m, GROUP_CYCLE, gate.min_clusters)
+            j = len(groups)
+            if name.startswith("output"):
+                turns += j * rounds
+            size = p / j
+            var = machine / eff_rounds + prompt / size
+            if name == "mean_acceptance_length":
+                effect = acceptance_gain - gate.min_acceptance_gain
+            else:
+                effect = tok_gain - gate.min_throughput_gain
+            out[name] = power(effect, math.sqrt(var), j * batches, level) if j * batches >= gate.min_clusters else 0.0
+        return min(out.values()), out, turns
+
+    rows = []
+    for p, rounds, m in dict.fromkeys(shapes):
+        if p > max(available, bench.max_prompts) or p < 1:
+            continue
+        pw, per, turns = predict(min(p, available) if p == bench.max_prompts else p, rounds, m)
+        rows.append((p * rounds / base, turns, pw, per, p, rounds, m))
+    good = [r for r in rows if r[2] >= target]
+    default_row = rows[0]  # (prompts, rounds, group size) as configured
+    if default_row[2] >= target:
+        good = [default_row]
+    pick = min(good, key=lambda r: (r[0], r[1])) if good else max(rows, key=lambda r: (r[2], -r[0]))
+    f, _turns, pw, per, p, rounds, m = pick
+    if good:
+        why = (f"{p} prompts x {rounds} round(s) in groups of {m}: the cheapest shape with {target:.0%} power "
+               f"(predicted {pw:.0%}) from {len(recent)} recent bench(es)")
+    else:
+        why = (f"{p} prompts x {rounds} round(s) in groups of {m}: no shape within {most_budget:g}x the default "
+               f"budget reaches {target:.0%} power (predicted {pw:.0%} at best)")
+    return AttemptSize(p, rounds, m, f, pw, why, per)

@@ -73,7 +73,7 @@ def simulated_bench(runs, calls: list):
         nospec = cfg.bench.nospec_reference if bp.nospec is None else bp.nospec
         arms = ARMS + ([NOSPEC] if nospec else [])
         blocks = simulate(slots_for(arms, seed=bp.seed), {CANDIDATE: speed, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 0.8},
-                          load=load, jitter=load / 4, seed=bp.seed, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
+                          load=load, jitter=load / 4, seed=bp.seed + 1, al={CANDIDATE: 1.8, LIVE: 1.5, CONTROL: 1.5})
         res = analyze(blocks, arms, CONCS, cfg.gate.confidence)
         res.heads = {"candidate": HeadRef("cand", "c" * 64), "live": HeadRef("live", "l" * 64)}
         res.requests, res.seed = N, bp.seed

@@ -10,8 +10,9 @@ from collections import Counter
 
 import pytest
 
+import evaluation.bench as bench_mod
 from evaluation.bench import (CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, analyze, arm_orders,
-                              mirrored_pairs, plan, prompt_groups)
+                              cycle_seed, mirrored_pairs, plan, prompt_groups)
 from loop.gate import PASSED, REJECTED, decide
 from settings.config import GateConfig
 from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
@@ -41,10 +42,11 @@ def test_orders_are_seeded_and_counterbalanced(arms):
 @pytest.mark.parametrize("arms,n,concs,rounds", [
     ([CANDIDATE, LIVE, CONTROL], 32, [1, 4], 2), ([CANDIDATE, LIVE, CONTROL, NOSPEC], 32, [1, 4], 2),
     ([CANDIDATE, LIVE, CONTROL], 12, [1, 2], 2), ([CANDIDATE, LIVE, CONTROL], 6, [1], 4),
-    ([CANDIDATE, LIVE, CONTROL], 24, [1, 4], 4)])
+    ([CANDIDATE, LIVE, CONTROL], 24, [1, 4], 4), ([CANDIDATE, LIVE, CONTROL, NOSPEC], 24, [1, 4], 4)])
 def test_every_group_is_balanced_and_every_concurrency_runs_whole_williams_cycles(arms, n, concs, rounds):
     """At every concurrency: each prompt group's rounds put every arm at the same mean position (a load
-    trend across a slot cancels inside the group), and the orders form whole Williams cycles."""
+    trend across a slot cancels inside the group), and the speculative arms' orders form whole Williams
+    cycles (the groups are cut for them, with or without the no-speculation arm)."""
     slots = plan(arms, n, concs, rounds, group_size=4, seed=1)
     cycle = Counter(map(tuple, arm_orders(arms, seed=1)))
     for c in concs:
@@ -54,9 +56,58 @@ def test_every_group_is_balanced_and_every_concurrency_runs_whole_williams_cycle
             assert len(rows) == rounds
             mean_pos = {a: sum(r.index(a) for r in rows) / rounds for a in arms}
             assert len(set(mean_pos.values())) == 1, (c, g, mean_pos)
-        used = Counter(tuple(s.order) for s in mine)
-        k = used[next(iter(cycle))]
-        assert used == Counter({row: k for row in cycle}), (c, used)  # k whole cycles, nothing left over
+        if NOSPEC not in arms:
+            used = Counter(tuple(s.order) for s in mine)
+            k = used[next(iter(cycle))]
+            assert used == Counter({row: k for row in cycle}), (c, used)  # k whole cycles, nothing left over
+
+
+def test_the_prompt_groups_do_not_depend_on_which_arms_run():
+    """An attempt with the no-speculation arm and one without it cut the same groups, so they pool as the
+    same clusters (four arms once cut 2 mirrored pairs' worth of groups, three cut 3)."""
+    for n in range(6, 129):
+        for concs in ([1], [1, 4]):
+            three = plan([CANDIDATE, LIVE, CONTROL], n, concs, 2, 4, seed=0)
+            four = plan([CANDIDATE, LIVE, CONTROL, NOSPEC], n, concs, 2, 4, seed=0)
+            assert {(s.concurrency, tuple(s.prompts)) for s in three} == \
+                {(s.concurrency, tuple(s.prompts)) for s in four}, n
+
+
+@pytest.mark.parametrize("arms", [[CANDIDATE, LIVE, CONTROL], [CANDIDATE, LIVE, CONTROL, NOSPEC]])
+def test_no_slot_starts_with_the_arm_that_just_ran(arms):
+    """A load episode across a slot boundary never slows one arm at the end of one group and at the start of
+    the next (in odd rounds the mirrors once put the same arm on both sides), across concurrency switches
+    and rounds too; and the arm that runs first after a concurrency switch changes from switch to switch."""
+    for n in (12, 24, 32, 64, 100):
+        for rounds in (1, 2, 4):
+            for seed in range(4):
+                slots = plan(arms, n, [1, 4], rounds, 4, seed)
+                assert all(a.order[-1] != b.order[0] for a, b in zip(slots, slots[1:])), (n, rounds, seed)
+                firsts = [b.order[0] for a, b in zip([None] + slots, slots)
+                          if a is None or (a.round, a.concurrency) != (b.round, b.concurrency)]
+                if rounds >= 2:
+                    assert len(set(firsts)) >= 2, firsts
+
+
+def test_the_orders_change_from_cycle_to_cycle():
+    """Seeded from the cycle's id: the same cycle replays the same orders, another cycle other ones (no arm
+    is the first after the replica's start in every cycle)."""
+    assert cycle_seed("c20261127T120000Z") == cycle_seed("c20261127T120000Z")
+    seeds = {cycle_seed(f"c{i}") for i in range(40)}
+    assert len(seeds) == 40 and cycle_seed("c1", 0) != cycle_seed("c1", 1)
+    firsts = Counter(plan(ARMS, 32, [1, 4], 2, 4, s)[0].order[0] for s in seeds)
+    assert set(firsts) == set(ARMS)
+
+
+def test_later_attempts_replay_new_prompt_batches_while_the_held_out_set_has_them():
+    reqs = [bench_mod.BenchRequest("/v1/completions", {"prompt": str(i)}) for i in range(100)]
+    assert bench_mod.heldout_batch(reqs, 32, 0) == (reqs[:32], 0)
+    assert bench_mod.heldout_batch(reqs, 32, 1) == (reqs[32:64], 32)
+    assert bench_mod.heldout_batch(reqs, 32, 3) == (reqs[:32], 0)  # 3 full batches: the fourth wraps around
+    assert bench_mod.heldout_batch(reqs[:40], 32, 1) == (reqs[:32], 0)  # one batch: every attempt replays it
+    assert bench_mod.heldout_batch(reqs[:20], 32, 1) == (reqs[:20], 0)
+    slots = plan(ARMS, 32, [1, 4], 2, 4, 0, first_prompt=32)
+    assert sorted({p for s in slots for p in s.prompts}) == list(range(32, 64))
 
 
 def test_plan_covers_every_prompt_with_every_arm_in_groups_of_at_least_one_wave():
@@ -177,7 +228,7 @@ def test_figures_carry_the_percentiles_and_names_of_vllm_bench_serve():
 def test_every_arm_goes_through_the_same_load_path(monkeypatch):
     """Heads of other shapes: every spec arm's turn restarts the replica (the live head's and the A/A
     control's too), found once by a probe; with shapes that match, every turn swaps in place. Every arm's
-    turn has one warm-up request before its block."""
+    turn has a warm-up wave at its slot's concurrency before its block (the batch shapes it will run)."""
     import asyncio
 
     import evaluation.bench as bench
@@ -187,8 +238,8 @@ def test_every_arm_goes_through_the_same_load_path(monkeypatch):
     class Admin:
         served = {"sha256": "l" * 64, "path": "/h/live"}
 
-        def __init__(self, url):
-            pass
+        def __init__(self, url, token, local=False):
+            assert local  # the bench replica runs on this host: heads by path through its agent
 
         async def head_info(self):
             return dict(Admin.served)
@@ -209,11 +260,11 @@ def test_every_arm_goes_through_the_same_load_path(monkeypatch):
         return RequestResult(ok=True, output_tokens=1, latency=0.01, ttft=0.01)
 
     async def block(url, reqs, c):
-        events.append(("block", url))
+        events.append(("block", url, c))
         return {"results": [RequestResult(ok=True, output_tokens=8, latency=0.1, ttft=0.01) for _ in reqs],
                 "wall": 0.1 * len(reqs) / c, "spec": None}
 
-    monkeypatch.setattr(bench, "ReplicaAdmin", Admin)
+    monkeypatch.setattr(bench, "AgentAdmin", Admin)
     monkeypatch.setattr(bench, "stream_one", warm)
     monkeypatch.setattr(bench, "run_block", block)
     heads = {"candidate": {"path": "/h/cand", "sha256": "c" * 64}, "live": {"path": "/h/live", "sha256": "l" * 64}}
@@ -221,10 +272,14 @@ def test_every_arm_goes_through_the_same_load_path(monkeypatch):
     for differ, how in ((True, "restart"), (False, "inplace")):
         Admin.shapes_differ, Admin.served = differ, {"sha256": "l" * 64, "path": "/h/live"}
         events.clear()
-        res = asyncio.run(bench.run_bench("http://spec", heads, reqs, concurrencies=[1], rounds=2, restart=restart,
-                                          nospec_url="http://nospec", min_groups=3))
+        res = asyncio.run(bench.run_bench("http://spec", heads, reqs, concurrencies=[1, 2], rounds=2,
+                                          restart=restart, nospec_url="http://nospec", min_groups=3))
         turns = [s for s in res.swaps if s["role"] != "probe"]
         assert {s["how"] for s in res.swaps} == {how} and len(turns) == 3 * res.slots  # every spec arm's turn
         assert sum(e[0] == how and e[1] == "/h/live" for e in events) >= 2 * res.slots  # live and control alike
         blocks = [i for i, e in enumerate(events) if e[0] == "block"]
-        assert len(blocks) == 4 * res.slots and all(events[i - 1][0] == "warm" for i in blocks)
+        assert len(blocks) == 4 * res.slots
+        for i in blocks:
+            c = events[i][2]
+            assert [e[0] for e in events[i - c:i]] == ["warm"] * c and events[i - c - 1][0] != "warm", (i, c)
+        assert {events[i][2] for i in blocks} == {1, 2}

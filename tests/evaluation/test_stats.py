@@ -9,7 +9,7 @@ import pytest
 
 from evaluation.result import analyze
 from evaluation.stats import (CANDIDATE, CONTROL, LIVE, Cluster, ClusterSums, clusters_needed, contrast,
-                              normal_ppf, pocock_level, pool_clusters, power, t_cdf, t_interval, t_ppf)
+                              look_level, normal_ppf, pocock_level, pool_clusters, power, t_cdf, t_interval, t_ppf)
 from tests.bench_sim import ARMS, CONCS, simulate, slots_for
 
 
@@ -120,3 +120,9 @@ def test_clopper_pearson_matches_the_beta_quantiles():
     assert clopper_pearson(0, 16) == (0.0, pytest.approx(0.20591, abs=1e-5))
     assert clopper_pearson(12, 16) == (pytest.approx(0.47623, abs=1e-5), pytest.approx(0.92734, abs=1e-5))
     assert clopper_pearson(100, 2000) == (pytest.approx(0.04086, abs=1e-5), pytest.approx(0.06048, abs=1e-5))
+
+
+def test_the_looks_of_a_cycle_split_the_level():
+    assert look_level(0.05, 1) == 0.05 and look_level(0.05, 2) == pytest.approx(0.025)
+    assert look_level(0.05, 4) == pytest.approx(0.0125) and look_level(0.05, 4) < pocock_level(0.05, 4)
+

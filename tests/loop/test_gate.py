@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from evaluation.result import Arm, ArmFigures, BenchResult, compare_all
-from evaluation.stats import CANDIDATE, CONTROL, LIVE, Cluster, ClusterSums, pocock_level
+from evaluation.stats import CANDIDATE, CONTROL, LIVE, Cluster, ClusterSums, look_level
 from loop.gate import (INCONCLUSIVE, PASSED, REJECTED, Verdict, bootstrap_verdict, decide, offline_check, power_plan,
-                       prescreen)
+                       prescreen, size_attempts)
 from settings.config import GateConfig
 
 BASE = [30.0, 28.0, 33.0, 31.0, 29.0, 35.0, 27.0, 32.0]  # the live head's tok/s per prompt group
@@ -109,14 +109,14 @@ def test_an_aa_control_that_leaves_out_zero_voids_the_attempt():
     assert "attempt 1 void" in v.reason and "load changed under the bench" in v.reason
 
 
-def test_attempts_pool_and_are_tested_at_pococks_level():
+def test_attempts_pool_and_are_tested_at_the_spent_level():
     """Two attempts each too noisy alone; pooled (the same groups, twice the rounds) they pass at the
-    level of look 2 of 2. The look's level is Pocock's, not 0.05."""
+    level of look 2 of 2. Each look's level is 0.05 / 2, not 0.05."""
     gate = GateConfig(max_attempts=2)
     a = bench(gain=(3.5, -1.5, 4.0, -0.5, 2.5, -1.0, 4.0, 1.0))
     b = bench(gain=(-1.0, 3.5, -0.5, 4.0, -1.0, 2.5, 1.0, 4.0))
     first = decide([a], gate)
-    assert first.status == INCONCLUSIVE and not first.final and first.level == pytest.approx(pocock_level(0.05, 2))
+    assert first.status == INCONCLUSIVE and not first.final and first.level == pytest.approx(0.025)
     assert first.level < 0.05 and "inconclusive after" not in first.reason
     assert decide([b], ONE).passed and decide([b], gate).status == INCONCLUSIVE  # b alone passes only at 0.05
     second = decide([a, b], gate)
@@ -128,7 +128,7 @@ def test_a_look_that_passes_at_005_can_stay_inconclusive_when_more_looks_are_pla
     gain = (3.0, -1.0, 4.0, 0.0, 2.5, -0.5, 4.0, 1.0)
     assert decide(bench(gain=gain), ONE).passed
     v = decide(bench(gain=gain), GateConfig(max_attempts=4))
-    assert v.status == INCONCLUSIVE and v.level == pytest.approx(pocock_level(0.05, 4))
+    assert v.status == INCONCLUSIVE and v.level == pytest.approx(look_level(0.05, 4)) == pytest.approx(0.0125)
 
 
 def test_a_voided_attempt_joins_no_pool():
@@ -191,3 +191,28 @@ def test_the_offline_prescreen_never_promotes_and_lets_the_bench_decide_otherwis
     assert offline_check(noisy, GateConfig()).status == INCONCLUSIVE and prescreen(noisy, GateConfig()) is None
     few = offline([(50, 10)] * 3, [(50, 10)] * 3)  # fewer prompts than min_clusters: no decision
     assert offline_check(few, GateConfig()).status == INCONCLUSIVE and prescreen(few, GateConfig()) is None
+
+
+def test_the_attempts_are_sized_from_the_last_cycles_noise_within_twice_the_default_budget():
+    """A quiet machine keeps the default bench; a noisy one gets more prompts per attempt (new ones for every
+    attempt where the held-out set has them), never more than twice the default's replays, never more prompts
+    than the held-out set holds; with no earlier bench, the default."""
+    from settings.config import BenchConfig
+
+    b = BenchConfig()
+    none = size_attempts([], GateConfig(), b, 1000)
+    assert (none.prompts, none.rounds, none.group_size, none.budget) == (32, 2, 4, 1.0) and "no earlier" in none.why
+    quiet = size_attempts([bench()] * 3, GateConfig(), b, 1000)
+    assert (quiet.prompts, quiet.rounds, quiet.budget) == (32, 2, 1.0) and quiet.power >= 0.8
+    loud_gain, loud_aa = (16.0, -12.0, 18.0, -10.0, 14.0, -8.0, 12.0, -6.0), (4.0, -5.0, 3.0, -4.0, 5.0, -3.0, 4.0, -4.0)
+    loud = bench(gain=loud_gain, aa=loud_aa)
+    busy = size_attempts([loud] * 3, GateConfig(), b, 1000)
+    assert 1.0 < busy.budget <= 2.0 and busy.prompts * busy.rounds > 64 and busy.power >= 0.8
+    assert (busy.prompts, busy.rounds) == (96, 1)  # the cheapest that does: one round of new prompts, 1.5x
+    few = size_attempts([loud], GateConfig(), b, 32)
+    assert (few.prompts, few.budget) == (32, 1.0) and few.power < 0.5  # nothing bigger to replay than 32 prompts
+    louder = bench(gain=tuple(1.5 * x for x in loud_gain), aa=tuple(1.5 * x for x in loud_aa))
+    most = size_attempts([louder], GateConfig(), b, 1000)
+    assert most.budget == 2.0 and most.power < 0.8 and "no shape within 2x" in most.why  # the most powerful
+    assert busy.to_json()["prompts"] == busy.prompts and set(busy.predicted) == {"mean_acceptance_length",
+                                                                                 "output_tok_per_s@c1"}
