@@ -92,61 +92,140 @@ def _message(msg: dict) -> dict:
             "tool_calls": msg.get("tool_calls")}
 
 
-def send(url: str, tok, messages: list[dict], turn: Turn, case: Case, stream: bool) -> tuple[list, list, dict, str]:
-    """(prompt ids, output ids, the answer as one message, finish reason), streamed or not."""
-    body: dict[str, Any] = {"model": "target", "messages": messages, "temperature": 0, "max_tokens": 96,
+@dataclass
+class Served:
+    """One request as served: what the client sent, the body it got back, and vLLM's ids."""
+
+    event_id: str
+    kind: str
+    request: dict
+    body: str  # the response body as it crossed the wire (JSON, or the SSE stream)
+    stream: bool
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def _sse_answer(body: str) -> tuple[list, list, dict, str]:
+    msg: dict[str, Any] = {"role": "assistant", "content": None, "reasoning": None, "tool_calls": None}
+    prompt, out, finish = None, [], None
+    for line in body.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        prompt = chunk.get("prompt_token_ids") or prompt
+        for c in chunk["choices"]:
+            out += c.get("token_ids") or []
+            d = c["delta"]
+            for k in ("content", "reasoning"):
+                if d.get(k):
+                    msg[k] = (msg[k] or "") + d[k]
+            for tc in d.get("tool_calls") or []:
+                calls = msg["tool_calls"] = msg["tool_calls"] or []
+                while len(calls) <= tc["index"]:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call = calls[tc["index"]]
+                call["id"] = tc.get("id") or call["id"]
+                fn = tc.get("function") or {}
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+            finish = c.get("finish_reason") or finish
+    return prompt, out, msg, finish
+
+
+def send(url: str, tok, messages: list[dict], turn: Turn, case: Case, stream: bool) -> tuple[dict, str, list, list, dict]:
+    """(the request, the response body, prompt ids, output ids, the answer as one message)."""
+    body: dict[str, Any] = {"model": "target", "messages": json.loads(json.dumps(messages)), "temperature": 0,
+                            "max_tokens": 96,
                             "return_token_ids": True, "structured_outputs": {"regex": re.escape(turn.forced)},
                             "logit_bias": _bias(tok, turn.forced)}
     if case.tools:
         body["tools"] = case.tools
     if case.kwargs:
         body["chat_template_kwargs"] = case.kwargs
-    if not stream:
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-        r.raise_for_status()
+    if stream:
+        body["stream"] = True
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    r.raise_for_status()
+    if stream:
+        prompt, out, msg, _ = _sse_answer(r.text)
+    else:
         j = r.json()
-        c = j["choices"][0]
-        return j["prompt_token_ids"], c["token_ids"], _message(c["message"]), c["finish_reason"]
-    body["stream"] = True
-    msg: dict[str, Any] = {"role": "assistant", "content": None, "reasoning": None, "tool_calls": None}
-    prompt, out, finish = None, [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
+        prompt, out, msg = j["prompt_token_ids"], j["choices"][0]["token_ids"], _message(j["choices"][0]["message"])
+    return body, r.text, prompt, out, msg
+
+
+def serve_cases(url: str, tok, streams=(False, True)) -> list[Served]:
+    """Every case's requests, streamed and not; a conversation's next request carries the previous
+    answer back as a client does (content and tool calls; reasoning where the case says)."""
+    served = []
+    for stream in streams:
+        for n, case in enumerate(CASES):
+            history: list[dict] = []
+            for k, turn in enumerate(case.turns):
+                add = [dict(m) for m in turn.add]
+                if stream and not history:  # streamed twins differ in text, or capture keeps one of each pair
+                    add[-1]["content"] += " (streamed)"
+                for m in add:
+                    if m["role"] == "tool":  # the result answers the previous call
+                        m["tool_call_id"] = history[-1]["tool_calls"][0]["id"]
+                history += add
+                req, body, prompt, out, msg = send(url, tok, history, turn, case, stream)
+                served.append(Served(f"{'s' if stream else 'p'}{n}-{k}", case.kind, req, body, stream, prompt, out))
+                sent = {"role": "assistant", "content": msg["content"]}
+                if msg["tool_calls"]:
+                    sent["tool_calls"] = msg["tool_calls"]
+                if case.send_back_reasoning and msg["reasoning"] is not None:
+                    sent["reasoning"] = msg["reasoning"]
+                history.append(sent)
+    return served
+
+
+def without_ids(s: Served) -> tuple[dict, str]:
+    """The exchange as SageMaker Data Capture records it for a client that did not ask for ids."""
+    req = {k: v for k, v in s.request.items() if k != "return_token_ids"}
+    if not s.stream:
+        j = json.loads(s.body)
+        j.pop("prompt_token_ids", None)
+        for c in j["choices"]:
+            c.pop("token_ids", None)
+        return req, json.dumps(j)
+    lines = []
+    for line in s.body.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
             chunk = json.loads(line[6:])
-            prompt = chunk.get("prompt_token_ids") or prompt
+            chunk.pop("prompt_token_ids", None)
             for c in chunk["choices"]:
-                out += c.get("token_ids") or []
-                d = c["delta"]
-                for k in ("content", "reasoning"):
-                    if d.get(k):
-                        msg[k] = (msg[k] or "") + d[k]
-                for tc in d.get("tool_calls") or []:
-                    calls = msg["tool_calls"] = msg["tool_calls"] or []
-                    while len(calls) <= tc["index"]:
-                        calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                    call = calls[tc["index"]]
-                    call["id"] = tc.get("id") or call["id"]
-                    fn = tc.get("function") or {}
-                    call["function"]["name"] += fn.get("name") or ""
-                    call["function"]["arguments"] += fn.get("arguments") or ""
-                finish = c.get("finish_reason") or finish
-    return prompt, out, msg, finish
+                c.pop("token_ids", None)
+            line = "data: " + json.dumps(chunk)
+        lines.append(line)
+    return req, "\n".join(lines) + "\n"
+
+
+def capture_records(served: list[Served], with_ids: bool, t0) -> list[str]:
+    """Data Capture lines of the exchanges, a minute apart, the event id naming the request."""
+    from datetime import timedelta
+
+    from capture.records import make_capture_record
+
+    out = []
+    for i, s in enumerate(served):
+        req, body = (s.request, s.body) if with_ids else without_ids(s)
+        out.append(make_capture_record(req, body if s.stream else json.loads(body), event_id=s.event_id,
+                                       inference_time=t0 + timedelta(minutes=i),
+                                       response_content_type="text/event-stream" if s.stream else "application/json"))
+    return out
 
 
 @dataclass
 class Tally:
     requests: dict[str, int] = field(default_factory=dict)
-    exact_template: dict[str, int] = field(default_factory=dict)
-    exact_ids: dict[str, int] = field(default_factory=dict)
+    exact: dict[str, int] = field(default_factory=dict)
     misses: list[str] = field(default_factory=list)
 
-    def add(self, kind: str, template_ok: bool, ids_ok: bool, why: str) -> None:
-        for d, ok in ((self.requests, True), (self.exact_template, template_ok), (self.exact_ids, ids_ok)):
-            d[kind] = d.get(kind, 0) + int(ok)
-        if not (template_ok and ids_ok):
+    def add(self, kind: str, ok: bool, why: str) -> None:
+        self.requests[kind] = self.requests.get(kind, 0) + 1
+        self.exact[kind] = self.exact.get(kind, 0) + int(ok)
+        if not ok:
             self.misses.append(why)
 
 
@@ -179,32 +258,21 @@ def _exact(tok, row: dict, prompt: list[int], out: list[int], earlier: list[list
     return True, ""
 
 
-def run_cases(url: str, tok, streams=(False, True)) -> Tally:
-    """Every case's requests, streamed and not; each answer compared as a captured row (text
-    only: the template path; with the ids: the ids path) with vLLM's prompt + output ids."""
+def compare(tok, served: list[Served], rows: dict[str, dict], source: str) -> Tally:
+    """Each served request's captured row (by event id) against vLLM's ids; the row's example must
+    come from ``source`` (``token_ids`` or ``template``)."""
     tally = Tally()
-    for stream in streams:
-        for case in CASES:
-            history: list[dict] = []
-            earlier: list[list[int]] = []
-            for turn in case.turns:
-                add = [dict(m) for m in turn.add]
-                for m in add:
-                    if m["role"] == "tool":  # the result answers the previous call
-                        m["tool_call_id"] = history[-1]["tool_calls"][0]["id"]
-                history += add
-                prompt, out, msg, finish = send(url, tok, history, turn, case, stream)
-                row = {"messages": history + [msg], "tools": case.tools, "tool_choice": None,
-                       "chat_template_kwargs": case.kwargs, "finish_reason": finish}
-                t_ok, why = _exact(tok, row, prompt, out, earlier)
-                i_ok, why_i = _exact(tok, {**row, "prompt_token_ids": prompt, "output_token_ids": out}, prompt, out,
-                                     earlier)
-                earlier.append(out)
-                tally.add(case.kind, t_ok, i_ok, f"{case.kind} stream={stream} {turn.forced[:30]!r}: {why}{why_i}")
-                sent = {"role": "assistant", "content": msg["content"]}
-                if msg["tool_calls"]:
-                    sent["tool_calls"] = msg["tool_calls"]
-                if case.send_back_reasoning and msg["reasoning"] is not None:
-                    sent["reasoning"] = msg["reasoning"]
-                history.append(sent)
+    earlier: dict[str, list[list[int]]] = {}
+    for s in served:
+        conv = s.event_id.split("-")[0]
+        row = rows.get(s.event_id)
+        if row is None:
+            tally.add(s.kind, False, f"{s.event_id}: no row in the warehouse")
+            continue
+        ok, why = _exact(tok, row, s.prompt_ids, s.output_ids, earlier.get(conv, []))
+        got = row_examples(tok, row)[-1].source
+        if got != source:
+            ok, why = False, f"source {got}"
+        tally.add(s.kind, ok, f"{s.event_id} {s.kind} stream={s.stream}: {why}")
+        earlier.setdefault(conv, []).append(s.output_ids)
     return tally
