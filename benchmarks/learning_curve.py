@@ -190,10 +190,30 @@ def write_cache(path: Path, meta: dict[str, Any], answers: dict[str, str]) -> No
     os.replace(tmp, path)
 
 
+def plan_batches(lengths: list[int], max_prompts: int, max_tokens: int, max_new: int) -> list[int]:
+    """Sizes of the fewest contiguous batches of ``lengths`` (prompt lengths, sorted ascending) that each hold
+    at most ``max_prompts`` prompts and ``max_tokens`` tokens, every prompt padded to the batch's longest plus
+    ``max_new`` answer tokens; shortest batch first.
+
+    Filled from the longest end: a batch's padded size is set by its longest prompt, so the few long prompts
+    share one batch and the many short ones fill whole batches. A batch decodes until its last answer ends,
+    which with hundreds of answers is nearly always at ``max_new``: every batch pays about the same number
+    of steps whatever its size, so fewer batches mean fewer steps. Filling from the short end instead
+    leaves the long tail in small batches of its own, each paying those steps again."""
+    sizes = []
+    end = len(lengths)
+    while end > 0:
+        n = min(max_prompts, end, max(1, max_tokens // (lengths[end - 1] + max_new)))
+        sizes.append(n)
+        end -= n
+    return sizes[::-1]
+
+
 def generate(runner, rows: list[dict], answers: dict[str, str], args, deadline: float, save) -> dict[str, Any]:
-    """Answer the ``rows`` not in ``answers`` (greedy, length-sorted batches of at most ``--gen-batch`` prompts
-    and ``--gen-batch-tokens`` prompt-plus-answer tokens) until ``deadline`` (monotonic seconds); ``save()``
-    runs every ``--save-every`` seconds and at the end. Returns the tokens and seconds spent."""
+    """Answer the ``rows`` not in ``answers`` (greedy, the fewest length-sorted batches of at most ``--gen-batch``
+    prompts and ``--gen-batch-tokens`` prompt-plus-answer tokens, :func:`plan_batches`) until ``deadline``
+    (monotonic seconds); ``save()`` runs every ``--save-every`` seconds and at the end. Returns the tokens and
+    seconds spent."""
     todo = [r for r in rows if r["id"] not in answers]
     if not todo:
         return {"answers": 0, "tokens": 0, "seconds": 0.0}
@@ -209,11 +229,11 @@ def generate(runner, rows: list[dict], answers: dict[str, str], args, deadline: 
         if time.monotonic() >= deadline:
             log(f"  generation budget spent: {done}/{len(todo)} answered")
             break
-        # Sorted ascending, so the batch's last prompt is its longest.
-        n = args.gen_batch
-        while n > 1 and n * (len(prompts[order[min(at + n, len(order)) - 1]]) + args.gen_max_tokens) > args.gen_batch_tokens:
-            n //= 2
+        # Planned again from here each time: an out-of-memory error below lowers --gen-batch.
+        n = plan_batches([len(prompts[i]) for i in order[at:]], args.gen_batch, args.gen_batch_tokens,
+                         args.gen_max_tokens)[0]
         idx = order[at:at + n]
+        b0 = time.perf_counter()
         try:
             conts = runner.greedy_batch([prompts[i] for i in idx], args.gen_max_tokens, stop)
         except RuntimeError as e:  # torch.OutOfMemoryError is one
@@ -226,13 +246,15 @@ def generate(runner, rows: list[dict], answers: dict[str, str], args, deadline: 
             log(f"  out of memory at a batch of {len(idx)}: batches of {args.gen_batch} from now on")
             continue
         at += len(idx)
+        batch_tokens = sum(len(c) for c in conts)
         for i, cont in zip(idx, conts):
             answers[todo[i]["id"]] = tok.decode(cont, skip_special_tokens=True).strip()
-            tokens += len(cont)
+        tokens += batch_tokens
         done += len(idx)
         now = time.perf_counter()
-        log(f"  answered {done}/{len(todo)} (batch of {len(idx)}, prompts up to {len(prompts[idx[-1]])} tokens); "
-            f"{tokens / (now - t):.0f} tok/s")
+        log(f"  answered {done}/{len(todo)} (batch of {len(idx)}, prompts up to {len(prompts[idx[-1]])} tokens, "
+            f"{batch_tokens} answer tokens in {now - b0:.1f}s: {batch_tokens / max(now - b0, 1e-9):.0f} tok/s; "
+            f"so far {tokens / (now - t):.0f} tok/s)")
         if now - saved >= args.save_every:
             save()
             saved = now

@@ -130,11 +130,39 @@ def test_generation_answers_only_what_the_cache_lacks_in_length_sorted_bounded_b
     assert answers["r0"] == "kept" and answers["r5"] == "answer 4"
     flat = [n for b in runner.batches for n in b]
     assert flat == sorted(flat) and len(flat) == 8
-    # a batch holds at most gen_batch prompts and gen_batch_tokens prompt-plus-answer tokens (halved until it does)
+    # a batch holds at most gen_batch prompts and gen_batch_tokens prompt-plus-answer tokens (plan_batches)
     assert all(len(b) <= 4 and len(b) * (max(b) + 4) <= 80 for b in runner.batches)
     # a spent budget answers nothing, and says so by its count
     assert lc.generate(FakeRunner(), rows + [{"id": "new", "conversations": [{"from": "human", "value": "y"}]}],
                        answers, args, time.monotonic() - 1, lambda: None)["answers"] == 0
+
+
+def test_generation_batches_are_the_fewest_that_fit_and_keep_the_long_tail_together():
+    """Every step of a batch costs whatever its size, so the plan is the fewest batches within both limits;
+    the two long prompts share one batch instead of leaving small short-end batches behind them."""
+    lc = load_benchmark()
+    # six short prompts and two long ones; all eight padded to the longest would need 8 * 64 > 200 tokens
+    assert lc.plan_batches([5] * 6 + [50, 60], 8, 200, 4) == [5, 3]
+
+    def fewest(lengths, cap, budget, max_new):  # every contiguous partition, by dynamic programming
+        best = [0] + [None] * len(lengths)
+        for i in range(1, len(lengths) + 1):
+            for j in range(i):
+                fits = i - j <= cap and (i - j == 1 or (i - j) * (lengths[i - 1] + max_new) <= budget)
+                if fits and best[j] is not None and (best[i] is None or best[j] + 1 < best[i]):
+                    best[i] = best[j] + 1
+        return best[-1]
+
+    rng = random.Random(3)
+    for _ in range(200):
+        lengths = sorted(rng.choice([rng.randint(1, 20), rng.randint(20, 400)]) for _ in range(rng.randint(1, 30)))
+        cap, budget, max_new = rng.randint(1, 12), rng.randint(50, 2000), rng.randint(1, 16)
+        plan = lc.plan_batches(lengths, cap, budget, max_new)
+        assert sum(plan) == len(lengths) and len(plan) == fewest(lengths, cap, budget, max_new)
+        at = 0
+        for n in plan:  # each batch within both limits (a single prompt over the budget still goes alone)
+            assert n <= cap and (n == 1 or n * (lengths[at + n - 1] + max_new) <= budget)
+            at += n
 
 
 def test_a_cache_cut_short_keeps_the_rows_before_the_cut(tmp_path):
