@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -33,6 +36,36 @@ def _offline_estimate(cfg: Config, rows):
     return run
 
 
+def torchrun_argv(train_args: list[str], gpus: int, nnodes: int = 1, rdzv_endpoint: str = "",
+                  python: str = sys.executable) -> list[str]:
+    """``adapt train`` under ``torchrun`` (``torch.distributed.run``): ``gpus`` ranks on this node, one per
+    GPU (gloo ranks on a CPU); with ``nnodes`` > 1, a c10d rendezvous at ``rdzv_endpoint`` (host:port of
+    one of the nodes), where every node runs the same command."""
+    run = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus)]
+    if nnodes > 1:
+        if not rdzv_endpoint:
+            raise ValueError("several nodes need --rdzv-endpoint HOST:PORT, the same on every node")
+        run += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                "--rdzv-id", "adapt-train"]
+    else:
+        run += ["--standalone"]  # a local rendezvous on a free port
+    return run + ["-m", "app", "train", *train_args]
+
+
+def _launch(args: list[str], gpus: int, nnodes: int, rdzv_endpoint: str) -> None:
+    """Run ``adapt train args`` as ``gpus`` x ``nnodes`` ranks and exit with torchrun's status; rank 0
+    prints the result."""
+    repo = Path(__file__).resolve().parents[2]  # on the ranks' path; they run where this was run
+    try:
+        argv = torchrun_argv(args, gpus, nnodes, rdzv_endpoint)
+    except ValueError as exc:
+        fail(str(exc), 2)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
+    code = subprocess.run(argv, env=env).returncode
+    raise typer.Exit(code)
+
+
 def train_cmd(
     base: Annotated[Optional[str], typer.Option(
         "--base", help="Warm-start head: directory or models:/name/version.")] = None,
@@ -47,6 +80,13 @@ def train_cmd(
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=0, help="Override [training].max_steps.")] = None,
     max_minutes: Annotated[Optional[float], typer.Option(
         "--max-minutes", min=0, help="Override [training].max_minutes.")] = None,
+    gpus: Annotated[int, typer.Option(
+        "--gpus", min=1, help="Data-parallel ranks on this node, one per GPU (gloo ranks on a CPU): above 1, "
+                              "`adapt train` runs itself under torchrun.")] = 1,
+    nnodes: Annotated[int, typer.Option(
+        "--nnodes", min=1, help="Nodes, each running this same command (needs --rdzv-endpoint).")] = 1,
+    rdzv_endpoint: Annotated[str, typer.Option(
+        "--rdzv-endpoint", help="HOST:PORT of the rendezvous for several nodes (torchrun's c10d).")] = "",
     force: ForceOpt = False,
     config: ConfigOpt = None,
     json_: JsonOpt = False,
@@ -57,6 +97,18 @@ def train_cmd(
 
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         fail(f"{out} exists: pass --force to replace it")
+    launched = "WORLD_SIZE" in os.environ  # a rank torchrun started (this command, or a user's torchrun)
+    if (gpus > 1 or nnodes > 1) and not launched:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        # One output directory for every rank, named here (each rank's clock would name its own).
+        args = ["--out", str((out or Path(cfg.head.heads_dir) / f"head-{stamp}").absolute())]
+        for flag, value in (("--base", base), ("--data", data), ("--replay", replay), ("--eval-data", eval_data),
+                            ("--max-steps", max_steps), ("--max-minutes", max_minutes), ("--config", config)):
+            if value is not None:
+                args += [flag, str(value)]
+        args += ["--force"] * force + ["--json"] * json_
+        _launch(args, gpus, nnodes, rdzv_endpoint)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     if max_steps is not None:
         cfg.training.max_steps = max_steps
     if max_minutes is not None:
@@ -95,7 +147,8 @@ def train_cmd(
              f"loss per depth: {[round(x, 4) for x in res.final_depth_loss]}\n"
              f"top-1 per depth: {[round(x, 3) for x in res.final_depth_acc]}\n"
              f"offline acceptance: {res.acceptance}")
-    emit(obj, json_, human=human)
+    if main_rank:  # under torchrun every rank trains, rank 0 answers
+        emit(obj, json_, human=human)
 
 
 def register(app: typer.Typer) -> None:

@@ -519,3 +519,42 @@ def test_cli_train_on_jsonl_reports_losses_and_offline_acceptance(tiny_model, tm
                                    str(tmp_path / "nope"), "--json"])
     assert bad.exit_code != 0 and "error" in bad.output and "neither a directory" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_adapt_train_gpus_2_runs_itself_as_two_gloo_ranks_under_torchrun(tiny_model, tmp_path):
+    """`adapt train --gpus N` launches torchrun (one node, --standalone) with its own arguments: every rank
+    trains, rank 0 alone answers, and the head is the DDP run's (world size 2); on CPU the ranks use gloo.
+    The CUDA command is the same line on a GPU host."""
+    from app.commands.train import torchrun_argv
+    from settings.config import dump_toml
+
+    cfg = make_cfg(tmp_path, **tiny_training(tiny_model))
+    cfg.training.device = "cpu"
+    conf = tmp_path / "adapt.toml"
+    conf.write_text(dump_toml(cfg))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(12, seed=3)))
+    out = tmp_path / "ddp-cli"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "app", "train", "--gpus", "2", "--config", str(conf), "--data",
+                             str(data), "--out", str(out), "--max-steps", "3", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("adapt train --gpus 2 did not finish in 300 s:\n" + stderr[-3000:])
+    assert proc.returncode == 0, stderr[-5000:]
+    answers = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    assert len(answers) == 1 and answers[0]["steps"] == 3 and answers[0]["out_dir"] == str(out)  # rank 0 only
+    info = validate_head(out, tiny_model)
+    assert info.manifest["training"]["world_size"] == 2
+    # Several nodes: a c10d rendezvous every node names alike.
+    argv = torchrun_argv(["--json"], 8, nnodes=2, rdzv_endpoint="node-0:29400", python="py")
+    assert argv == ["py", "-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "2", "--rdzv-backend",
+                    "c10d", "--rdzv-endpoint", "node-0:29400", "--rdzv-id", "adapt-train", "-m", "app", "train",
+                    "--json"]
+    with pytest.raises(ValueError, match="rdzv-endpoint"):
+        torchrun_argv([], 2, nnodes=2)
