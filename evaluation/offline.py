@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from adapt.checkpoint import load_head
+from adapt.device import pick_device, target_device_map
 from adapt.drafter import PEagleDrafter
 from adapt.hidden_states import TargetRunner
 
@@ -225,6 +226,17 @@ def estimate_acceptance(
     return out
 
 
+def target_placement(device: str = "auto", gpus: int | None = None) -> tuple[torch.dtype, str | None]:
+    """How the evaluate step loads the target: on CUDA in bf16, the dtype it is served in, and spread over
+    every GPU this process sees when there are several (``device_map="auto"``), so a target that fits only
+    on all of a worker's GPUs together is still evaluated; on a CPU in fp32 (bf16 matmuls are emulated on
+    most CPUs) on the one device. ``gpus``: the visible GPU count (default: torch's)."""
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        return torch.float32, None
+    return torch.bfloat16, target_device_map(dev, world=1, gpus=gpus)
+
+
 def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversations: Sequence[dict[str, Any]],
                   max_new_tokens: int = 64, *, device: str = "auto", batch_size: int = 8) -> dict[str, dict[str, Any]]:
     """Offline acceptance of several heads (role → head dir) on the same held-out conversations.
@@ -241,7 +253,8 @@ def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversa
         if (m.config.num_speculative_tokens, sorted(m.config.aux_layer_ids)) != (
                 first.num_speculative_tokens, sorted(first.aux_layer_ids)):
             raise ValueError(f"head {role!r} differs from the others in K or aux layers: no shared sequences")
-    runner = TargetRunner(target_dir, first.aux_layer_ids, device=device, dtype=torch.float32)
+    dtype, device_map = target_placement(device)
+    runner = TargetRunner(target_dir, first.aux_layer_ids, device=device, dtype=dtype, device_map=device_map)
     sequences = prepare_sequences(runner, [runner.prompt_ids(r) for r in conversations], max_new_tokens,
                                   first.num_speculative_tokens, batch_size)
     return {role: estimate_acceptance(heads[role], target_dir, max_new_tokens=max_new_tokens, runner=runner,
