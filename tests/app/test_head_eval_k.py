@@ -35,5 +35,7 @@ def test_step_times_without_a_batch_sizes_k0_fail_with_the_file_named(tmp_path, 
     bad.write_text(json.dumps({"4x1": 1.0}))
     with pytest.raises(typer.Exit):
         _k_choice(head, bad, [0.5], None, tmp_path)
-    err = capsys.readouterr().err
-    assert f"--step-times {bad}" in err and "batch size 4" in err
+    # fail() writes to stdout as JSON when an earlier command in this process ran with --json.
+    got = capsys.readouterr()
+    text = got.err + got.out
+    assert f"--step-times {bad}" in text and "batch size 4" in text
