@@ -525,7 +525,9 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
     if heldout_overlap is not None:
         heldout_overlap = {k: v for k, v in heldout_overlap.items() if k != "matches"}
     size = bp.max_prompts or cfg.bench.max_prompts
-    reqs, first = heldout_batch(rows_to_requests(rows, model, cfg.bench.max_tokens, len(rows)), size, bp.prompt_batch)
+    # Only as many rows as the batches up to this one take (a production held-out split may be large).
+    limit = size * (max(0, bp.prompt_batch) + 1)
+    reqs, first = heldout_batch(rows_to_requests(rows, model, cfg.bench.max_tokens, limit), size, bp.prompt_batch)
     if not reqs:
         raise ValueError("no replayable held-out conversations")
     concs = list(bp.concurrencies or cfg.bench.concurrencies)
