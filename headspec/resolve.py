@@ -9,6 +9,8 @@ returned with the registered version when there is one.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,16 +48,37 @@ def resolve_head(spec: str, download_dir: str | Path, tracking_uri: str | None =
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     registry = registry_uri or os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri
-    if registry:  # set every time: an earlier call's registry must not stay behind in this process
-        mlflow.set_registry_uri(registry)
     version = None
     if spec.startswith("models:/"):
         parts = spec[len("models:/"):].split("/")
         version = parts[1] if len(parts) > 1 else None
     dst = Path(download_dir) / ("mlflow-" + spec.replace(":/", "-").replace("/", "-"))
     dst.mkdir(parents=True, exist_ok=True)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=spec, dst_path=str(dst)))
+    with _registry(registry):
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=spec, dst_path=str(dst)))
     return _head_dir_in(local), version
+
+
+@contextmanager
+def _registry(uri: str | None) -> Iterator[None]:
+    """MLflow's ``models:/`` lookup reads only its process-wide registry URI, and setting that also
+    exports ``MLFLOW_REGISTRY_URI``, which every later config and client of this process would then
+    read: both are put back after the call."""
+    import mlflow
+
+    if not uri:
+        yield
+        return
+    saved = os.environ.get("MLFLOW_REGISTRY_URI")
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_registry_uri("")  # back to MLflow's own order: the variable, else the tracking URI
+        if saved is None:
+            os.environ.pop("MLFLOW_REGISTRY_URI", None)
+        else:
+            os.environ["MLFLOW_REGISTRY_URI"] = saved
 
 
 def _head_dir_in(local: Path) -> Path:
