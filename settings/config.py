@@ -220,7 +220,8 @@ class BenchConfig(_Section):
     # About this many prompts per group (slot): every arm replays a group back to back. A group holds at
     # least one wave at its concurrency; there are [gate] min_clusters groups when the prompts allow.
     group_size: int = Field(4, ge=1)
-    # Seeds the arms' order (a cycle's re-measurement adds its attempt number).
+    # Seeds the arms' order, hashed with the cycle's id and the attempt (recorded in the bench result), so
+    # every cycle runs its own orders.
     seed: int = 0
     # Also measure a replica without speculation, for the speed-up over not speculating at all.
     nospec_reference: bool = False
