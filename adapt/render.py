@@ -286,12 +286,12 @@ def request_examples(tokenizer: Any, exchange: Any) -> list[ChainedExample]:
     if exchange.raw:
         if len(msgs) != 2 or msgs[-1].get("role") != "assistant":
             raise RenderError("bad_raw_row", "a raw-prompt row is one prompt and one output")
-        if exchange.prompt_token_ids is not None and exchange.output_token_ids is not None:
-            req = RequestTokens(list(exchange.prompt_token_ids), list(exchange.output_token_ids), "token_ids")
-        else:
+        req = _stored_request(tokenizer, exchange)
+        if req is None:
             finish = exchange.finish_reason
             req = raw_request(tokenizer, _text_content(msgs[0].get("content")), _text_content(msgs[-1].get("content")),
                               None if finish is None else _finished(finish))
+            req.inexact = req.inexact or _foreign_ids(exchange)
         return _chain([req])
     messages = vllm_messages(msgs)
     tools = vllm_tools(exchange.tools)
@@ -305,18 +305,45 @@ def request_examples(tokenizer: Any, exchange: Any) -> list[ChainedExample]:
                 requests.append(chat_request(tokenizer, messages[:j + 1], tools, kwargs))
             except RenderError:
                 continue  # an earlier turn the template cannot render is context only
-    if exchange.prompt_token_ids is not None and exchange.output_token_ids is not None:
-        requests.append(RequestTokens(list(exchange.prompt_token_ids), list(exchange.output_token_ids), "token_ids"))
-    else:
-        requests.append(chat_request(tokenizer, messages, tools, kwargs, _finished(exchange.finish_reason)))
+    req = _stored_request(tokenizer, exchange)
+    if req is None:
+        req = chat_request(tokenizer, messages, tools, kwargs, _finished(exchange.finish_reason))
+        req.inexact = req.inexact or _foreign_ids(exchange)
+    requests.append(req)
     return _chain(requests)
+
+
+def _has_ids(exchange: Any) -> bool:
+    return exchange.prompt_token_ids is not None and exchange.output_token_ids is not None
+
+
+def _fits(tokenizer: Any, ids: Any) -> bool:
+    """Whether every id names a token of ``tokenizer`` (ids captured from another model's
+    vocabulary would index past the target's embeddings)."""
+    return not ids or (min(ids) >= 0 and max(ids) < len(tokenizer))
+
+
+def _stored_request(tokenizer: Any, exchange: Any) -> RequestTokens | None:
+    """The response's request from its stored ids, when it has them and they are this target's."""
+    if not _has_ids(exchange):
+        return None
+    prompt, output = list(exchange.prompt_token_ids), list(exchange.output_token_ids)
+    if not (_fits(tokenizer, prompt) and _fits(tokenizer, output)):
+        return None
+    return RequestTokens(prompt, output, "token_ids")
+
+
+def _foreign_ids(exchange: Any) -> str | None:
+    """Why a row that had ids was rendered from its text instead: its ids are not this target's."""
+    return "token_ids_not_this_tokenizer" if _has_ids(exchange) else None
 
 
 def last_prompt_ids(tokenizer: Any, exchange: Any) -> list[int]:
     """The prompt of the exchange's last request, as the target read it: the stored prompt ids, else
     the messages before the last answer (all of them when none answers) rendered as vLLM renders
     them; what an evaluation asks the target to continue."""
-    if exchange.prompt_token_ids is not None:
+    if (exchange.prompt_token_ids is not None and _fits(tokenizer, exchange.prompt_token_ids)
+            and _fits(tokenizer, exchange.output_token_ids or [])):
         return list(exchange.prompt_token_ids)
     msgs = exchange.messages
     if exchange.raw:

@@ -131,6 +131,28 @@ def test_stored_token_ids_win(tok):
     assert ex.source == "token_ids"
 
 
+def test_ids_of_another_vocabulary_fall_back_to_the_text_and_are_counted(tok, tiny_model):
+    """Ids the target's embeddings cannot index (captured from another model, or corrupt) are not
+    trained on: the request is rendered from its text instead and counted inexact."""
+    from transformers import AutoTokenizer
+
+    from adapt.render import last_prompt_ids
+    from capture.sharegpt import to_exchange
+
+    small = AutoTokenizer.from_pretrained(tiny_model)
+    req = [{"role": "user", "content": "x"}]
+    row = {"messages": req + [{"role": "assistant", "content": "y"}], "prompt_token_ids": [5, 6, 7, 8],
+           "output_token_ids": [9, 10, 151645]}
+    rep = TokenizeReport()
+    (ex,) = tokenize_rows(small, [row], None, rep)
+    assert ex.source == "template" and ex.inexact == ("token_ids_not_this_tokenizer",)
+    assert int(ex.input_ids.max()) < len(small)
+    assert rep.inexact == {"token_ids_not_this_tokenizer": 1}
+    assert last_prompt_ids(small, to_exchange(row)) != [5, 6, 7, 8]
+    (same,) = row_examples(tok, row)  # the vocabulary they belong to keeps them
+    assert same.source == "token_ids"
+
+
 def test_raw_prompt_and_truncated_answer(tok):
     raw = {"raw": True, "conversations": [{"from": "human", "value": "Once upon"}, {"from": "gpt", "value": " a time"}],
            "finish_reason": "length"}
