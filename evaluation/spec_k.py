@@ -11,8 +11,11 @@ k = 0 is no speculation.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 # seconds of one decoding step at (batch size, k); k = 0 is a plain decoding step
 StepCost = Callable[[int, int], float]
@@ -104,3 +107,38 @@ def verification_cost(step_seconds: Mapping[tuple[int, int], float], head_layers
     def cost(b: int, k: int) -> float:
         return verify(b, k) + (share * verify(b, k - 1) if k else 0.0)
     return cost
+
+
+@dataclass(frozen=True)
+class KProposal:
+    """The K a head's measured acceptance supports at each batch size, and the serving setting that says so."""
+
+    per_batch_size: list[KChoice]
+    schedule: list[tuple[int, int, int]]  # [serving] num_speculative_tokens_per_batch_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"per_batch_size": [asdict(c) for c in self.per_batch_size],
+                "schedule": [list(r) for r in self.schedule]}
+
+
+def load_step_seconds(path: str | Path) -> dict[tuple[int, int], float]:
+    """Measured step times from ``path``: ``{"BxK": seconds}``, or a benchmarks/learning_curve.py result
+    (its ``k_choice.step_seconds``)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of step times")
+    nested = data.get("k_choice")
+    if isinstance(nested, dict) and isinstance(nested.get("step_seconds"), dict):
+        data = nested["step_seconds"]
+    seconds = parse_step_seconds(data)
+    if not seconds:
+        raise ValueError(f"{path}: no step times")
+    return seconds
+
+
+def propose(rate_per_pos: Sequence[float], step_seconds: Mapping[tuple[int, int], float], head_layers: int,
+            target_layers: int) -> KProposal:
+    """The best K at every measured batch size for a head with ``rate_per_pos``, and its schedule."""
+    sizes = sorted({b for b, _ in step_seconds})
+    choices = best_k(rate_per_pos, verification_cost(step_seconds, head_layers, target_layers), sizes)
+    return KProposal(choices, per_batch_size_schedule(choices))

@@ -300,10 +300,25 @@ def step_evaluate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[
     verdict = gate_mod.prescreen(out, cfg.gate)
     out["check"] = gate_mod.offline_check(out, cfg.gate).to_json()
     out["prescreen"] = verdict.to_json() if verdict else None
+    if cfg.bench.step_times:
+        out["k_proposal"] = k_proposal(cfg, cx.local(state, tr["head_path"]),
+                                       out["candidate"]["acceptance_rate_per_pos"]).to_json()
     d = cx.dir(state["cycle_id"])
     (d / "offline_eval.json").write_text(json.dumps(out, indent=1, default=str))
     out["json_path"] = "offline_eval.json"
     return out
+
+
+def k_proposal(cfg: Config, head_dir: Path, rate_per_pos: list[float]):
+    """The K per batch size a head with ``rate_per_pos`` supports on the target ([bench] step_times)."""
+    from evaluation.spec_k import load_step_seconds, propose
+
+    head_layers = json.loads((head_dir / "config.json").read_text()).get("num_hidden_layers", 1)
+    target_layers = json.loads((_target(cfg) / "config.json").read_text())["num_hidden_layers"]
+    try:
+        return propose(rate_per_pos, load_step_seconds(cfg.bench.step_times), head_layers, target_layers)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CycleError(f"[bench] step_times {cfg.bench.step_times}: {exc}") from exc
 
 
 def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
@@ -411,6 +426,9 @@ def step_register(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[
     speedup = speedup_vs_nospec(cx, state)
     if speedup:
         tags[reg_mod.T_SPEEDUP] = json.dumps(speedup, sort_keys=True)
+    proposal = (state["steps"].get("evaluate") or {}).get("k_proposal")
+    if proposal:
+        tags[reg_mod.T_K_SCHEDULE] = json.dumps(proposal["schedule"])
     mv = reg.register(run["run_id"], tags, model_id=run.get("model_id"),
                       description=tracking.gate_table(gate_mod.Verdict.from_json(g)))
     if opts.fault:
@@ -534,6 +552,8 @@ def summary(cfg: Config, cycle_id: str, cx: Cycle | None = None) -> dict[str, An
                                                                 (s.get("bench") or {}).get("json_path"))),
             "model_uri": r.get("uri"),
         },
+        # [serving] num_speculative_tokens_per_batch_size the candidate supports (None: no [bench] step_times)
+        "proposed_k_per_batch_size": ((s.get("evaluate") or {}).get("k_proposal") or {}).get("schedule"),
         # Tasks that failed for good in Airflow (loop.airflow_tasks.on_task_failure), oldest first.
         "failures": state.get("failures", []),
         "steps": s,

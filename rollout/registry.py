@@ -47,6 +47,8 @@ T_PARENT = "parent_version"
 T_GATE = "gate_verdict"
 # {"<concurrency>": tok/s ratio over serving without speculation}, as JSON, when the bench measured it.
 T_SPEEDUP = "speedup_vs_nospec"
+# The K per batch size the version's offline acceptance supports ([serving] num_speculative_tokens_per_batch_size).
+T_K_SCHEDULE = "proposed_k_per_batch_size"
 T_REASON = "gate_reason"
 T_PREVIOUS = "adapt.previous_production"
 T_SERVED = "adapt.served"  # set once a pool served the version (a later swap back to it is a rollback)

@@ -235,6 +235,10 @@ class BenchConfig(_Section):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     # Held-out conversations whose user question repeats a training prompt are left out of the bench.
     exclude_train_overlap: bool = True
+    # The target's measured step times ({"BxK": seconds}, or a benchmarks/learning_curve.py result): with
+    # them, each cycle proposes the K per batch size its candidate's offline acceptance supports
+    # (evaluation.spec_k), recorded on the model version; empty: no proposal.
+    step_times: str = ""
 
 
 class GateConfig(_Section):

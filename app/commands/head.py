@@ -91,19 +91,14 @@ def eval_cmd(
 
 def _k_choice(head: Path, path: Path, rates: list[float], cfg, target: Optional[Path]) -> dict:
     """The best K per batch size from ``path``'s measured step times and this head's per-position acceptance."""
-    from evaluation.spec_k import best_k, parse_step_seconds, per_batch_size_schedule, verification_cost
+    from evaluation.spec_k import load_step_seconds, propose
 
     try:
-        data = json.loads(path.read_text())
-        data = (data.get("k_choice") or {}).get("step_seconds", data)
-        seconds = parse_step_seconds(data)
         head_layers = json.loads((head / "config.json").read_text()).get("num_hidden_layers", 1)
         target_layers = json.loads((_target(cfg, target) / "config.json").read_text())["num_hidden_layers"]
-        sizes = sorted({b for b, _ in seconds})
-        choices = best_k(rates, verification_cost(seconds, head_layers, target_layers), sizes)
+        return propose(rates, load_step_seconds(path), head_layers, target_layers).to_json()
     except (OSError, ValueError, KeyError, AttributeError) as exc:
         fail(f"--step-times {path}: {error_text(exc)}")
-    return {"per_batch_size": [vars(c) for c in choices], "schedule": per_batch_size_schedule(choices)}
 
 
 @head_app.command("init")

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from evaluation.spec_k import best_k, expected_tokens, per_batch_size_schedule, table_cost
@@ -47,3 +49,21 @@ def test_verification_cost_adds_the_drafter_share_and_ignores_noise_that_makes_m
         parse_step_seconds({"8-2": 1.0})
     with pytest.raises(KeyError, match="batch size 4"):
         cost(4, 1)
+
+
+def test_propose_reads_step_times_as_the_learning_curve_writes_them(tmp_path):
+    from evaluation.spec_k import load_step_seconds, propose
+
+    seconds = {f"{b}x{k}": (10.0 + 0.1 * k if b == 1 else 10.0 * (1 + k)) for b in (1, 64) for k in range(3)}
+    nested = tmp_path / "lc.json"
+    nested.write_text(json.dumps({"points": [], "k_choice": {"step_seconds": seconds}}))
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps(seconds))
+    assert load_step_seconds(nested) == load_step_seconds(flat)
+    p = propose([0.4, 0.1], load_step_seconds(flat), head_layers=1, target_layers=30)
+    assert [c.k for c in p.per_batch_size] == [2, 0]
+    assert p.to_json()["schedule"] == [[1, 63, 2], [64, 64, 0]]
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    with pytest.raises(ValueError, match="no step times"):
+        load_step_seconds(empty)
