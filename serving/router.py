@@ -5,10 +5,15 @@
   by chunk. A replica that refuses the connection is marked unhealthy and the
   request is sent to another (nothing reached it). A replica that drops a request
   before the client got any byte of the answer (it crashed: a reset or closed
-  connection) is marked unhealthy too and the request is retried once on another,
-  as Envoy's retry-on-reset does: a whole answer, or a stream's first chunk, is
-  read before anything is sent to the client. Generation has no side effect, so
-  running it again is safe; only streams that had started fail with their replica.
+  connection) is marked unhealthy too, and a replica that answers 5xx (vLLM's
+  ``EngineDeadError`` answer is a 500) is counted as failing; either way the request
+  is retried on another replica after a backoff, each replica at most once and at
+  most as many sends as the pool has replicas, as Envoy's retry-on-reset and
+  retry-on-5xx do. A whole answer, or a stream's first chunk, is read before anything
+  is sent to the client, so a replica that fails before it is a retry; generation
+  has no side effect, so running it again is safe. Only streams that had started
+  fail with their replica; when every try failed, the client gets the last replica's
+  5xx answer as it came, or 502 after a reset.
 * ``/v1/models``: from any routable replica.
 * Every finished request is offered to the :class:`CaptureWriter` (sampled,
   non-blocking); streamed responses are captured as their SSE body.
@@ -36,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable
@@ -59,6 +65,9 @@ log = logging.getLogger(__name__)
 # What a replica that dies mid-request looks like from here (a reset or closed connection); a
 # timeout is not one of them: the replica may just be slow, and a retry would double its work.
 RESET_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# The longest backoff before a retry: the first waits retry_backoff (0.5-1x, jittered so that the
+# requests of a replica that died do not all land on the next one at the same instant), each next twice.
+MAX_RETRY_BACKOFF_S = 2.0
 # How long a replica that refused ``return_token_ids`` is sent requests without it before it is asked
 # again (it may have been replaced by one that knows the field).
 TOKEN_IDS_RETRY_S = 600.0
@@ -239,14 +248,16 @@ def _capture_line(payload: dict, response_body: bytes, response_ctype: str) -> s
 
 def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: str = "",
                swap_handler: Callable[[dict], Awaitable[dict]] | None = None,
-               request_timeout: float = 600.0, status_window_s: float = 300.0,
-               no_replica_wait: float = 30.0, max_body_bytes: int = 8 << 20,
-               upstream_metrics: bool = False, max_resets: int = 1, capture_token_ids: bool = True) -> FastAPI:
+               request_timeout: float = 600.0, connect_timeout: float = 5.0, retry_backoff: float = 0.05,
+               status_window_s: float = 300.0, no_replica_wait: float = 30.0, max_body_bytes: int = 8 << 20,
+               upstream_metrics: bool = False, capture_token_ids: bool = True) -> FastAPI:
     """Build the router app. ``swap_handler(body)`` runs the swap protocol (``serving.swap``).
 
-    ``max_resets``: how many times a request that a replica dropped before answering (a crash, a
-    reset connection) is sent to another replica; a replica that refuses the connection is always
-    skipped, since nothing reached it.
+    ``request_timeout``: seconds a replica may send nothing (before its answer's headers, or between
+    two parts of it) before the request fails; ``connect_timeout``: seconds to open a connection.
+    ``retry_backoff``: the wait before the first retry of a request a replica dropped or answered
+    5xx (see the module doc); a replica that refuses the connection is skipped at once, since
+    nothing reached it.
 
     ``upstream_metrics``: ``/metrics`` starts with the replicas' own expositions (an agent's one
     replica: the pool that attaches the agent reads its spec-decode counters there).
@@ -276,7 +287,8 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
     async def lifespan(_app: FastAPI):
         # Connections taken in O(1), requests sent without httpx's client layers (serving.upstream):
         # httpx's own pool costs more per request the more requests are in flight.
-        state["client"] = UpstreamClient(timeout=httpx.Timeout(request_timeout, connect=5.0), verify=pool.verify)
+        state["client"] = UpstreamClient(timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
+                                         verify=pool.verify)
         if writer is not None:
             writer.start()
         try:
@@ -319,33 +331,45 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         client: httpx.AsyncClient = state["client"]
         tried: set[str] = set()
-        resets = 0
+        retries = 0
+        # What the client gets if no other replica may be tried: the last failure's own answer.
+        give_up: Response | None = None
         t0 = time.perf_counter()
         wait_until = time.monotonic() + no_replica_wait
 
-        def _reset(r: Replica, exc: Exception) -> bool:
-            """The replica dropped the request before the client got a byte: take it out of rotation
-            until its health check says otherwise; True if the request may go to another replica."""
-            nonlocal resets
+        def _drop(r: Replica, why: str) -> None:
             r.outstanding -= 1
             outstanding.labels(r.url).set(r.outstanding)
             r.failures += 1
-            r.healthy = False
-            r.last_error = f"reset: {type(exc).__name__}: {exc}"
-            if resets >= max_resets:
+            r.last_error = why
+
+        def _retry(reason: str) -> bool:
+            """A replica failed the request before the client got a byte: True if it may go to another
+            (at most one send per replica of the pool)."""
+            nonlocal retries
+            if retries + 1 >= len(pool.replicas):
                 return False
-            resets += 1
-            retries_total.labels("reset").inc()
+            retries += 1
+            retries_total.labels(reason).inc()
             return True
+
+        def _reset(r: Replica, exc: Exception) -> bool:
+            # It dropped the request (it crashed): out of rotation until its health check says otherwise.
+            _drop(r, f"reset: {type(exc).__name__}: {exc}")
+            r.healthy = False
+            return _retry("reset")
 
         def _bad_gateway(exc: Exception) -> JSONResponse:
             requests_total.labels(route, "upstream_error").inc()
-            return JSONResponse({"error": {"message": f"upstream error: {type(exc).__name__}: {exc}",
-                                           "type": "BadGateway"}}, 502)
+            return _bad_gateway_answer(exc)
 
         while True:
             r = pool.pick(tried)
             if r is None:
+                if give_up is not None:  # a retry is due but no other replica is routable
+                    requests_total.labels(route, "upstream_error" if give_up.status_code == 502
+                                          else f"http_{give_up.status_code}").inc()
+                    return give_up
                 # Briefly hold the request (e.g. the only other replica is mid-restart or
                 # flapping) rather than fail it; retry replicas that recovered meanwhile.
                 if time.monotonic() < wait_until:
@@ -355,6 +379,10 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                 requests_total.labels(route, "no_replica").inc()
                 return JSONResponse({"error": {"message": "no healthy replica", "type": "ServiceUnavailable"}},
                                     503)
+            if give_up is not None:  # a retry: back off first
+                await asyncio.sleep(min(retry_backoff * 2 ** (retries - 1), MAX_RETRY_BACKOFF_S)
+                                    * random.uniform(0.5, 1.0))
+                give_up = None
             tried.add(r.url)
             r.outstanding += 1
             outstanding.labels(r.url).set(r.outstanding)
@@ -389,6 +417,7 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                 continue
             except RESET_ERRORS as exc:
                 if _reset(r, exc):
+                    give_up = _bad_gateway_answer(exc)
                     continue
                 return _bad_gateway(exc)
             except httpx.HTTPError as exc:
@@ -397,18 +426,20 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                 r.failures += 1
                 return _bad_gateway(exc)
             # Read the whole answer (or a stream's first chunk) before the client gets any byte of
-            # it, so a replica that dies meanwhile costs a retry, not the request.
-            chunks = upstream.aiter_raw() if prefetched is None else _no_chunks()
+            # it, so a replica that dies meanwhile, or answers 5xx, costs a retry, not the request.
+            failing = upstream.status_code >= 500
+            chunks = upstream.aiter_raw() if prefetched is None and not failing else _no_chunks()
             try:
                 if prefetched is not None:
                     first = body = prefetched
-                elif stream:
+                elif stream and not failing:
                     first = await anext(chunks, b"")
                 else:
-                    body = await upstream.aread()
+                    first = body = await upstream.aread()
             except RESET_ERRORS as exc:
                 await upstream.aclose()
                 if _reset(r, exc):
+                    give_up = _bad_gateway_answer(exc)
                     continue
                 return _bad_gateway(exc)
             except httpx.HTTPError as exc:
@@ -417,6 +448,16 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                 outstanding.labels(r.url).set(r.outstanding)
                 r.failures += 1
                 return _bad_gateway(exc)
+            if failing:
+                await upstream.aclose()
+                why = f"HTTP {upstream.status_code}: {body[:200].decode('utf-8', 'replace')}"
+                if _retry("http_5xx"):
+                    _drop(r, why)
+                    give_up = Response(body, status_code=upstream.status_code,
+                                       media_type=upstream.headers.get("content-type", "application/json"))
+                    continue
+                r.failures += 1  # the last try: its answer goes to the client as it came
+                r.last_error = why
             break
 
         ctype = upstream.headers.get("content-type", "application/json")
@@ -546,6 +587,11 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         return JSONResponse(report, 200 if report.get("ok") else 409)
 
     return app
+
+
+def _bad_gateway_answer(exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"upstream error: {type(exc).__name__}: {exc}", "type": "BadGateway"}},
+                        502)
 
 
 async def _no_chunks():

@@ -204,6 +204,9 @@ class ServingStack(LoopService):
 
         app = create_app(self.pool, writer=self.writer, admin_token=cfg.serving.resolved_admin_token(),
                          swap_handler=swap_handler, capture_token_ids=cfg.serving.capture_token_ids,
+                         request_timeout=cfg.serving.upstream_read_timeout_s,
+                         connect_timeout=cfg.serving.upstream_connect_timeout_s,
+                         retry_backoff=cfg.serving.upstream_retry_backoff_s,
                          max_body_bytes=cfg.serving.max_body_bytes or cfg.capture.max_line_bytes)
         config = server_config(app, cfg.serving.host, self.router_port, header_timeout=cfg.serving.header_timeout_s,
                                body_timeout=cfg.serving.body_timeout_s, log_level="warning", lifespan="on",

@@ -184,6 +184,15 @@ class ServingConfig(_Section):
     # Seconds a client has to send a request's headers, and then its body (408 beyond).
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
+    # -- the router's requests to replicas ----------------------------------------------------
+    # Seconds to open a connection to a replica (then the next replica is tried: nothing reached this
+    # one), and seconds a replica may send nothing, before its answer or between two parts of a stream
+    # (then the request fails: a slow replica is not retried, that would double its work).
+    upstream_connect_timeout_s: float = Field(5.0, gt=0)
+    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    # A request a replica dropped (a reset) or answered 5xx before the client got a byte is retried on
+    # another replica, each at most once; the first retry waits this long (jittered), each next twice.
+    upstream_retry_backoff_s: float = Field(0.05, ge=0)
 
     # -- attached replicas behind an agent (docs/architecture.md, "Attached replicas") -----------
     # Agents (`adapt agent`, one per replica host or pod) the pool attaches: it routes to them, reads

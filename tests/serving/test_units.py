@@ -227,7 +227,7 @@ def test_router_retries_a_request_its_replica_dropped_once_on_another_and_captur
         assert sum(retried.values()) == crash.hits and retried["reset"] > 0, (retried, crash.hits)
         assert records(tmp_path / "a") == 18
 
-        # Retried once, not more: two dropping replicas fail the request with 502 after two tries.
+        # Each replica at most once: two dropping replicas fail the request with 502 after two tries.
         hits = crash.hits + crash2.hits
         rs = serve([crash.url, crash2.url], tmp_path / "b", lambda url: asyncio.run(load(url, 1, False)))
         assert rs[0].status_code == 502 and "upstream error" in rs[0].text
