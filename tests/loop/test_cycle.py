@@ -200,3 +200,36 @@ def test_a_cycle_builds_its_collaborators_once(cfg, monkeypatch):
 class _NoRun:
     def __getattr__(self, name):
         return lambda *a, **k: None
+
+
+def test_the_last_cycles_noise_sizes_this_cycles_attempts(cfg, monkeypatch):
+    """step_bench sizes its attempts from the benches of the cycles before it (loop.gate.size_attempts):
+    the default shape with no history or after quiet benches; after busy ones a larger shape within the
+    budget cap, which every attempt's bench is asked for."""
+    import evaluation.bench
+
+    asked: list = []
+    cx = cycle.Cycle(cfg)
+
+    def run(cid: str, runs: list) -> dict:
+        real = simulated_bench(runs, [])
+        monkeypatch.setattr(evaluation.bench, "bench_heads", lambda c, bp, progress=None: asked.append(
+            (cid, bp.max_prompts, bp.rounds, bp.group_size)) or real(c, bp, progress))
+        state = bench_state(cid)
+        state["steps"]["snapshot"]["heldout"]["measured_rows"] = 1000  # plenty of held-out traffic
+        state["steps"]["bench"] = cycle.step_bench(cx, state, cycle.CycleOptions())
+        cx.save_state(state)
+        return state["steps"]["bench"]["size"]
+
+    default = (cfg.bench.max_prompts, cfg.bench.rounds, cfg.bench.group_size)
+    first = run("c1", [(0.0, 1.5)])
+    assert (first["prompts"], first["rounds"], first["group_size"]) == default and "no earlier bench" in first["why"]
+    quiet = run("c2", [(0.0, 1.5)])
+    assert (quiet["prompts"], quiet["rounds"], quiet["group_size"]) == default and quiet["power"] >= 0.8
+    run("c3", [(0.8, 1.0), (0.8, 1.0)])
+    run("c4", [(0.8, 1.0), (0.8, 1.0)])
+    busy = run("c5", [(0.8, 1.0), (0.8, 1.0)])
+    shape = (busy["prompts"], busy["rounds"], busy["group_size"])
+    assert shape != default and 1.0 < busy["budget"] <= 2.0, busy
+    assert busy["power"] < quiet["power"]
+    assert [a[1:] for a in asked if a[0] == "c5"] == [shape, shape]  # both attempts take the sized shape
