@@ -434,6 +434,10 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                     first = body = prefetched
                 elif stream and not failing:
                     first = await anext(chunks, b"")
+                    if first.startswith(b'data: {"error"') and (code := _stream_error_code(first)) >= 500:
+                        # vLLM's stream whose engine died before its first token: a 200 whose first
+                        # event is the error; the client has nothing yet, so it is a 5xx like another.
+                        failing, body = True, first
                 else:
                     first = body = await upstream.aread()
             except RESET_ERRORS as exc:
@@ -449,12 +453,14 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
                 r.failures += 1
                 return _bad_gateway(exc)
             if failing:
-                await upstream.aclose()
-                why = f"HTTP {upstream.status_code}: {body[:200].decode('utf-8', 'replace')}"
+                status = upstream.status_code if upstream.status_code >= 500 else code
+                why = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
                 if _retry("http_5xx"):
+                    await upstream.aclose()
                     _drop(r, why)
-                    give_up = Response(body, status_code=upstream.status_code,
-                                       media_type=upstream.headers.get("content-type", "application/json"))
+                    give_up = (Response(body, status_code=status, media_type=upstream.headers.get(
+                        "content-type", "application/json")) if upstream.status_code >= 500
+                        else _stream_error_answer(body, status))
                     continue
                 r.failures += 1  # the last try: its answer goes to the client as it came
                 r.last_error = why
@@ -481,7 +487,7 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
 
         async def relay():
             got: list[bytes] = [first] if first else []
-            ok = upstream.status_code == 200
+            ok = upstream.status_code == 200 and not failing
             try:
                 if stripper is None:
                     if first:
@@ -587,6 +593,19 @@ def create_app(pool: Pool, *, writer: CaptureWriter | None = None, admin_token: 
         return JSONResponse(report, 200 if report.get("ok") else 409)
 
     return app
+
+
+def _stream_error_code(first: bytes) -> int:
+    """The ``code`` of a stream's first event when it is vLLM's error event (``{"error": {..., "code": N}}``)."""
+    try:
+        return int(json.loads(first[6:first.find(b"\n")])["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+def _stream_error_answer(first: bytes, status: int) -> JSONResponse:
+    # A stream's error event, given as the JSON error answer vLLM sends for a stream refused at once.
+    return JSONResponse(json.loads(first[6:first.find(b"\n")]), status)
 
 
 def _bad_gateway_answer(exc: Exception) -> JSONResponse:

@@ -26,8 +26,10 @@ ENGINE_DEAD = json.dumps({"error": {"message": "EngineCore encountered an issue.
 
 
 class ScriptedReplica:
-    """Answers every POST with ``how``: "500" (``ENGINE_DEAD``), "reset" (before any byte), or "midstream"
-    (a stream's headers and first event, then a reset); counts the POSTs it got."""
+    """Answers every POST with ``how``: "500" (``ENGINE_DEAD``), "stream_500" (a stream: a 200 whose first
+    event is that error, as vLLM streams an engine that died before the first token; else the 500), "reset"
+    (before any byte),
+    or "midstream" (a stream's headers and first event, then a reset); counts the POSTs it got."""
 
     def __init__(self, how: str) -> None:
         self.how = how
@@ -60,14 +62,19 @@ class ScriptedReplica:
                 n = int(m[1]) if m else 0
                 while len(buf) < n:
                     buf += conn.recv(65536)
-                buf = buf[n:]
+                body, buf = buf[:n], buf[n:]
                 if not head.startswith(b"POST "):  # the pool's health checks
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
                     continue
                 self.hits += 1
-                if self.how == "500":
+                if self.how == "500" or (self.how == "stream_500" and not json.loads(body).get("stream")):
                     conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
                                  b"content-length: %d\r\n\r\n%s" % (len(ENGINE_DEAD), ENGINE_DEAD))
+                    continue
+                if self.how == "stream_500":
+                    event = b"data: %s\n\ndata: [DONE]\n\n" % ENGINE_DEAD
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(event), event))
                     continue
                 if self.how == "midstream":
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -96,10 +103,11 @@ def good():
         yield s
 
 
-@pytest.mark.parametrize("how", ["500", "reset"])
+@pytest.mark.parametrize("how", ["500", "stream_500", "reset"])
 def test_a_replica_5xx_or_reset_before_the_answer_is_retried_on_another(good, how: str):
-    """vLLM's EngineDeadError answer (500), or a replica that drops the request, costs a retry on the
-    other replica: every request is answered by it, streamed or not, and the retries are counted."""
+    """vLLM's EngineDeadError answer (500, or a stream's first event), or a replica that drops the request,
+    costs a retry on the other replica: every request is answered by it, streamed or not, and the
+    retries are counted."""
     bad = ScriptedReplica(how)
     with Router([bad.url, good.url], retry_backoff=0.01) as router:
         rs = [_post(router.url, stream=i % 2 == 1) for i in range(6)]
@@ -108,7 +116,7 @@ def test_a_replica_5xx_or_reset_before_the_answer_is_retried_on_another(good, ho
     assert [r.status_code for r in rs] == [200] * 6
     assert all(r.json()["choices"][0]["text"] == "B" for r in rs[::2])
     assert all(r.content.endswith(b"data: [DONE]\n\n") for r in rs[1::2])
-    reason = "http_5xx" if how == "500" else "reset"
+    reason = "reset" if how == "reset" else "http_5xx"
     assert bad.hits >= 1 and retried.get(reason) == bad.hits, (retried, bad.hits)
 
 
@@ -118,7 +126,7 @@ def test_a_stream_that_died_after_its_first_byte_is_not_retried(good):
     mid = ScriptedReplica("midstream")
     with Router([mid.url, good.url], retry_backoff=0.01) as router:
         failed, answered = 0, 0
-        for _ in range(6):
+        for _ in range(4):
             got = b""
             try:
                 with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "x", "stream": True},
@@ -133,7 +141,7 @@ def test_a_stream_that_died_after_its_first_byte_is_not_retried(good):
             time.sleep(0.3)  # the health check puts the replica back in rotation
         retried = _retries(router.url)
     mid.close()
-    assert failed == mid.hits >= 1 and answered == 6 - failed
+    assert failed == mid.hits >= 1 and answered == 4 - failed
     assert sum(retried.values()) == 0, retried
 
 
