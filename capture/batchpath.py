@@ -605,7 +605,13 @@ def _native_chunk(out: dict, first_line_no: int, hour: datetime | None) -> Chunk
         when = when.fill_null(pa.scalar(hour, when.type))
     turns = pa.StructArray.from_arrays([_utf8(out["turns"], out["from"]), _utf8(out["turns"], out["value"])],
                                        fields=list(TURN))
-    cols = {name: _utf8(n, out[name]) for name in ("event_id", "inference_id", "format", "model", "finish_reason")}
+    cols = {name: _utf8(n, out[name]) for name in ("event_id", "inference_id", "format", "model", "finish_reason",
+                                                   "messages", "tools", "tool_choice", "chat_template_kwargs")}
+    for name in ("prompt_token_ids", "output_token_ids"):
+        offsets, values, validity, nulls = out[name]
+        cols[name] = pa.Array.from_buffers(
+            ROW_SCHEMA.field(name).type, n, [pa.py_buffer(validity) if nulls else None, pa.py_buffer(offsets)], nulls,
+            children=[pa.Array.from_buffers(pa.int32(), len(values) // 4, [None, pa.py_buffer(values)])])
     for name in ("temperature", "top_p", "max_tokens"):
         values, validity, nulls = out[name]
         cols[name] = pa.Array.from_buffers(ROW_SCHEMA.field(name).type, n,

@@ -127,25 +127,6 @@ static int role_from(Span role) {
     return -1;
 }
 
-/* A field the rows keep only in the reference's structured columns (tools, reasoning, tool
- * calls, token ids): null is as good as absent, anything else leaves the line to the reference. */
-static int absent(Scan *s) { return json_null(s) ? J_OK : J_DECLINE; }
-
-/* As absent(), an empty array too (vLLM writes "tool_calls": [] for an answer without calls). */
-static int absent_or_empty(Scan *s) {
-    if (json_null(s))
-        return J_OK;
-    if (json_peek(s) != '[')
-        return J_DECLINE;
-    Scan t = *s;
-    t.p++;
-    json_ws(&t);
-    if (json_peek(&t) != ']')
-        return J_DECLINE;
-    s->p = t.p + 1;
-    return J_OK;
-}
-
 /* A key equal to a rule's text. */
 static int key_is(Span key, const RuleText *t) { return key.len == t->len && memcmp(key.ptr, t->s, t->len) == 0; }
 
@@ -155,6 +136,178 @@ static int plain_role(Span role) {
         if (key_is(role, &RULES.plain_roles[i]))
             return 1;
     return 0;
+}
+
+/* ---- whole exchanges (capture.formats' rules for what the reference keeps) ---------- */
+
+/* The value at the cursor skipped, and its text in *raw. */
+static int raw_value(Scan *s, int depth, Span *raw) {
+    const uint8_t *start = s->p;
+    TRY(json_skip(s, depth));
+    raw->ptr = start;
+    raw->len = (size_t)(s->p - start);
+    return J_OK;
+}
+
+/* formats._check_tool_calls: a list of objects whose function is null or an object whose
+ * arguments are null, an object or a string that parses as JSON. *nonempty: the list has
+ * an item. Anything the reference would quarantine declines. */
+static int check_tool_calls(Scan *s, Arena *a, int depth, int *nonempty) {
+    *nonempty = 0;
+    if (json_null(s))
+        return J_OK;
+    if (json_peek(s) != '[')
+        return J_DECLINE;
+    s->p++;
+    int n = 0, r;
+    while ((r = json_element(s, &n)) == 1) {
+        if (json_peek(s) != '{')
+            return J_DECLINE;
+        s->p++;
+        unsigned seen = 0;
+        int cn = 0, cr;
+        Span key;
+        while ((cr = json_member(s, &cn, &key)) == 1) {
+            if (!KEY(key, "function")) {
+                TRY(json_skip(s, depth + 2));
+                continue;
+            }
+            ONCE(seen, 1);
+            if (json_null(s))
+                continue;
+            if (json_peek(s) != '{')
+                return J_DECLINE;
+            s->p++;
+            unsigned fseen = 0;
+            int fn = 0, fr;
+            Span fkey;
+            while ((fr = json_member(s, &fn, &fkey)) == 1) {
+                if (!KEY(fkey, "arguments")) {
+                    TRY(json_skip(s, depth + 3));
+                    continue;
+                }
+                ONCE(fseen, 1);
+                if (json_null(s))
+                    continue;
+                if (json_peek(s) == '{') {
+                    TRY(json_skip(s, depth + 3));
+                    continue;
+                }
+                Span args;
+                TRY(json_str(s, a, &args));
+                if (!json_valid_document(args.ptr, args.len))
+                    return J_DECLINE; /* invalid_tool_call_arguments, or JSON this scanner declines */
+            }
+            if (fr != J_OK)
+                return fr;
+        }
+        if (cr != J_OK)
+            return cr;
+    }
+    if (r != J_OK)
+        return r;
+    *nonempty = n > 0;
+    return J_OK;
+}
+
+/* Text into the arena (a turn's piece that is not in the line). */
+static int arena_text(Arena *a, const Buf *b, Span *out) {
+    uint8_t *p = arena_alloc(a, b->len + 1);
+    if (p == NULL)
+        return J_NOMEM;
+    memcpy(p, b->data, b->len);
+    out->ptr = p;
+    out->len = b->len;
+    return J_OK;
+}
+
+/* json.dumps(tool_calls, ensure_ascii=False) of the list at raw (the turn of a message that has
+ * calls and no text), into the arena. */
+static int calls_text(Row *row, Span raw, Span *out) {
+    Scan t = {raw.ptr, raw.ptr + raw.len};
+    row->ex.canon.len = 0;
+    TRY(json_canon(&t, &row->ex.canon, 0, 1));
+    return arena_text(&row->arena, &row->ex.canon, out);
+}
+
+/* formats._messages over OpenAI chat messages: a turn of each (role/content text, or the tool
+ * calls as JSON text where there is no text); *plain stays 1 while every message is
+ * role/content text of a plain role, which the turns render whole. */
+static int parse_chat_messages(Scan *s, Row *row, int *human, int *plain) {
+    if (json_peek(s) != '[')
+        return J_DECLINE;
+    s->p++;
+    int n = 0, r;
+    *plain = 1;
+    while ((r = json_element(s, &n)) == 1) {
+        if (json_peek(s) != '{')
+            return J_DECLINE;
+        s->p++;
+        unsigned seen = 0;
+        int mn = 0, mr, calls = 0;
+        Span key, role = {NULL, 0}, content = {NULL, 0}, other, calls_raw = {NULL, 0};
+        while ((mr = json_member(s, &mn, &key)) == 1) {
+            if (KEY(key, "role")) {
+                ONCE(seen, 1);
+                TRY(json_str(s, &row->arena, &role));
+            } else if (KEY(key, "content")) {
+                ONCE(seen, 2);
+                TRY(json_opt_str(s, &row->arena, &content)); /* a list of parts: the reference's */
+            } else if (KEY(key, "tool_calls")) {
+                ONCE(seen, 4);
+                const uint8_t *start = s->p;
+                TRY(check_tool_calls(s, &row->arena, 3, &calls));
+                calls_raw.ptr = start;
+                calls_raw.len = (size_t)(s->p - start);
+            } else if (KEY(key, "reasoning") || KEY(key, "reasoning_content") || KEY(key, "tool_call_id") ||
+                       KEY(key, "name")) {
+                unsigned bit = KEY(key, "reasoning") ? 8 : KEY(key, "reasoning_content") ? 16
+                               : KEY(key, "tool_call_id") ? 32 : 64;
+                ONCE(seen, bit);
+                TRY(json_opt_str(s, &row->arena, &other));
+            } else {
+                TRY(json_skip(s, 3));
+            }
+        }
+        if (mr != J_OK)
+            return mr;
+        if (!(seen & 1))
+            return J_DECLINE; /* missing_field */
+        int from = role_from(role);
+        if (from < 0)
+            return J_DECLINE;
+        if (!(plain_role(role) && mn == 2 && content.ptr != NULL))
+            *plain = 0;
+        *human |= from == FROM_HUMAN;
+        Span text = content.ptr != NULL ? content : (Span){role.ptr, 0};
+        if (text.len == 0 && calls)
+            TRY(calls_text(row, calls_raw, &text));
+        size_t first = n_pieces(row);
+        TRY(push_piece(row, text));
+        TRY(push_turn(row, from, first));
+    }
+    return r;
+}
+
+/* A list of objects (request.tools as the reference requires it). */
+static int list_of_objects(Span raw) {
+    Scan t = {raw.ptr, raw.ptr + raw.len};
+    if (json_peek(&t) != '[')
+        return 0;
+    t.p++;
+    int n = 0, r;
+    while ((r = json_element(&t, &n)) == 1) {
+        if (json_peek(&t) != '{' || json_skip(&t, 1) != J_OK)
+            return 0;
+    }
+    return r == J_OK;
+}
+
+/* A value (as sent) in its canonical text. */
+static int canon_into(Span raw, Buf *out) {
+    Scan t = {raw.ptr, raw.ptr + raw.len};
+    out->len = 0;
+    return json_canon(&t, out, 0, 0);
 }
 
 /* ---- request payloads ------------------------------------------------------------- */
@@ -171,10 +324,14 @@ typedef struct {
     Params params;
     Span model, text; /* text: the completion prompt or TGI inputs */
     int human;        /* a message of the user's among the turns */
+    int plain;        /* chat: every message role/content text of a plain role */
+    /* chat: the values as sent (ptr NULL: absent or null) */
+    Span messages, tools, tool_choice, kwargs;
 } Request;
 
 /* Seen-bits of request members; B_MAX_TOKENS << i for RULES.max_tokens_keys[i]. */
-enum { B_TEMPERATURE = 1, B_TOP_P = 2, B_MODEL = 4, B_MAIN = 8, B_PARAMETERS = 16, B_MAX_TOKENS = 32 };
+enum { B_TEMPERATURE = 1, B_TOP_P = 2, B_MODEL = 4, B_MAIN = 8, B_PARAMETERS = 16, B_TOOLS = 32, B_TOOL_CHOICE = 64,
+       B_KWARGS = 128, B_MAX_TOKENS = 256 };
 
 /* One of _Params' fields if `key` names one (*hit says whether it did). */
 static int params_member(Scan *s, Span key, Params *p, unsigned *seen, int *hit) {
@@ -214,8 +371,8 @@ static int parse_parameters(Scan *s, Params *p, int depth) {
     return r;
 }
 
-/* batchpath._Msg: role and content, both strings (strict, batchpath._ChatMsg: no other key). */
-static int parse_message(Scan *s, Arena *a, int depth, int strict, Span *role, Span *content) {
+/* batchpath._Msg: role and content, both strings. */
+static int parse_message(Scan *s, Arena *a, int depth, Span *role, Span *content) {
     if (json_peek(s) != '{')
         return J_DECLINE;
     s->p++;
@@ -229,8 +386,6 @@ static int parse_message(Scan *s, Arena *a, int depth, int strict, Span *role, S
         } else if (KEY(key, "content")) {
             ONCE(seen, 2);
             TRY(json_str(s, a, content));
-        } else if (strict) {
-            return J_DECLINE; /* tool_calls, tool_call_id, name, reasoning: the reference keeps them */
         } else {
             TRY(json_skip(s, depth + 1));
         }
@@ -241,16 +396,16 @@ static int parse_message(Scan *s, Arena *a, int depth, int strict, Span *role, S
 }
 
 /* list[_Msg] → turns (batchpath._turns: known roles, non-empty content). */
-static int parse_messages(Scan *s, Row *row, int depth, int strict, int *human) {
+static int parse_messages(Scan *s, Row *row, int depth, int *human) {
     if (json_peek(s) != '[')
         return J_DECLINE;
     s->p++;
     int n = 0, r;
     while ((r = json_element(s, &n)) == 1) {
         Span role, content;
-        TRY(parse_message(s, &row->arena, depth + 1, strict, &role, &content));
+        TRY(parse_message(s, &row->arena, depth + 1, &role, &content));
         int from = role_from(role);
-        if (from < 0 || content.len == 0 || (strict && !plain_role(role)))
+        if (from < 0 || content.len == 0)
             return J_DECLINE;
         *human |= from == FROM_HUMAN;
         size_t first = n_pieces(row);
@@ -265,7 +420,7 @@ static int parse_inputs(Scan *s, int kind, Row *row, Request *req, int depth) {
     if (kind == REQ_TGI)
         return json_str(s, &row->arena, &req->text);
     if (kind == REQ_DIALOG)
-        return parse_messages(s, row, depth, 0, &req->human);
+        return parse_messages(s, row, depth, &req->human);
     /* list[list[_Msg]]: exactly one dialog, or the batch is left to the reference. */
     if (json_peek(s) != '[')
         return J_DECLINE;
@@ -274,7 +429,7 @@ static int parse_inputs(Scan *s, int kind, Row *row, Request *req, int depth) {
     while ((r = json_element(s, &n)) == 1) {
         if (n > 1)
             return J_DECLINE;
-        TRY(parse_messages(s, row, depth + 1, 0, &req->human));
+        TRY(parse_messages(s, row, depth + 1, &req->human));
     }
     if (r != J_OK)
         return r;
@@ -303,10 +458,16 @@ static int parse_request(Span text, int kind, Row *row, Request *req) {
             TRY(json_opt_str(&s, &row->arena, &req->model));
         } else if (kind == REQ_CHAT && KEY(key, "messages")) {
             ONCE(seen, B_MAIN);
-            TRY(parse_messages(&s, row, 1, 1, &req->human));
+            const uint8_t *start = s.p;
+            TRY(parse_chat_messages(&s, row, &req->human, &req->plain));
+            req->messages.ptr = start;
+            req->messages.len = (size_t)(s.p - start);
         } else if (kind == REQ_CHAT && (KEY(key, "tools") || KEY(key, "tool_choice") ||
                                         KEY(key, "chat_template_kwargs"))) {
-            TRY(absent(&s));
+            Span *into = KEY(key, "tools") ? &req->tools : KEY(key, "tool_choice") ? &req->tool_choice : &req->kwargs;
+            ONCE(seen, KEY(key, "tools") ? B_TOOLS : KEY(key, "tool_choice") ? B_TOOL_CHOICE : B_KWARGS);
+            if (!json_null(&s))
+                TRY(raw_value(&s, 1, into));
         } else if (kind == REQ_COMPLETION && KEY(key, "prompt")) {
             ONCE(seen, B_MAIN);
             TRY(json_str(&s, &row->arena, &req->text));
@@ -374,55 +535,90 @@ static int json_end(Scan *s) {
     return s->p == s->end ? J_OK : J_DECLINE;
 }
 
-/* batchpath._Choice (message: _RespMsg | None, text: str | None), remembered for choice 0. */
+/* Token ids at the cursor appended to `into` (*has: not null), as formats._token_ids takes them. */
+static int token_ids(Scan *s, Buf *into, int *has) {
+    int got;
+    TRY(json_token_ids(s, into, &got));
+    *has |= got;
+    return J_OK;
+}
+
+/* One choice of a response (formats._openai_choice reads choice 0's). */
 typedef struct {
-    Span content, text, finish_reason; /* content.ptr: a message was given */
+    int has_message, content_null, calls_nonempty, has_prompt;
+    Span content, text, finish_reason, reasoning, calls; /* calls: message.tool_calls as sent */
 } Choice;
 
-static int parse_choice(Scan *s, Arena *a, int depth, Choice *c) {
+/* A choice; `first`: choice 0, whose ids go to the row (the prompt's to ex.ids until the
+ * top-level ones are known). */
+static int parse_choice(Scan *s, Row *row, int depth, Choice *c, int first) {
     if (json_peek(s) != '{')
         return J_DECLINE;
     s->p++;
     unsigned seen = 0;
-    int n = 0, r;
+    int n = 0, r, ignored = 0;
     Span key;
-    c->content.ptr = c->text.ptr = c->finish_reason.ptr = NULL;
+    Exchange *ex = &row->ex;
+    Arena *a = &row->arena;
+    memset(c, 0, sizeof *c);
     while ((r = json_member(s, &n, &key)) == 1) {
         if (KEY(key, "message")) {
             ONCE(seen, 1);
             if (json_null(s))
                 continue;
-            /* _RespMsg: content, a string, required */
             if (json_peek(s) != '{')
                 return J_DECLINE;
             s->p++;
+            c->has_message = 1;
             unsigned mseen = 0;
             int mn = 0, mr;
-            Span mkey;
+            Span mkey, reasoning = {NULL, 0}, reasoning_content = {NULL, 0};
             while ((mr = json_member(s, &mn, &mkey)) == 1) {
                 if (KEY(mkey, "content")) {
                     ONCE(mseen, 1);
-                    TRY(json_str(s, a, &c->content));
-                } else if (KEY(mkey, "reasoning") || KEY(mkey, "reasoning_content")) {
-                    TRY(absent(s));
+                    TRY(json_opt_str(s, a, &c->content)); /* a list of parts: the reference's */
+                } else if (KEY(mkey, "reasoning")) {
+                    ONCE(mseen, 2);
+                    TRY(json_opt_str(s, a, &reasoning));
+                } else if (KEY(mkey, "reasoning_content")) {
+                    ONCE(mseen, 4);
+                    TRY(json_opt_str(s, a, &reasoning_content));
                 } else if (KEY(mkey, "tool_calls")) {
-                    TRY(absent_or_empty(s));
+                    ONCE(mseen, 8);
+                    const uint8_t *start = s->p;
+                    TRY(check_tool_calls(s, a, depth + 2, &c->calls_nonempty));
+                    c->calls.ptr = start;
+                    c->calls.len = (size_t)(s->p - start);
                 } else {
                     TRY(json_skip(s, depth + 2));
                 }
             }
             if (mr != J_OK)
                 return mr;
-            if (!mseen)
-                return J_DECLINE;
+            c->content_null = c->content.ptr == NULL;
+            c->reasoning = reasoning.ptr != NULL ? reasoning : reasoning_content;
         } else if (KEY(key, "text")) {
             ONCE(seen, 2);
             TRY(json_opt_str(s, a, &c->text));
         } else if (KEY(key, "finish_reason")) {
             ONCE(seen, 4);
             TRY(json_opt_str(s, a, &c->finish_reason));
-        } else if (KEY(key, "token_ids") || KEY(key, "prompt_token_ids")) {
-            TRY(absent(s));
+        } else if (KEY(key, "token_ids")) {
+            ONCE(seen, 8);
+            if (first) {
+                TRY(token_ids(s, &ex->output_ids, &ex->has_output_ids));
+            } else {
+                ex->canon.len = 0;
+                TRY(token_ids(s, &ex->canon, &ignored));
+            }
+        } else if (KEY(key, "prompt_token_ids")) {
+            ONCE(seen, 16);
+            if (first) {
+                TRY(token_ids(s, &ex->ids, &c->has_prompt));
+            } else {
+                ex->canon.len = 0;
+                TRY(token_ids(s, &ex->canon, &ignored));
+            }
         } else {
             TRY(json_skip(s, depth + 1));
         }
@@ -430,8 +626,8 @@ static int parse_choice(Scan *s, Arena *a, int depth, Choice *c) {
     return r;
 }
 
-/* batchpath._Resp → the first choice's text (chat: message.content; completion: text). */
-static int openai_response(Span text, int chat, Row *row, Span *model) {
+/* formats._openai_choice's response: the first choice, the model, the prompt's token ids. */
+static int openai_response(Span text, Row *row, Span *model, Choice *first) {
     Scan s = {text.ptr, text.ptr + text.len};
     json_ws(&s);
     if (json_peek(&s) != '{')
@@ -440,7 +636,8 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
     unsigned seen = 0;
     int n = 0, r, n_choices = 0;
     Span key, object = {NULL, 0};
-    Choice first = {{NULL, 0}, {NULL, 0}, {NULL, 0}};
+    Exchange *ex = &row->ex;
+    memset(first, 0, sizeof *first);
     while ((r = json_member(&s, &n, &key)) == 1) {
         if (KEY(key, "choices")) {
             ONCE(seen, 1);
@@ -450,9 +647,9 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
             int rc;
             while ((rc = json_element(&s, &n_choices)) == 1) {
                 Choice c;
-                TRY(parse_choice(&s, &row->arena, 2, &c));
+                TRY(parse_choice(&s, row, 2, &c, n_choices == 1));
                 if (n_choices == 1)
-                    first = c;
+                    *first = c;
             }
             if (rc != J_OK)
                 return rc;
@@ -463,7 +660,8 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
             ONCE(seen, 4);
             TRY(json_opt_str(&s, &row->arena, &object));
         } else if (KEY(key, "prompt_token_ids")) {
-            TRY(absent(&s));
+            ONCE(seen, 8);
+            TRY(token_ids(&s, &ex->prompt_ids, &ex->has_prompt_ids));
         } else if (KEY(key, "error")) {
             return J_DECLINE; /* error responses: the reference counts the skip */
         } else {
@@ -477,14 +675,184 @@ static int openai_response(Span text, int chat, Row *row, Span *model) {
         return J_DECLINE;
     if (object.ptr != NULL && KEY(object, "error"))
         return J_DECLINE;
-    Span answer = chat ? first.content : first.text;
-    if (answer.ptr == NULL)
-        return J_DECLINE;
-    row->finish_reason = first.finish_reason;
-    return push_piece(row, answer);
+    /* The choice's prompt ids count where the response has none at the top. */
+    if (!ex->has_prompt_ids && first->has_prompt) {
+        TRY(buf_put(&ex->prompt_ids, ex->ids.data, ex->ids.len));
+        ex->has_prompt_ids = 1;
+    }
+    return J_OK;
 }
 
-/* batchpath._StreamChoice: its text goes to the answer if it is choice 0. */
+/* formats._merge_calls: streamed tool-call fragments (the list at raw) into ex.calls. */
+static int merge_calls(Row *row, Span raw) {
+    Exchange *ex = &row->ex;
+    Scan s = {raw.ptr, raw.ptr + raw.len};
+    if (json_peek(&s) != '[')
+        return J_DECLINE;
+    s.p++;
+    int n = 0, r;
+    while ((r = json_element(&s, &n)) == 1) {
+        if (json_peek(&s) != '{')
+            return J_DECLINE;
+        s.p++;
+        unsigned seen = 0;
+        int fn_n = 0, fr, has_index = 0, has_fn = 0;
+        int64_t index = 0;
+        Span key, id = {NULL, 0}, type = {NULL, 0}, name = {NULL, 0}, args = {NULL, 0};
+        while ((fr = json_member(&s, &fn_n, &key)) == 1) {
+            if (KEY(key, "index")) {
+                ONCE(seen, 1);
+                TRY(json_int64(&s, &index)); /* null, a bool or a float: the reference quarantines */
+                has_index = 1;
+            } else if (KEY(key, "id") || KEY(key, "type")) {
+                Span *into = KEY(key, "id") ? &id : &type;
+                ONCE(seen, KEY(key, "id") ? 2 : 4);
+                if (json_peek(&s) == '"')
+                    TRY(json_string(&s, &row->arena, into));
+                else
+                    TRY(json_skip(&s, 4)); /* not a string: ignored */
+            } else if (KEY(key, "function")) {
+                ONCE(seen, 8);
+                if (json_null(&s))
+                    continue;
+                if (json_peek(&s) != '{')
+                    return J_DECLINE;
+                s.p++;
+                has_fn = 1;
+                unsigned gseen = 0;
+                int gn = 0, gr;
+                Span gkey;
+                while ((gr = json_member(&s, &gn, &gkey)) == 1) {
+                    if (KEY(gkey, "name")) {
+                        ONCE(gseen, 1);
+                        if (json_peek(&s) == '"')
+                            TRY(json_string(&s, &row->arena, &name));
+                        else
+                            TRY(json_skip(&s, 5));
+                    } else if (KEY(gkey, "arguments")) {
+                        ONCE(gseen, 2);
+                        TRY(json_opt_str(&s, &row->arena, &args)); /* not a string: quarantined */
+                    } else {
+                        TRY(json_skip(&s, 5));
+                    }
+                }
+                if (gr != J_OK)
+                    return gr;
+            } else {
+                TRY(json_skip(&s, 4));
+            }
+        }
+        if (fr != J_OK)
+            return fr;
+        if (!has_index)
+            index = ex->n_calls; /* f.get("index", len(calls)) */
+        StreamCall *call = NULL;
+        for (int i = 0; i < ex->n_calls; i++)
+            if (ex->calls[i].index == index)
+                call = &ex->calls[i];
+        if (call == NULL) {
+            if (ex->n_calls == MAX_STREAM_CALLS)
+                return J_DECLINE;
+            call = &ex->calls[ex->n_calls++];
+            call->index = index;
+            call->id.ptr = call->type.ptr = call->name.ptr = NULL;
+            call->n_keys = call->n_fn_keys = 0;
+            call->arguments.len = 0;
+        }
+        if (id.ptr != NULL && call->id.ptr == NULL) {
+            call->id = id;
+            call->keys[call->n_keys++] = 0;
+        }
+        if (type.ptr != NULL && call->type.ptr == NULL) {
+            call->type = type;
+            call->keys[call->n_keys++] = 1;
+        }
+        if (!has_fn)
+            continue;
+        int fn_given = 0;
+        for (int k = 0; k < call->n_keys; k++)
+            fn_given |= call->keys[k] == 2;
+        if (!fn_given)
+            call->keys[call->n_keys++] = 2;
+        if (name.ptr != NULL && call->name.ptr == NULL) {
+            call->name = name;
+            call->fn_keys[call->n_fn_keys++] = 0;
+        }
+        if (args.ptr != NULL) {
+            int args_given = 0;
+            for (int k = 0; k < call->n_fn_keys; k++)
+                args_given |= call->fn_keys[k] == 1;
+            if (!args_given)
+                call->fn_keys[call->n_fn_keys++] = 1;
+            TRY(buf_put(&call->arguments, args.ptr, args.len));
+        }
+    }
+    return r;
+}
+
+/* The merged calls in the order of their indices, whose arguments must be JSON; *order gets it. */
+static int calls_order(Exchange *ex, int *order) {
+    for (int i = 0; i < ex->n_calls; i++) {
+        int j = i;
+        while (j > 0 && ex->calls[order[j - 1]].index > ex->calls[i].index) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = i;
+    }
+    for (int i = 0; i < ex->n_calls; i++) {
+        const StreamCall *c = &ex->calls[i];
+        for (int k = 0; k < c->n_fn_keys; k++)
+            if (c->fn_keys[k] == 1 && !json_valid_document(c->arguments.data ? c->arguments.data : (const uint8_t *)"",
+                                                           c->arguments.len))
+                return J_DECLINE; /* invalid_tool_call_arguments, or JSON this scanner declines */
+    }
+    return J_OK;
+}
+
+static int put_lit(Buf *out, const char *s) { return buf_put(out, s, strlen(s)); }
+
+/* json.dumps of the merged calls (pretty: json.dumps' default separators). */
+static int write_calls(const Exchange *ex, const int *order, Buf *out, int pretty) {
+    const char *item = pretty ? ", " : ",", *colon = pretty ? ": " : ":";
+    TRY(put_lit(out, "["));
+    for (int i = 0; i < ex->n_calls; i++) {
+        const StreamCall *c = &ex->calls[order[i]];
+        if (i)
+            TRY(put_lit(out, item));
+        TRY(put_lit(out, "{"));
+        for (int k = 0; k < c->n_keys; k++) {
+            if (k)
+                TRY(put_lit(out, item));
+            if (c->keys[k] == 0 || c->keys[k] == 1) {
+                Span v = c->keys[k] == 0 ? c->id : c->type;
+                TRY(put_lit(out, c->keys[k] == 0 ? "\"id\"" : "\"type\""));
+                TRY(put_lit(out, colon));
+                TRY(json_canon_text(v.ptr, v.len, out));
+                continue;
+            }
+            TRY(put_lit(out, "\"function\""));
+            TRY(put_lit(out, colon));
+            TRY(put_lit(out, "{"));
+            for (int f = 0; f < c->n_fn_keys; f++) {
+                if (f)
+                    TRY(put_lit(out, item));
+                TRY(put_lit(out, c->fn_keys[f] == 0 ? "\"name\"" : "\"arguments\""));
+                TRY(put_lit(out, colon));
+                if (c->fn_keys[f] == 0)
+                    TRY(json_canon_text(c->name.ptr, c->name.len, out));
+                else
+                    TRY(json_canon_text(c->arguments.data, c->arguments.len, out));
+            }
+            TRY(put_lit(out, "}"));
+        }
+        TRY(put_lit(out, "}"));
+    }
+    return put_lit(out, "]");
+}
+
+/* formats._join_stream over one choice: choice 0's text, reasoning, tool-call fragments, finish
+ * reason and token ids go to the row. */
 static int parse_stream_choice(Scan *s, Row *row, int depth) {
     if (json_peek(s) != '{')
         return J_DECLINE;
@@ -492,7 +860,9 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
     unsigned seen = 0;
     int n = 0, r, has_delta = 0;
     int64_t index = 0;
-    Span key, content = {NULL, 0}, text = {NULL, 0}, finish = {NULL, 0};
+    Exchange *ex = &row->ex;
+    Span key, content = {NULL, 0}, text = {NULL, 0}, finish = {NULL, 0}, reasoning = {NULL, 0},
+              reasoning_content = {NULL, 0}, calls = {NULL, 0}, ids = {NULL, 0}, prompt = {NULL, 0};
     while ((r = json_member(s, &n, &key)) == 1) {
         if (KEY(key, "index")) {
             ONCE(seen, 1);
@@ -501,7 +871,6 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
             ONCE(seen, 2);
             if (json_null(s))
                 continue;
-            /* _Delta: content, str | None */
             if (json_peek(s) != '{')
                 return J_DECLINE;
             s->p++;
@@ -513,8 +882,16 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
                 if (KEY(dkey, "content")) {
                     ONCE(dseen, 1);
                     TRY(json_opt_str(s, &row->arena, &content));
-                } else if (KEY(dkey, "reasoning") || KEY(dkey, "reasoning_content") || KEY(dkey, "tool_calls")) {
-                    TRY(absent(s));
+                } else if (KEY(dkey, "reasoning")) {
+                    ONCE(dseen, 2);
+                    TRY(json_opt_str(s, &row->arena, &reasoning));
+                } else if (KEY(dkey, "reasoning_content")) {
+                    ONCE(dseen, 4);
+                    TRY(json_opt_str(s, &row->arena, &reasoning_content));
+                } else if (KEY(dkey, "tool_calls")) {
+                    ONCE(dseen, 8);
+                    if (!json_null(s))
+                        TRY(raw_value(s, depth + 2, &calls));
                 } else {
                     TRY(json_skip(s, depth + 2));
                 }
@@ -528,28 +905,54 @@ static int parse_stream_choice(Scan *s, Row *row, int depth) {
             ONCE(seen, 8);
             TRY(json_opt_str(s, &row->arena, &finish));
         } else if (KEY(key, "token_ids") || KEY(key, "prompt_token_ids")) {
-            TRY(absent(s));
+            ONCE(seen, KEY(key, "token_ids") ? 16 : 32);
+            if (!json_null(s))
+                TRY(raw_value(s, depth + 1, KEY(key, "token_ids") ? &ids : &prompt));
         } else {
             TRY(json_skip(s, depth + 1));
         }
     }
     if (r != J_OK || index != 0)
         return r; /* n > 1 sampling: only choice 0 is the conversation */
+    if (prompt.ptr != NULL) {
+        Scan t = {prompt.ptr, prompt.ptr + prompt.len};
+        ex->ids.len = 0;
+        int has = 0;
+        TRY(token_ids(&t, &ex->ids, &has));
+        if (!ex->has_prompt_ids) {
+            TRY(buf_put(&ex->prompt_ids, ex->ids.data, ex->ids.len));
+            ex->has_prompt_ids = 1;
+        }
+    }
+    if (ids.ptr != NULL) {
+        Scan t = {ids.ptr, ids.ptr + ids.len};
+        TRY(token_ids(&t, &ex->output_ids, &ex->has_output_ids));
+    }
     if (finish.ptr != NULL)
         row->finish_reason = finish; /* the last one given */
-    if (has_delta)
-        return content.ptr != NULL ? push_piece(row, content) : J_OK;
-    return text.ptr != NULL ? push_piece(row, text) : J_OK;
+    if (!has_delta)
+        return text.ptr != NULL ? push_piece(row, text) : J_OK;
+    if (content.ptr != NULL)
+        TRY(push_piece(row, content));
+    Span rs = reasoning.ptr != NULL ? reasoning : reasoning_content;
+    if (rs.ptr != NULL) {
+        TRY(buf_put(&ex->reasoning, &rs, sizeof rs));
+        ex->has_reasoning = 1;
+    }
+    return calls.ptr != NULL ? merge_calls(row, calls) : J_OK;
 }
 
-/* batchpath._Chunk; error events and TGI token streams are declined. */
+/* One chunk of a stream; error events and TGI token streams are declined. */
 static int parse_chunk(Scan *s, Row *row, int depth, Span *model) {
     if (json_peek(s) != '{')
         return J_DECLINE;
     s->p++;
     unsigned seen = 0;
     int n = 0, r;
-    Span key, chunk_model = {NULL, 0};
+    Exchange *ex = &row->ex;
+    int had_prompt = ex->has_prompt_ids;
+    size_t prompt_at = ex->prompt_ids.len;
+    Span key, chunk_model = {NULL, 0}, prompt = {NULL, 0};
     while ((r = json_member(s, &n, &key)) == 1) {
         if (KEY(key, "choices")) {
             ONCE(seen, 1);
@@ -567,16 +970,32 @@ static int parse_chunk(Scan *s, Row *row, int depth, Span *model) {
             ONCE(seen, 2);
             TRY(json_opt_str(s, &row->arena, &chunk_model));
         } else if (KEY(key, "prompt_token_ids")) {
-            TRY(absent(s));
+            ONCE(seen, 4);
+            if (!json_null(s))
+                TRY(raw_value(s, depth + 1, &prompt));
         } else if (KEY(key, "error") || KEY(key, "token") || KEY(key, "generated_text")) {
             return J_DECLINE;
         } else {
             TRY(json_skip(s, depth + 1));
         }
     }
-    if (r == J_OK && chunk_model.ptr != NULL)
+    if (r != J_OK)
+        return r;
+    if (prompt.ptr != NULL) {
+        /* The chunk's own prompt ids come before its choices' (and after earlier chunks'). */
+        Scan t = {prompt.ptr, prompt.ptr + prompt.len};
+        ex->ids.len = 0;
+        int has = 0;
+        TRY(token_ids(&t, &ex->ids, &has));
+        if (!had_prompt) {
+            ex->prompt_ids.len = prompt_at;
+            TRY(buf_put(&ex->prompt_ids, ex->ids.data, ex->ids.len));
+            ex->has_prompt_ids = 1;
+        }
+    }
+    if (chunk_model.ptr != NULL)
         *model = chunk_model; /* the last chunk that names a model wins */
-    return r;
+    return J_OK;
 }
 
 #define LIT_LEN(s) (sizeof(s) - 1)
@@ -722,6 +1141,84 @@ static int tgi_response(Span text, Arena *a, Span *answer) {
 
 /* ---- one exchange ----------------------------------------------------------------- */
 
+/* to_conversation's chat rules past the turns: the request's tools, tool_choice and
+ * chat_template_kwargs, the whole exchange as messages where the turns are not all of it,
+ * and the answer's turn text (the tool calls as JSON where there is no content). */
+static int chat_exchange(Row *row, const Request *rq, size_t answer_first, int structured, int content_null,
+                         Span calls, const int *order) {
+    Exchange *ex = &row->ex;
+    if (rq->kwargs.ptr != NULL && rq->kwargs.ptr[0] != '{')
+        return J_DECLINE; /* wrong_type */
+    if (rq->tools.ptr != NULL && !list_of_objects(rq->tools))
+        return J_DECLINE; /* wrong_type */
+    int sent = rq->tools.ptr != NULL || rq->tool_choice.ptr != NULL || rq->kwargs.ptr != NULL;
+    int stream_calls = ex->n_calls > 0;
+    const Span *pieces = (const Span *)row->pieces.data + answer_first;
+    size_t count = n_pieces(row) - answer_first, total = 0;
+    for (size_t i = 0; i < count; i++)
+        total += pieces[i].len;
+    if (sent || structured || !rq->plain) {
+        Buf *m = &ex->messages;
+        TRY(canon_into(rq->messages, m));
+        if (m->len < 3 || m->data[m->len - 1] != ']')
+            return J_DECLINE; /* no message: no user turn either */
+        m->len--;
+        TRY(put_lit(m, ",{\"role\":\"assistant\",\"content\":"));
+        if (content_null) {
+            TRY(put_lit(m, "null"));
+        } else {
+            TRY(put_lit(m, "\""));
+            for (size_t i = 0; i < count; i++)
+                TRY(json_escape_text(pieces[i].ptr, pieces[i].len, m));
+            TRY(put_lit(m, "\""));
+        }
+        if (ex->has_reasoning) {
+            TRY(put_lit(m, ",\"reasoning\":\""));
+            const Span *rs = (const Span *)ex->reasoning.data;
+            for (size_t i = 0; i < ex->reasoning.len / sizeof(Span); i++)
+                TRY(json_escape_text(rs[i].ptr, rs[i].len, m));
+            TRY(put_lit(m, "\""));
+        }
+        if (calls.ptr != NULL || stream_calls) {
+            TRY(put_lit(m, ",\"tool_calls\":"));
+            if (stream_calls) {
+                TRY(write_calls(ex, order, m, 0));
+            } else {
+                Scan t = {calls.ptr, calls.ptr + calls.len};
+                TRY(json_canon(&t, m, 0, 0));
+            }
+        }
+        TRY(put_lit(m, "}]"));
+        ex->has_messages = 1;
+        if (rq->tools.ptr != NULL) {
+            TRY(canon_into(rq->tools, &ex->tools));
+            ex->has_tools = 1;
+        }
+        if (rq->tool_choice.ptr != NULL) {
+            TRY(canon_into(rq->tool_choice, &ex->tool_choice));
+            ex->has_tool_choice = 1;
+        }
+        if (rq->kwargs.ptr != NULL) {
+            TRY(canon_into(rq->kwargs, &ex->kwargs));
+            ex->has_kwargs = 1;
+        }
+    }
+    if (total == 0 && (calls.ptr != NULL || stream_calls)) {
+        /* Answer.text(): the calls as json.dumps writes them (default separators). */
+        Span text;
+        ex->canon.len = 0;
+        if (stream_calls) {
+            TRY(write_calls(ex, order, &ex->canon, 1));
+            TRY(arena_text(&row->arena, &ex->canon, &text));
+        } else {
+            TRY(calls_text(row, calls, &text));
+        }
+        row->pieces.len = answer_first * sizeof(Span);
+        TRY(push_piece(row, text));
+    }
+    return J_OK;
+}
+
 /* batchpath.exchange: the request/response pair → the row's turns and fields. */
 static int decode_exchange(Span req, Span resp, Span resp_ct, Row *row) {
     Span head = py_lstrip(req);
@@ -751,11 +1248,44 @@ static int decode_exchange(Span req, Span resp, Span resp_ct, Row *row) {
     TRY(looks_sse(resp, resp_ct, &sse));
     size_t answer_first = n_pieces(row);
     Span resp_model = {NULL, 0};
+    Exchange *ex = &row->ex;
+    int structured = 0, content_null = 0, order[MAX_STREAM_CALLS];
+    Span calls = {NULL, 0}; /* a response message's tool calls as sent (not a stream's) */
     if (kind == REQ_CHAT || kind == REQ_COMPLETION) {
-        if (sse)
+        if (sse) {
             TRY(stream_response(resp, row, &resp_model));
-        else
-            TRY(openai_response(resp, kind == REQ_CHAT, row, &resp_model));
+            TRY(calls_order(ex, order));
+            structured = ex->has_reasoning || ex->n_calls > 0;
+            if (kind == REQ_COMPLETION && structured)
+                return J_DECLINE; /* reasoning or calls in a completion stream: the reference's */
+            content_null = 1;
+            for (size_t i = answer_first; i < n_pieces(row); i++)
+                content_null &= ((const Span *)row->pieces.data)[i].len == 0;
+        } else {
+            Choice c;
+            TRY(openai_response(resp, row, &resp_model, &c));
+            if (kind == REQ_CHAT) {
+                if (!c.has_message)
+                    return J_DECLINE;
+                Span content = c.content.ptr != NULL ? c.content : (Span){resp.ptr, 0};
+                TRY(push_piece(row, content));
+                content_null = c.content_null;
+                if (c.reasoning.ptr != NULL) {
+                    TRY(buf_put(&ex->reasoning, &c.reasoning, sizeof c.reasoning));
+                    ex->has_reasoning = 1;
+                }
+                if (c.calls_nonempty)
+                    calls = c.calls;
+                structured = ex->has_reasoning || calls.ptr != NULL;
+            } else {
+                if (c.text.ptr == NULL)
+                    return J_DECLINE;
+                TRY(push_piece(row, c.text));
+            }
+            row->finish_reason = c.finish_reason;
+        }
+        if (kind == REQ_CHAT)
+            TRY(chat_exchange(row, &rq, answer_first, structured, content_null, calls, order));
         row->model = rq.model.ptr != NULL ? rq.model : resp_model;
         row->format = kind == REQ_CHAT ? FMT_OPENAI_CHAT : FMT_OPENAI_COMPLETION;
         row->raw = kind == REQ_COMPLETION;
@@ -779,7 +1309,7 @@ static int decode_exchange(Span req, Span resp, Span resp_ct, Row *row) {
     size_t count = n_pieces(row) - answer_first, total = 0;
     for (size_t i = 0; i < count; i++)
         total += pieces[i].len;
-    if (total == 0 || pieces_isspace(pieces, count) || !rq.human)
+    if (((total == 0 || pieces_isspace(pieces, count)) && !structured) || !rq.human)
         return J_DECLINE; /* empty answers and dialogs without a user turn: the reference decides */
     TRY(push_turn(row, FROM_GPT, answer_first));
 
@@ -1028,12 +1558,24 @@ void row_reset(Row *row) {
     row->format = row->raw = 0;
     row->temperature.has = row->top_p.has = row->max_tokens.has = 0;
     row->turns.len = row->pieces.len = 0;
+    Exchange *ex = &row->ex;
+    ex->has_messages = ex->has_tools = ex->has_tool_choice = ex->has_kwargs = 0;
+    ex->has_prompt_ids = ex->has_output_ids = ex->has_reasoning = ex->n_calls = 0;
+    ex->messages.len = ex->tools.len = ex->tool_choice.len = ex->kwargs.len = 0;
+    ex->prompt_ids.len = ex->output_ids.len = ex->ids.len = ex->reasoning.len = ex->canon.len = 0;
     arena_reset(&row->arena);
 }
 
 void row_free(Row *row) {
     buf_free(&row->turns);
     buf_free(&row->pieces);
+    Exchange *ex = &row->ex;
+    Buf *bufs[] = {&ex->messages, &ex->tools, &ex->tool_choice, &ex->kwargs, &ex->prompt_ids,
+                   &ex->output_ids, &ex->ids, &ex->reasoning, &ex->canon};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        buf_free(bufs[i]);
+    for (int i = 0; i < MAX_STREAM_CALLS; i++)
+        buf_free(&ex->calls[i].arguments);
     arena_free(&row->arena);
 }
 
@@ -1078,9 +1620,32 @@ int columns_init(Columns *c) {
     int32_t zero = 0;
     TRY(buf_put(&c->conv_offsets, &zero, sizeof zero));
     StrCol *cols[] = {&c->from,  &c->value,  &c->event_id,     &c->inference_id,
-                      &c->inference_time, &c->model, &c->format, &c->finish_reason};
+                      &c->inference_time, &c->model, &c->format, &c->finish_reason,
+                      &c->messages, &c->tools, &c->tool_choice, &c->chat_template_kwargs};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++)
         TRY(str_col_init(cols[i]));
+    TRY(buf_put(&c->prompt_token_ids.offsets, &zero, sizeof zero));
+    TRY(buf_put(&c->output_token_ids.offsets, &zero, sizeof zero));
+    return J_OK;
+}
+
+/* A string column's value from a buffer (null unless has). */
+static int buf_col(StrCol *c, const Buf *b, int has) {
+    Span v = {b->data ? b->data : (const uint8_t *)"", b->len};
+    return str_col_append(c, &v, has ? 1 : 0, !has);
+}
+
+static int ids_col_append(IdsCol *c, const Buf *ids, int has) {
+    if (has) {
+        if (ids->len / 4 > (size_t)INT32_MAX - c->values.len / 4)
+            return J_NOMEM;
+        TRY(buf_put(&c->values, ids->data, ids->len));
+    }
+    int32_t end = (int32_t)(c->values.len / 4);
+    TRY(buf_put(&c->offsets, &end, sizeof end));
+    TRY(bitmap_append(&c->validity, c->length, has));
+    c->nulls += !has;
+    c->length++;
     return J_OK;
 }
 
@@ -1105,6 +1670,13 @@ int columns_add(Columns *c, const Row *row, int64_t index) {
     TRY(str_col_span(&c->model, row->model));
     TRY(str_col_span(&c->format, rule_span(&RULES.formats[row->format])));
     TRY(str_col_span(&c->finish_reason, row->finish_reason));
+    const Exchange *ex = &row->ex;
+    TRY(buf_col(&c->messages, &ex->messages, ex->has_messages));
+    TRY(buf_col(&c->tools, &ex->tools, ex->has_tools));
+    TRY(buf_col(&c->tool_choice, &ex->tool_choice, ex->has_tool_choice));
+    TRY(buf_col(&c->chat_template_kwargs, &ex->kwargs, ex->has_kwargs));
+    TRY(ids_col_append(&c->prompt_token_ids, &ex->prompt_ids, ex->has_prompt_ids));
+    TRY(ids_col_append(&c->output_token_ids, &ex->output_ids, ex->has_output_ids));
     TRY(bitmap_append(&c->raw, c->rows, row->raw));
     TRY(fixed_col_append(&c->temperature, &row->temperature.v, 8, row->temperature.has));
     TRY(fixed_col_append(&c->top_p, &row->top_p.v, 8, row->top_p.has));
@@ -1117,9 +1689,16 @@ void columns_free(Columns *c) {
     buf_free(&c->index);
     buf_free(&c->conv_offsets);
     StrCol *cols[] = {&c->from,  &c->value,  &c->event_id,     &c->inference_id,
-                      &c->inference_time, &c->model, &c->format, &c->finish_reason};
+                      &c->inference_time, &c->model, &c->format, &c->finish_reason,
+                      &c->messages, &c->tools, &c->tool_choice, &c->chat_template_kwargs};
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++)
         str_col_free(cols[i]);
+    IdsCol *ids[] = {&c->prompt_token_ids, &c->output_token_ids};
+    for (int i = 0; i < 2; i++) {
+        buf_free(&ids[i]->offsets);
+        buf_free(&ids[i]->values);
+        buf_free(&ids[i]->validity);
+    }
     buf_free(&c->raw);
     fixed_col_free(&c->temperature);
     fixed_col_free(&c->top_p);

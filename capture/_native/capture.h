@@ -59,6 +59,29 @@ typedef struct {
     size_t first, count;
 } Turn;
 
+/* One tool call of a stream, merged from its fragments as capture.formats._merge_calls does. */
+#define MAX_STREAM_CALLS 16
+typedef struct {
+    int64_t index;
+    Span id, type, name;     /* ptr NULL: not given (yet) */
+    int keys[3], n_keys;     /* the call's keys in the order given: 0 id, 1 type, 2 function */
+    int fn_keys[2], n_fn_keys; /* function's: 0 name, 1 arguments */
+    Buf arguments;
+} StreamCall;
+
+/* The whole exchange, where the reference keeps it (capture.formats.Answer and the request's
+ * messages, tools, tool_choice, chat_template_kwargs as sent). */
+typedef struct {
+    int has_messages, has_tools, has_tool_choice, has_kwargs, has_prompt_ids, has_output_ids;
+    Buf messages, tools, tool_choice, kwargs; /* canonical JSON text */
+    Buf prompt_ids, output_ids;               /* int32 */
+    /* Scratch of the decoding. */
+    Buf ids, reasoning, canon;                /* ids: int32; reasoning: Span pieces */
+    int has_reasoning;
+    StreamCall calls[MAX_STREAM_CALLS];
+    int n_calls;
+} Exchange;
+
 /* The decoded line; Spans point into the line or into the arena. */
 typedef struct {
     Span event_id, inference_id, inference_time, model, finish_reason;
@@ -67,14 +90,28 @@ typedef struct {
     OptI64 max_tokens;
     Buf turns;  /* Turn */
     Buf pieces; /* Span */
+    Exchange ex;
     Arena arena;
 } Row;
+
+/* A row the reference keeps exactly (whole exchange or token ids): never a copy of a plain one. */
+static inline int row_exact(const Row *row) {
+    return row->ex.has_messages || row->ex.has_prompt_ids || row->ex.has_output_ids;
+}
+
+/* An Arrow list<int32> column. */
+typedef struct {
+    Buf offsets, values, validity;
+    int64_t length, nulls;
+} IdsCol;
 
 /* The columns of a chunk's rows, as ROW_SCHEMA lays them out (line_no as chunk indices). */
 typedef struct {
     Buf index;        /* int64 */
     Buf conv_offsets; /* int32, rows + 1 */
     StrCol from, value, event_id, inference_id, inference_time, model, format, finish_reason;
+    StrCol messages, tools, tool_choice, chat_template_kwargs;
+    IdsCol prompt_token_ids, output_token_ids;
     Buf raw; /* bitmap */
     FixedCol temperature, top_p, max_tokens;
     int64_t rows, turns;

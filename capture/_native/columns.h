@@ -112,4 +112,20 @@ static inline void fixed_col_free(FixedCol *c) {
     buf_free(&c->validity);
 }
 
+/* ---- canonical JSON text (json.c) ------------------------------------------------ */
+
+/* The value at the cursor as json.dumps(value, ensure_ascii=False) writes the parsed value:
+ * separators "," and ":" (pretty: json.dumps' default ", " and ": "). Declines what it does
+ * not reproduce exactly: floats, repeated keys, \u0000, lone surrogates, deep nesting. */
+int json_canon(Scan *s, Buf *out, int depth, int pretty);
+/* Decoded text (valid UTF-8) as a JSON string, as json.dumps(ensure_ascii=False) writes it. */
+int json_canon_text(const uint8_t *p, size_t n, Buf *out);
+/* The same without the quotes (a string written in pieces). */
+int json_escape_text(const uint8_t *p, size_t n, Buf *out);
+/* vLLM's token ids: null (*has = 0) or a list of ints in [0, 2**31) appended to out as int32;
+ * anything else declines. */
+int json_token_ids(Scan *s, Buf *out, int *has);
+/* 1 if the text is one JSON document (json.loads would take it) by this scanner's strict rules. */
+int json_valid_document(const uint8_t *p, size_t n);
+
 #endif

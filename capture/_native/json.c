@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "columns.h"
 #include "json.h"
 
 #if defined(__SSE2__)
@@ -577,4 +578,260 @@ int json_opt_str(Scan *s, Arena *a, Span *out) {
         return J_OK;
     }
     return json_str(s, a, out);
+}
+
+/* ---- canonical JSON (json.dumps(v, ensure_ascii=False) of the parsed value) ---------- */
+
+static int canon_put(Buf *out, const void *p, size_t n) { return buf_put(out, p, n); }
+
+/* A string at the cursor, decoded and escaped again as json.dumps(ensure_ascii=False) does:
+ * '"' and '\\' and the control characters escaped (\n \r \t \b \f by name, the others as
+ * \u00xx), everything else raw UTF-8. */
+static int canon_string(Scan *s, Buf *out) {
+    static const char hex[] = "0123456789abcdef";
+    if (STRING_CLASS['"'] == 0)
+        tables_init();
+    const uint8_t *p = s->p + 1, *end = s->end;
+    if (canon_put(out, "\"", 1) != J_OK)
+        return J_NOMEM;
+    for (;;) {
+        const uint8_t *q = skip_plain(p, end);
+        if (q > p && canon_put(out, p, (size_t)(q - p)) != J_OK)
+            return J_NOMEM;
+        p = q;
+        if (p >= end)
+            return J_DECLINE;
+        uint8_t c = *p;
+        if (c == '"')
+            break;
+        if (c < 0x20)
+            return J_DECLINE; /* raw control character */
+        if (c >= 0x80) {
+            int k = utf8_char_len(p, end);
+            if (k == 0)
+                return J_DECLINE;
+            if (canon_put(out, p, (size_t)k) != J_OK)
+                return J_NOMEM;
+            p += k;
+            continue;
+        }
+        /* a backslash */
+        if (end - p < 2)
+            return J_DECLINE;
+        uint32_t cp;
+        int k;
+        switch (p[1]) {
+        case '"': case '\\': case 'b': case 'f': case 'n': case 'r': case 't':
+            if (canon_put(out, p, 2) != J_OK)
+                return J_NOMEM;
+            p += 2;
+            continue;
+        case '/':
+            if (canon_put(out, "/", 1) != J_OK)
+                return J_NOMEM;
+            p += 2;
+            continue;
+        case 'u':
+            k = escape_len(p, end, &cp); /* declines \u0000 and lone surrogates */
+            if (k == 0)
+                return J_DECLINE;
+            p += k;
+            break;
+        default:
+            return J_DECLINE;
+        }
+        uint8_t buf[8];
+        size_t n;
+        switch (cp) {
+        case '"': n = 2; memcpy(buf, "\\\"", 2); break;
+        case '\\': n = 2; memcpy(buf, "\\\\", 2); break;
+        case '\b': n = 2; memcpy(buf, "\\b", 2); break;
+        case '\f': n = 2; memcpy(buf, "\\f", 2); break;
+        case '\n': n = 2; memcpy(buf, "\\n", 2); break;
+        case '\r': n = 2; memcpy(buf, "\\r", 2); break;
+        case '\t': n = 2; memcpy(buf, "\\t", 2); break;
+        default:
+            if (cp < 0x20) {
+                memcpy(buf, "\\u00", 4);
+                buf[4] = (uint8_t)hex[cp >> 4];
+                buf[5] = (uint8_t)hex[cp & 15];
+                n = 6;
+            } else {
+                n = put_utf8(buf, cp);
+            }
+        }
+        if (canon_put(out, buf, n) != J_OK)
+            return J_NOMEM;
+    }
+    s->p = p + 1;
+    return canon_put(out, "\"", 1);
+}
+
+int json_escape_text(const uint8_t *p, size_t n, Buf *out) {
+    /* Decoded text has no escapes but may hold '"', '\\' and control characters. */
+    static const char hex[] = "0123456789abcdef";
+    const uint8_t *end = p + n, *run = p;
+    for (; p < end; p++) {
+        uint8_t c = *p;
+        if (c >= 0x20 && c != '"' && c != '\\')
+            continue;
+        if (p > run && canon_put(out, run, (size_t)(p - run)) != J_OK)
+            return J_NOMEM;
+        uint8_t buf[6] = {'\\', 0};
+        size_t k = 2;
+        switch (c) {
+        case '"': buf[1] = '"'; break;
+        case '\\': buf[1] = '\\'; break;
+        case '\b': buf[1] = 'b'; break;
+        case '\f': buf[1] = 'f'; break;
+        case '\n': buf[1] = 'n'; break;
+        case '\r': buf[1] = 'r'; break;
+        case '\t': buf[1] = 't'; break;
+        default:
+            memcpy(buf, "\\u00", 4);
+            buf[4] = (uint8_t)hex[c >> 4];
+            buf[5] = (uint8_t)hex[c & 15];
+            k = 6;
+        }
+        if (canon_put(out, buf, k) != J_OK)
+            return J_NOMEM;
+        run = p + 1;
+    }
+    if (p > run && canon_put(out, run, (size_t)(p - run)) != J_OK)
+        return J_NOMEM;
+    return J_OK;
+}
+
+int json_canon_text(const uint8_t *p, size_t n, Buf *out) {
+    if (canon_put(out, "\"", 1) != J_OK || json_escape_text(p, n, out) != J_OK)
+        return J_NOMEM;
+    return canon_put(out, "\"", 1);
+}
+
+/* Keys of one object whose duplicates are looked for; more are declined. */
+#define CANON_MAX_KEYS 64
+
+int json_canon(Scan *s, Buf *out, int depth, int pretty) {
+    if (depth > JSON_MAX_DEPTH)
+        return J_DECLINE;
+    int c = json_peek(s), r, n = 0;
+    switch (c) {
+    case '"':
+        return canon_string(s, out);
+    case '[':
+        s->p++;
+        if (canon_put(out, "[", 1) != J_OK)
+            return J_NOMEM;
+        while ((r = json_element(s, &n)) == 1) {
+            if (n > 1 && canon_put(out, pretty ? ", " : ",", pretty ? 2 : 1) != J_OK)
+                return J_NOMEM;
+            if ((r = json_canon(s, out, depth + 1, pretty)) != J_OK)
+                return r;
+        }
+        if (r != J_OK)
+            return r;
+        return canon_put(out, "]", 1);
+    case '{': {
+        s->p++;
+        if (canon_put(out, "{", 1) != J_OK)
+            return J_NOMEM;
+        size_t key_at[CANON_MAX_KEYS], key_len[CANON_MAX_KEYS];
+        for (;;) {
+            r = json_next(s, &n, '}');
+            if (r == 0)
+                break;
+            if (r != 1)
+                return r;
+            if (n > CANON_MAX_KEYS || json_peek(s) != '"')
+                return J_DECLINE;
+            if (n > 1 && canon_put(out, pretty ? ", " : ",", pretty ? 2 : 1) != J_OK)
+                return J_NOMEM;
+            size_t at = out->len;
+            if ((r = canon_string(s, out)) != J_OK)
+                return r;
+            size_t len = out->len - at;
+            /* json.loads keeps a repeated key's first place and last value: not reproduced. */
+            for (int i = 0; i < n - 1; i++)
+                if (key_len[i] == len && memcmp(out->data + key_at[i], out->data + at, len) == 0)
+                    return J_DECLINE;
+            key_at[n - 1] = at;
+            key_len[n - 1] = len;
+            json_ws(s);
+            if (json_peek(s) != ':')
+                return J_DECLINE;
+            s->p++;
+            json_ws(s);
+            if (canon_put(out, pretty ? ": " : ":", pretty ? 2 : 1) != J_OK)
+                return J_NOMEM;
+            if ((r = json_canon(s, out, depth + 1, pretty)) != J_OK)
+                return r;
+        }
+        return canon_put(out, "}", 1);
+    }
+    case 't':
+        if ((r = json_word(s, "true", 4)) != J_OK)
+            return r;
+        return canon_put(out, "true", 4);
+    case 'f':
+        if ((r = json_word(s, "false", 5)) != J_OK)
+            return r;
+        return canon_put(out, "false", 5);
+    case 'n':
+        if ((r = json_word(s, "null", 4)) != J_OK)
+            return r;
+        return canon_put(out, "null", 4);
+    default: {
+        Span lit;
+        int integral;
+        if (!(c == '-' || is_digit(c)) || json_number(s, &lit, &integral) != J_OK)
+            return J_DECLINE;
+        /* Floats (repr of the nearest double) are not reproduced; integers are printed as
+         * written, but for "-0" (Python's 0) and lengths near Python's int-string limit. */
+        if (!integral || lit.len > 1000)
+            return J_DECLINE;
+        if (lit.len == 2 && lit.ptr[0] == '-' && lit.ptr[1] == '0')
+            return canon_put(out, "0", 1);
+        return canon_put(out, lit.ptr, lit.len);
+    }
+    }
+}
+
+int json_token_ids(Scan *s, Buf *out, int *has) {
+    *has = 0;
+    if (json_null(s))
+        return J_OK;
+    if (json_peek(s) != '[')
+        return J_DECLINE;
+    s->p++;
+    int n = 0, r;
+    while ((r = json_element(s, &n)) == 1) {
+        const uint8_t *p = s->p, *end = s->end;
+        if (p >= end || !is_digit(*p))
+            return J_DECLINE; /* negative, or not a number: the reference quarantines or decides */
+        uint64_t v = 0;
+        const uint8_t *start = p;
+        while (p < end && is_digit(*p) && p - start < 11)
+            v = v * 10 + (uint64_t)(*p++ - '0');
+        if ((p - start > 1 && *start == '0') || (p < end && (is_digit(*p) || *p == '.' || *p == 'e' || *p == 'E')))
+            return J_DECLINE;
+        if (v > INT32_MAX)
+            return J_DECLINE;
+        int32_t id = (int32_t)v;
+        if (buf_put(out, &id, sizeof id) != J_OK)
+            return J_NOMEM;
+        s->p = p;
+    }
+    if (r != J_OK)
+        return r;
+    *has = 1;
+    return J_OK;
+}
+
+int json_valid_document(const uint8_t *p, size_t n) {
+    Scan s = {p, p + n};
+    json_ws(&s);
+    if (json_skip(&s, 0) != J_OK)
+        return 0;
+    json_ws(&s);
+    return s.p == s.end;
 }

@@ -22,8 +22,14 @@ static PyObject *fixed_col_tuple(const FixedCol *c) {
     return Py_BuildValue("(NNL)", bytes_of(&c->values), validity, (long long)c->nulls);
 }
 
+/* (offsets, values, validity or None, null count) of a list<int32> column. */
+static PyObject *ids_col_tuple(const IdsCol *c) {
+    PyObject *validity = c->nulls ? bytes_of(&c->validity) : Py_NewRef(Py_None);
+    return Py_BuildValue("(NNNL)", bytes_of(&c->offsets), bytes_of(&c->values), validity, (long long)c->nulls);
+}
+
 static PyObject *columns_dict(const Columns *c, PyObject *declined, long long skips) {
-    return Py_BuildValue(
+    PyObject *d = Py_BuildValue(
         "{s:L,s:L,s:L,s:O,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", (long long)c->rows, "turns",
         (long long)c->turns, "skips", skips, "declined", declined, "index", bytes_of(&c->index), "conv_offsets",
         bytes_of(&c->conv_offsets), "from", str_col_tuple(&c->from), "value", str_col_tuple(&c->value), "event_id",
@@ -31,6 +37,23 @@ static PyObject *columns_dict(const Columns *c, PyObject *declined, long long sk
         str_col_tuple(&c->inference_time), "model", str_col_tuple(&c->model), "format", str_col_tuple(&c->format),
         "finish_reason", str_col_tuple(&c->finish_reason), "raw", bytes_of(&c->raw), "temperature", fixed_col_tuple(&c->temperature), "top_p",
         fixed_col_tuple(&c->top_p), "max_tokens", fixed_col_tuple(&c->max_tokens));
+    if (d == NULL)
+        return NULL;
+    struct { const char *name; PyObject *v; } more[] = {
+        {"messages", str_col_tuple(&c->messages)}, {"tools", str_col_tuple(&c->tools)},
+        {"tool_choice", str_col_tuple(&c->tool_choice)}, {"chat_template_kwargs", str_col_tuple(&c->chat_template_kwargs)},
+        {"prompt_token_ids", ids_col_tuple(&c->prompt_token_ids)}, {"output_token_ids", ids_col_tuple(&c->output_token_ids)}};
+    int failed = 0;
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+        if (more[i].v == NULL || PyDict_SetItemString(d, more[i].name, more[i].v) < 0)
+            failed = 1;
+        Py_XDECREF(more[i].v);
+    }
+    if (failed) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
 }
 
 /* Rows are decoded into a group of GROUP before they are hashed (side by side, see
@@ -100,6 +123,12 @@ static int decoder_is_copy(Decoder *d, const Row *row, const uint8_t digest[16])
      * quarantine (a canonical inferenceTime, or the layout hour to fall back on). */
     int64_t us;
     const Span *t = &row->inference_time;
+    if (row_exact(row)) {
+        /* Kept exactly, its dedupe key is more than the turns (capture.ingest._exact_hashes):
+         * it neither stands for nor is dropped as a copy of a row with the same turns. */
+        d->unchecked++;
+        return 0;
+    }
     if (d->hour_known || (t->ptr != NULL && canonical_time(t->ptr, t->len, &us))) {
         /* Once `room` is used up, copies of the rows in the table are still dropped. */
         int added = d->inserted < d->room ? digests_add(d->table, d->slots, digest)
