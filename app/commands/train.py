@@ -38,18 +38,11 @@ def _offline_estimate(cfg: Config, rows):
 
 def torchrun_argv(train_args: list[str], gpus: int, nnodes: int = 1, rdzv_endpoint: str = "",
                   python: str = sys.executable) -> list[str]:
-    """``adapt train`` under ``torchrun`` (``torch.distributed.run``): ``gpus`` ranks on this node, one per
-    GPU (gloo ranks on a CPU); with ``nnodes`` > 1, a c10d rendezvous at ``rdzv_endpoint`` (host:port of
-    one of the nodes), where every node runs the same command."""
-    run = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus)]
-    if nnodes > 1:
-        if not rdzv_endpoint:
-            raise ValueError("several nodes need --rdzv-endpoint HOST:PORT, the same on every node")
-        run += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                "--rdzv-id", "adapt-train"]
-    else:
-        run += ["--standalone"]  # a local rendezvous on a free port
-    return run + ["-m", "app", "train", *train_args]
+    """``adapt train`` under ``torchrun`` (:func:`adapt.distributed.torchrun_prefix`): ``gpus`` ranks on this
+    node; with ``nnodes`` > 1, a c10d rendezvous at ``rdzv_endpoint``, where every node runs the same command."""
+    from adapt.distributed import torchrun_prefix
+
+    return torchrun_prefix(gpus, nnodes, rdzv_endpoint, python) + ["-m", "app", "train", *train_args]
 
 
 def _launch(args: list[str], gpus: int, nnodes: int, rdzv_endpoint: str) -> None:
