@@ -14,7 +14,10 @@ def demo(config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     under traffic, rollback by stage and by alias; which of promotion / refusal / rollback it showed."""
     from app.demo import render, run_demo, stderr_log
 
+    from app.preflight import check
+
     cfg = get_config(config, json_)
+    check(cfg.serving.replicas)  # before anything starts: a machine too small is told so, not OOM-killed later
     report = run_demo(cfg, stderr_log(time.monotonic()))
     emit(report, json_, human=render(report))
 
