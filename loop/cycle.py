@@ -53,6 +53,10 @@ class CycleOptions:
     # The scheduler's data interval (ISO times): ingest reads these layout hours (plus capture.late_hours).
     data_interval: tuple[str, str] | None = None
     router_url: str | None = None  # swap the pool after promotion (default: leave it to the controller)
+    # Train and evaluate in a child process each (loop.step_worker): what they grow (the target in fp32,
+    # oneDNN's kernels per batch shape, the allocator's arenas) goes back to the machine when the step
+    # ends, instead of staying in this process beside the engines for the rest of its life.
+    step_processes: bool = False
     fault: Fault | None = None
     progress: Callable[[str], None] | None = None
 
@@ -256,6 +260,16 @@ def step_base(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str,
 
 
 def step_train(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:
+    """A head trained on the train snapshot from the parent (or from scratch): here, or in a child process;
+    with ``[training] gpus`` above 1, in that many ranks under torchrun (data parallel, one per GPU)."""
+    ranks = cx.cfg.training.gpus
+    if ranks > 1:
+        return in_own_process("train", cx, state, ranks=ranks)
+    return in_own_process("train", cx, state) if opts.step_processes else train_here(cx, state)
+
+
+def train_here(cx: Cycle, state: dict[str, Any]) -> dict[str, Any]:
+    from adapt.distributed import launched_rank
     from adapt.train import train
     from headspec.validate import validate_head
 
@@ -267,6 +281,8 @@ def step_train(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     # The checkpoint in head.run makes an interrupted training resume where it stopped (on this worker).
     res = train(cfg, rows, str(parent) if parent else None, d / "head", run_dir=d / "head.run",
                 target_dir=_target(cfg), progress=False)
+    if launched_rank():  # under torchrun every rank trains; rank 0 writes what the step answers
+        return {}
     (d / "train.json").write_text(json.dumps(res.to_json(), indent=1, default=str))
     info = validate_head(res.out_dir, _target(cfg))
     return {"head_path": "head", "head_sha256": info.sha256, "num_speculative_tokens": info.num_speculative_tokens,
@@ -282,16 +298,22 @@ def step_evaluate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[
     compared, and with ``[gate] offline_prescreen`` off the bench decides alone. The target's
     greedy answers are computed once for both heads (``evaluation.offline.compare_heads``);
     a candidate confidently not better in offline acceptance is rejected here
-    (``loop.gate.prescreen``), and the bench step does not run.
+    (``loop.gate.prescreen``), and the bench step does not run. The evaluation runs in a child
+    process with ``opts.step_processes``.
     """
+    base = _out(state, "base")
+    if not base["live_path"]:
+        return {"skipped": "no live head to compare against (bootstrap)"}
+    if not cx.cfg.gate.offline_prescreen:
+        return {"skipped": "[gate] offline_prescreen is off: the replay benchmark decides alone"}
+    return in_own_process("evaluate", cx, state) if opts.step_processes else evaluate_here(cx, state)
+
+
+def evaluate_here(cx: Cycle, state: dict[str, Any]) -> dict[str, Any]:
     from evaluation.offline import compare_heads, load_jsonl
 
     cfg = cx.cfg
     snap, base, tr = _out(state, "snapshot"), _out(state, "base"), _out(state, "train")
-    if not base["live_path"]:
-        return {"skipped": "no live head to compare against (bootstrap)"}
-    if not cfg.gate.offline_prescreen:
-        return {"skipped": "[gate] offline_prescreen is off: the replay benchmark decides alone"}
     rows = load_jsonl(cx.local(state, snap["heldout"]["jsonl"]))  # the held-out rows the bench replays
     out: dict[str, Any] = compare_heads({"candidate": cx.local(state, tr["head_path"]),
                                          "live": cx.local(state, base["live_path"])},
@@ -306,6 +328,65 @@ def step_evaluate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[
     d = cx.dir(state["cycle_id"])
     (d / "offline_eval.json").write_text(json.dumps(out, indent=1, default=str))
     out["json_path"] = "offline_eval.json"
+    return out
+
+
+# What a step run in its own process sets in its environment (the caller's own values win).
+# oneDNN keeps a kernel for every shape it has run (1,024 by default), and training meets a new
+# batch shape at almost every step: a short cache keeps the trainer's memory from growing with the
+# shapes it has seen, at the cost of rebuilding a kernel for a shape that comes back (docs/benchmarks.md).
+STEP_ENV: dict[str, dict[str, str]] = {"train": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8"}}
+IN_PROCESS: dict[str, Callable[[Cycle, dict[str, Any]], dict[str, Any]]] = {}  # filled below the steps
+# Where torchrun's ranks of a step find the config (JSON), in place of their stdin.
+CONFIG_ENV = "ADAPT_STEP_CONFIG_JSON"
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def in_own_process(step: str, cx: Cycle, state: dict[str, Any], ranks: int = 1) -> dict[str, Any]:
+    """Run ``step``'s work in ``python -m loop.step_worker`` and return its output; with ``ranks`` above 1,
+    in that many workers under torchrun (:func:`adapt.distributed.torchrun_prefix`, as `adapt train
+    --gpus` starts them), rank 0's output.
+
+    The config goes to the child on its stdin (it holds secrets: never on its command line or on
+    disk), or, to torchrun's ranks, which share no stdin, in their environment (:data:`CONFIG_ENV`:
+    readable by this user alone, as the stdin pipe is); the child reads the cycle's recorded state
+    from the store as this process wrote it before the step, and writes its output to a file this
+    process reads and removes. Its output (logs, a traceback) goes to ``<step>.log`` in the cycle
+    directory; a failure raises :class:`CycleError` with the log's last lines.
+    """
+    import subprocess
+    import sys
+
+    d = cx.dir(state["cycle_id"])
+    out_path, log_path = d / f".{step}.out.json", d / f"{step}.log"
+    out_path.unlink(missing_ok=True)
+    env = dict(os.environ)
+    for k, v in STEP_ENV.get(step, {}).items():
+        env.setdefault(k, v)
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                            if p and p != str(_REPO_ROOT)]])
+    cmd = [sys.executable, "-m", "loop.step_worker", step, state["cycle_id"], str(out_path)]
+    stdin: bytes | None = cx.cfg.model_dump_json().encode()
+    if ranks > 1:
+        from adapt.distributed import torchrun_prefix
+
+        cmd = torchrun_prefix(ranks) + cmd[1:]
+        env[CONFIG_ENV], stdin = stdin.decode(), None
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            proc.communicate(stdin)
+        except BaseException:  # interrupted here: the child does not outlive the step
+            proc.kill()
+            proc.wait()
+            raise
+    if proc.returncode != 0 or not out_path.is_file():
+        lines = log_path.read_text(errors="replace").splitlines()[-15:]
+        raise CycleError(f"step {step!r} in its own process exited with code {proc.returncode} "
+                         f"({log_path}):\n" + "\n".join(lines))
+    out = json.loads(out_path.read_text())
+    out_path.unlink()
     return out
 
 
@@ -461,6 +542,8 @@ def step_promote(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[s
         out["swap"] = Controller(cx.cfg, router_url=opts.router_url).reconcile()
     return out
 
+
+IN_PROCESS.update(train=train_here, evaluate=evaluate_here)
 
 STEP_FUNCS: dict[str, Callable[[Any, dict[str, Any], CycleOptions], dict[str, Any]]] = {
     "ingest": step_ingest, "snapshot": step_snapshot, "base": step_base, "train": step_train,
