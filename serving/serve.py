@@ -19,9 +19,11 @@ import uvicorn
 from serving.admin import ExposureError, check_exposure, tls_verify, token_weakness, url_is_loopback
 from serving.capture_writer import CaptureWriter
 from serving.pool import Pool, head_identity, replica_specs
+from serving.poolview import SharedPool
 from serving.replica import ReplicaProcess
 from serving.router import create_app, server_config, start_server, stop_server
 from serving.swap import SwapController
+from serving.workers import CaptureTotals, RouterWorkers, WorkerSpec, capture_spec
 from settings.config import Config, TargetConfig
 
 
@@ -149,7 +151,9 @@ class ServingStack(LoopService):
         self.writer_kwargs = writer_kwargs or {}
         self.replica_extra_args = list(replica_extra_args or [])
         self.model_name = served_name(cfg.target)
-        self.pool = Pool(verify=tls_verify(cfg.serving.agent_ca_file))
+        # Router workers (serving.workers) route in their own processes: the pool sums their counters.
+        self.pool = (SharedPool if cfg.serving.router_workers > 1 else Pool)(verify=tls_verify(cfg.serving.agent_ca_file))
+        self.workers: RouterWorkers | None = None
         self.writer: CaptureWriter | None = None
         self.controller: SwapController | None = None
         self.server: uvicorn.Server | None = None
@@ -185,7 +189,8 @@ class ServingStack(LoopService):
         await asyncio.gather(*(self.pool.refresh_head(r) for r in self.pool.replicas))
         if self.pool.current_head.get("sha256") is None and self.pool.replicas:
             self.pool.current_head["sha256"] = self.pool.replicas[0].head.get("sha256")
-        if self.capture_dest:
+        n_workers = cfg.serving.router_workers
+        if self.capture_dest and n_workers == 1:
             self.writer = CaptureWriter(self.capture_dest, cfg.serving.capture_endpoint, cfg.capture.variant,
                                         sampling_pct=cfg.serving.capture_sampling_pct,
                                         s3_client_kwargs=cfg.s3.client_kwargs(), **self.writer_kwargs)
@@ -202,18 +207,36 @@ class ServingStack(LoopService):
                                              check_acceptance=bool(body.get("check_acceptance", True)))
             return rep.to_json()
 
-        app = create_app(self.pool, writer=self.writer, admin_token=cfg.serving.resolved_admin_token(),
+        # With workers, this app answers their admin requests: capture counts are theirs, summed.
+        totals = CaptureTotals(self.pool) if n_workers > 1 and self.capture_dest else None  # type: ignore[arg-type]
+        app = create_app(self.pool, writer=self.writer or totals,  # type: ignore[arg-type]
+                         admin_token=cfg.serving.resolved_admin_token(),
                          swap_handler=swap_handler, capture_token_ids=cfg.serving.capture_token_ids,
                          request_timeout=cfg.serving.upstream_read_timeout_s,
                          connect_timeout=cfg.serving.upstream_connect_timeout_s,
                          retry_backoff=cfg.serving.upstream_retry_backoff_s,
                          max_body_bytes=cfg.serving.max_body_bytes or cfg.capture.max_line_bytes)
+        if n_workers > 1:
+            # This process keeps the pool and answers the admin requests the workers pass on; they serve the port.
+            spec = WorkerSpec(
+                capture=capture_spec(cfg, self.capture_dest, **self.writer_kwargs) if self.capture_dest else None,
+                max_body_bytes=cfg.serving.max_body_bytes or cfg.capture.max_line_bytes,
+                header_timeout=cfg.serving.header_timeout_s, body_timeout=cfg.serving.body_timeout_s,
+                capture_token_ids=cfg.serving.capture_token_ids, request_timeout=cfg.serving.upstream_read_timeout_s,
+                connect_timeout=cfg.serving.upstream_connect_timeout_s,
+                retry_backoff=cfg.serving.upstream_retry_backoff_s, agent_ca_file=cfg.serving.agent_ca_file)
+            self.workers = RouterWorkers(self.pool, app, spec, cfg.serving.host, self.router_port,  # type: ignore[arg-type]
+                                         n_workers, log_dir=self.log_dir)
+            await self.workers.start()
+            return
         config = server_config(app, cfg.serving.host, self.router_port, header_timeout=cfg.serving.header_timeout_s,
                                body_timeout=cfg.serving.body_timeout_s, log_level="warning", lifespan="on",
                                timeout_keep_alive=30)
         self.server, self._serve_task = await start_server(config)
 
     async def _stop(self) -> None:
+        if self.workers is not None:
+            await self.workers.stop()
         await stop_server(self.server, self._serve_task)
         if self.writer is not None:
             await self.writer.close()

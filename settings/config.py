@@ -188,6 +188,9 @@ class ServingConfig(_Section):
     # Seconds a client has to send a request's headers, and then its body (408 beyond).
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
+    # Router processes sharing the router's socket (serving.workers): 1 = the router runs in `adapt serve`
+    # itself; N > 1 = N worker processes forward and capture, the pool manager stays in `adapt serve`.
+    router_workers: int = Field(1, ge=1)
     # -- the router's requests to replicas ----------------------------------------------------
     # Seconds to open a connection to a replica (then the next replica is tried: nothing reached this
     # one), and seconds a replica may send nothing, before its answer or between two parts of a stream
