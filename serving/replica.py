@@ -217,7 +217,9 @@ def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str
     env = cpu_reserved_cores(env, spec.cpu_reserved_cores)
     env.pop(DEV_MODE_ENV, None)  # inherited or not: never vLLM's dev routes (the agent refuses to start with it)
     env[TOKEN_ENV] = spec.control_token
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
+    if not any(a.partition("=")[0] == "--kv-cache-memory-bytes" for a in spec.extra_args):
+        # vLLM-cpu reads this (whole GiB) over --kv-cache-memory-bytes: set only when the flag is not given.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
     if spec.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices
     # Every vLLM process finds the head-transfer engine's plugin entry point in this checkout.

