@@ -7,6 +7,12 @@ streamed. Each case runs the clients against the replica directly and then throu
 side by side in one run. The router is pinned to one core (``--router-core``); the replica and
 the clients share the others (``--client-cores``).
 
+``--workers 1 2`` runs every case through a router of each size in turn (``[serving] router_workers``:
+1 = the router in `adapt serve` itself, N > 1 = N worker processes on its port, ``serving.workers``),
+with ``--router-core`` naming as many cores as the largest; its CPU is then the sum over `adapt serve`
+and its workers. On a machine with few cores, the clients and the fake replica share the router's
+cores when ``--client-cores`` overlaps them: say so with the figures.
+
 Per case: requests per second, p50/p99 latency added by the router (router minus direct),
 router CPU per answered request (utime+stime of the router's process from /proc, from the
 case's start until its capture is written), requests failed, and capture records written
@@ -14,6 +20,7 @@ against requests answered. The load average is printed with the figures: on a sh
 other work on the router's core inflates its CPU time per request and lowers its rate.
 
     python benchmarks/router_rate.py [--seconds 5] [--concurrency 1 8 32 128] [--modes json stream] [--json]
+    python benchmarks/router_rate.py --workers 1 2 --router-core 0-1 --client-cores 0-1
 """
 
 from __future__ import annotations
@@ -256,6 +263,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """:func:`cpu_seconds` of ``pid`` and its live children (`adapt serve` and its router workers)."""
+    total = cpu_seconds(pid)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                total += cpu_seconds(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return total
+
+
 def captured(capture_dir: Path) -> int:
     n = 0
     for f in capture_dir.rglob("*.jsonl"):
@@ -281,7 +303,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--modes", nargs="+", default=["json", "stream"], choices=["json", "stream"])
     ap.add_argument("--target", default=MODEL, help="the target the router's head is checked against (a name or directory)")
-    ap.add_argument("--router-core", default="0")
+    ap.add_argument("--router-core", default="0", help="the router's cores (taskset -c), e.g. 0 or 0-1")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="router processes ([serving] router_workers); several: each in turn, side by side")
     ap.add_argument("--client-cores", default="1", help="the replica's and the clients' cores (taskset -c)")
     ap.add_argument("--router-only", action="store_true", help="skip the direct arm (profiling runs)")
     ap.add_argument("--hold", type=float, default=0.0, help="keep everything up this long after the run")
@@ -314,15 +338,20 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="router-rate-"))
     replica_port, router_port = free_ports(2)
     replica_url, router_url = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{router_port}"
-    cfg = load_config(overrides={
-        "state_dir": str(work), "target": {"model": args.target},
-        "capture": {"source": str(work / "capture"), "endpoint": "", "redact": False},
-        "serving": {"replicas": 0, "router_port": router_port, "attach_agents": [replica_url],
-                    "capture_sampling_pct": 100}})
-    (work / "adapt.toml").write_text(dump_toml(cfg))
+    def config(workers: int) -> Path:
+        cfg = load_config(overrides={
+            "state_dir": str(work), "target": {"model": args.target},
+            "capture": {"source": str(work / "capture"), "endpoint": "", "redact": False},
+            "serving": {"replicas": 0, "router_port": router_port, "attach_agents": [replica_url],
+                        "capture_sampling_pct": 100, "router_workers": workers}})
+        path = work / f"adapt-{workers}.toml"
+        path.write_text(dump_toml(cfg))
+        return path
+
+    cfg = load_config(overrides={"target": {"model": args.target}})
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     head = init_random_head(target, work / "head", k=cfg.head.num_speculative_tokens, seed=0)
-    env = dict(os.environ, ADAPT_CONFIG=str(work / "adapt.toml"), ADAPT_ADMIN_TOKEN="", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    env = dict(os.environ, ADAPT_ADMIN_TOKEN="", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                ADAPT_AGENT_TOKEN="router-rate-bench-token-0123456789abcdef")
     procs: list[subprocess.Popen] = []
     capture_dir = work / "capture"
@@ -341,6 +370,14 @@ def main() -> int:
                 raise TimeoutError(url)
             time.sleep(0.3)
 
+    def stop(p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
     rows = []
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     try:
@@ -349,60 +386,60 @@ def main() -> int:
                                        str(replica_port), "--head", str(head)], stdout=open(rlog, "wb"),
                                       stderr=subprocess.STDOUT, start_new_session=True))
         wait_health(replica_url, procs[-1], rlog)
-        slog = work / "router.log"
-        router = subprocess.Popen(["taskset", "-c", args.router_core, sys.executable, "-m", "app", "serve",
-                                   "--head", str(head)], env=env, cwd=REPO, stdout=open(slog, "wb"),
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(router)
-        wait_health(router_url, router, slog)
-        print(f"router pid {router.pid}, log {slog}", file=sys.stderr, flush=True)
-        warm = sum(len(client_case(router_url, 8, 1.0, stream, args.client_cores)["lat_ms"])
-                   for stream in (False, True))  # both paths warm, and their capture written before the cases
-        deadline = time.monotonic() + 30
-        while captured(capture_dir) < warm and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for mode in args.modes:
-            stream = mode == "stream"
-            for c in args.concurrency:
-                direct = None if args.router_only else client_case(replica_url, c, args.seconds, stream,
-                                                                   args.client_cores)
-                cap0 = captured(capture_dir)
-                cpu0 = cpu_seconds(router.pid)
-                via = client_case(router_url, c, args.seconds, stream, args.client_cores)
-                answered = len(via["lat_ms"])
-                deadline = time.monotonic() + 30
-                while (got := captured(capture_dir) - cap0) < answered and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                time.sleep(0.3)  # a duplicate would show here
-                got = captured(capture_dir) - cap0
-                cpu = cpu_seconds(router.pid) - cpu0
-                row = {"mode": mode, "concurrency": c,
-                       "direct_rps": round(len(direct["lat_ms"]) / direct["wall_s"]) if direct else None,
-                       "router_rps": round(answered / via["wall_s"]),
-                       "router_p50_ms": round(pct(via["lat_ms"], 0.5), 2),
-                       "router_p99_ms": round(pct(via["lat_ms"], 0.99), 2),
-                       "router_cpu_ms_per_req": round(1000 * cpu / max(answered, 1), 3),
-                       "failed": via["failed"] + (direct["failed"] if direct else 0),
-                       "failures": {**(direct["why"] if direct else {}), **via["why"]},
-                       "answered": answered, "captured": got}
-                if direct:
-                    row["added_p50_ms"] = round(row["router_p50_ms"] - pct(direct["lat_ms"], 0.5), 2)
-                    row["added_p99_ms"] = round(row["router_p99_ms"] - pct(direct["lat_ms"], 0.99), 2)
-                rows.append(row)
-                if not args.json:
-                    print(json.dumps(row), file=sys.stderr, flush=True)
-        if args.hold:
-            time.sleep(args.hold)
+        for workers in args.workers:
+            slog = work / f"router-{workers}.log"
+            # `adapt serve` stops its workers itself (they run in sessions of their own).
+            router = subprocess.Popen(["taskset", "-c", args.router_core, sys.executable, "-m", "app", "serve",
+                                       "--head", str(head)], env=dict(env, ADAPT_CONFIG=str(config(workers))),
+                                      cwd=REPO, stdout=open(slog, "wb"), stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            procs.append(router)
+            wait_health(router_url, router, slog)
+            print(f"router ({workers} worker(s)) pid {router.pid}, log {slog}", file=sys.stderr, flush=True)
+            warm = captured(capture_dir) + sum(len(client_case(router_url, 8, 1.0, stream, args.client_cores)["lat_ms"])
+                                               for stream in (False, True))  # both paths warm, their capture written
+            deadline = time.monotonic() + 30
+            while captured(capture_dir) < warm and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for mode in args.modes:
+                stream = mode == "stream"
+                for c in args.concurrency:
+                    direct = None if args.router_only else client_case(replica_url, c, args.seconds, stream,
+                                                                       args.client_cores)
+                    cap0 = captured(capture_dir)
+                    cpu0 = tree_cpu_seconds(router.pid)
+                    via = client_case(router_url, c, args.seconds, stream, args.client_cores)
+                    answered = len(via["lat_ms"])
+                    deadline = time.monotonic() + 30
+                    while (got := captured(capture_dir) - cap0) < answered and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    time.sleep(0.3)  # a duplicate would show here
+                    got = captured(capture_dir) - cap0
+                    cpu = tree_cpu_seconds(router.pid) - cpu0
+                    row = {"workers": workers, "mode": mode, "concurrency": c,
+                           "direct_rps": round(len(direct["lat_ms"]) / direct["wall_s"]) if direct else None,
+                           "router_rps": round(answered / via["wall_s"]),
+                           "router_p50_ms": round(pct(via["lat_ms"], 0.5), 2),
+                           "router_p99_ms": round(pct(via["lat_ms"], 0.99), 2),
+                           "router_cpu_ms_per_req": round(1000 * cpu / max(answered, 1), 3),
+                           "failed": via["failed"] + (direct["failed"] if direct else 0),
+                           "failures": {**(direct["why"] if direct else {}), **via["why"]},
+                           "answered": answered, "captured": got}
+                    if direct:
+                        row["added_p50_ms"] = round(row["router_p50_ms"] - pct(direct["lat_ms"], 0.5), 2)
+                        row["added_p99_ms"] = round(row["router_p99_ms"] - pct(direct["lat_ms"], 0.99), 2)
+                    rows.append(row)
+                    if not args.json:
+                        print(json.dumps(row), file=sys.stderr, flush=True)
+            if args.hold:
+                time.sleep(args.hold)
+            stop(router)
+            procs.remove(router)
     finally:
         for p in reversed(procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+            stop(p)
     load_after = Path("/proc/loadavg").read_text().split()[:3]
-    out = {"seconds": args.seconds, "router_core": args.router_core, "client_cores": args.client_cores,
+    out = {"seconds": args.seconds, "router_core": args.router_core, "workers": args.workers, "client_cores": args.client_cores,
            "loadavg_before": load_before, "loadavg_after": load_after, "cores": os.cpu_count(), "rows": rows}
     if args.json:
         print(json.dumps(out))
@@ -410,13 +447,13 @@ def main() -> int:
     print(f"router on core {args.router_core}, replica and clients on {args.client_cores}; {args.seconds:g} s per "
           f"case and arm; load average {' '.join(load_before)} before, {' '.join(load_after)} after "
           f"({os.cpu_count()} cores)")
-    print(f"{'mode':<6} {'c':>4} {'direct/s':>9} {'router/s':>9} {'+p50 ms':>8} {'+p99 ms':>8} {'cpu ms/req':>10} "
+    print(f"{'wk':>2} {'mode':<6} {'c':>4} {'direct/s':>9} {'router/s':>9} {'+p50 ms':>8} {'+p99 ms':>8} {'cpu ms/req':>10} "
           f"{'failed':>6} {'captured/answered':>18}")
     for r in rows:
         d = "-" if r["direct_rps"] is None else str(r["direct_rps"])
         a50 = r.get("added_p50_ms", r["router_p50_ms"])
         a99 = r.get("added_p99_ms", r["router_p99_ms"])
-        print(f"{r['mode']:<6} {r['concurrency']:>4} {d:>9} {r['router_rps']:>9} {a50:>8.2f} {a99:>8.2f} "
+        print(f"{r['workers']:>2} {r['mode']:<6} {r['concurrency']:>4} {d:>9} {r['router_rps']:>9} {a50:>8.2f} {a99:>8.2f} "
               f"{r['router_cpu_ms_per_req']:>10.3f} {r['failed']:>6} {r['captured']:>8}/{r['answered']:<9}")
     return 0
 
