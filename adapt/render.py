@@ -248,10 +248,15 @@ def chat_request(tokenizer: Any, messages: list[dict], tools: list[dict] | None,
         answer["content"] = answer["content"].rstrip("\n")
     prompt_text = _render(tokenizer, history, tools, kwargs, prompt=True)
     out = output_text(tokenizer, history, answer, tools, kwargs, prompt_text, finished=finished)
+    reasoning = answer.get("reasoning")
+    if isinstance(reasoning, str) and reasoning.strip() and reasoning.strip() not in out:
+        # Reasoning from an endpoint whose model thinks, rendered by a template that never writes
+        # it (a target without a reasoning template): the example would not be what was generated.
+        raise RenderError("reasoning_not_in_template", "the template does not write the answer's reasoning")
     inexact = None
     if not finished:
         inexact = "truncated"
-    elif answer.get("reasoning") is None and _writes_reasoning(tokenizer, history, answer, tools, kwargs, prompt_text):
+    elif reasoning is None and _writes_reasoning(tokenizer, history, answer, tools, kwargs, prompt_text):
         inexact = "reasoning_unknown"
     return RequestTokens(_encode(tokenizer, prompt_text), _encode(tokenizer, out), "template", inexact)
 
@@ -286,12 +291,12 @@ def request_examples(tokenizer: Any, exchange: Any) -> list[ChainedExample]:
     if exchange.raw:
         if len(msgs) != 2 or msgs[-1].get("role") != "assistant":
             raise RenderError("bad_raw_row", "a raw-prompt row is one prompt and one output")
-        req = _stored_request(tokenizer, exchange)
+        req, why = _stored_request(tokenizer, exchange)
         if req is None:
             finish = exchange.finish_reason
             req = raw_request(tokenizer, _text_content(msgs[0].get("content")), _text_content(msgs[-1].get("content")),
                               None if finish is None else _finished(finish))
-            req.inexact = req.inexact or _foreign_ids(exchange)
+            req.inexact = why or req.inexact
         return _chain([req])
     messages = vllm_messages(msgs)
     tools = vllm_tools(exchange.tools)
@@ -305,10 +310,10 @@ def request_examples(tokenizer: Any, exchange: Any) -> list[ChainedExample]:
                 requests.append(chat_request(tokenizer, messages[:j + 1], tools, kwargs))
             except RenderError:
                 continue  # an earlier turn the template cannot render is context only
-    req = _stored_request(tokenizer, exchange)
+    req, why = _stored_request(tokenizer, exchange)
     if req is None:
         req = chat_request(tokenizer, messages, tools, kwargs, _finished(exchange.finish_reason))
-        req.inexact = req.inexact or _foreign_ids(exchange)
+        req.inexact = why or req.inexact
     requests.append(req)
     return _chain(requests)
 
@@ -323,27 +328,57 @@ def _fits(tokenizer: Any, ids: Any) -> bool:
     return not ids or (min(ids) >= 0 and max(ids) < len(tokenizer))
 
 
-def _stored_request(tokenizer: Any, exchange: Any) -> RequestTokens | None:
-    """The response's request from its stored ids, when it has them and they are this target's."""
+def _ids_unusable(tokenizer: Any, exchange: Any) -> str | None:
+    """Why the exchange's stored ids cannot be trained on (None: they can, or there are none)."""
     if not _has_ids(exchange):
         return None
-    prompt, output = list(exchange.prompt_token_ids), list(exchange.output_token_ids)
-    if not (_fits(tokenizer, prompt) and _fits(tokenizer, output)):
-        return None
-    return RequestTokens(prompt, output, "token_ids")
+    if not (_fits(tokenizer, exchange.prompt_token_ids) and _fits(tokenizer, exchange.output_token_ids)):
+        return "token_ids_not_this_tokenizer"
+    if not _ids_hold_text(tokenizer, exchange):
+        return "token_ids_not_the_text"
+    return None
 
 
-def _foreign_ids(exchange: Any) -> str | None:
-    """Why a row that had ids was rendered from its text instead: its ids are not this target's."""
-    return "token_ids_not_this_tokenizer" if _has_ids(exchange) else None
+def _stored_request(tokenizer: Any, exchange: Any) -> tuple[RequestTokens | None, str | None]:
+    """The response's request from its stored ids when it has usable ones; else None and why not
+    (None: no ids stored)."""
+    if not _has_ids(exchange):
+        return None, None
+    why = _ids_unusable(tokenizer, exchange)
+    if why:
+        return None, why
+    return RequestTokens(list(exchange.prompt_token_ids), list(exchange.output_token_ids), "token_ids"), None
+
+
+def _decoded(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _ids_hold_text(tokenizer: Any, exchange: Any) -> bool:
+    """Whether the stored ids decode to the stored text: the output holds the answer's content,
+    reasoning and tool names, the prompt the last message before the answer. Ids that do not
+    (another request's, or another tokenizer's with an overlapping vocabulary) are not trained on:
+    the text is what redaction and every check saw."""
+    msgs = exchange.messages
+    answer = msgs[-1] if msgs else {}
+    out = _decoded(tokenizer, list(exchange.output_token_ids))
+    pieces = [answer.get("content"), answer.get("reasoning"), answer.get("reasoning_content")]
+    for call in answer.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        pieces.append(fn.get("name") if isinstance(fn, dict) else None)
+    if any(isinstance(p, str) and p.strip() and p.strip() not in out for p in pieces):
+        return False
+    last = next((m["content"] for m in reversed(msgs[:-1])
+                 if isinstance(m.get("content"), str) and m["content"].strip()), None)
+    return last is None or last.strip() in _decoded(tokenizer, list(exchange.prompt_token_ids))
 
 
 def last_prompt_ids(tokenizer: Any, exchange: Any) -> list[int]:
     """The prompt of the exchange's last request, as the target read it: the stored prompt ids, else
     the messages before the last answer (all of them when none answers) rendered as vLLM renders
     them; what an evaluation asks the target to continue."""
-    if (exchange.prompt_token_ids is not None and _fits(tokenizer, exchange.prompt_token_ids)
-            and _fits(tokenizer, exchange.output_token_ids or [])):
+    if exchange.prompt_token_ids is not None and (exchange.output_token_ids is None and _fits(
+            tokenizer, exchange.prompt_token_ids) or _has_ids(exchange) and not _ids_unusable(tokenizer, exchange)):
         return list(exchange.prompt_token_ids)
     msgs = exchange.messages
     if exchange.raw:

@@ -123,12 +123,44 @@ def test_repeated_answer_text_does_not_crash(tok, tiny_model):
 
 def test_stored_token_ids_win(tok):
     req = [{"role": "user", "content": "x"}]
-    row = {"messages": req + [{"role": "assistant", "content": "y"}], "prompt_token_ids": [5, 6, 7, 8],
-           "output_token_ids": [9, 10, 151645]}
+    prompt, output = _prompt_ids(tok, req) + [5], tok("yes indeed<|im_end|>", add_special_tokens=False)["input_ids"]
+    row = {"messages": req + [{"role": "assistant", "content": "yes indeed"}], "prompt_token_ids": prompt,
+           "output_token_ids": output}
     (ex,) = row_examples(tok, row)
-    assert ex.input_ids.tolist() == [5, 6, 7, 8, 9, 10, 151645]
-    assert ex.loss_mask.tolist() == [False] * 4 + [True] * 3
+    assert ex.input_ids.tolist() == prompt + output  # the stored ids as they are, not a rendering
+    assert ex.loss_mask.tolist() == [False] * len(prompt) + [True] * len(output)
     assert ex.source == "token_ids"
+
+
+def test_ids_that_do_not_decode_to_the_text_are_not_trained_on(tok):
+    """Ids of another request (or redacted text's original) fall back to the text, counted."""
+    req = [{"role": "user", "content": "what is the capital of France"}]
+    other = tok("my password is hunter2<|im_end|>", add_special_tokens=False)["input_ids"]
+    row = {"messages": req + [{"role": "assistant", "content": "Paris"}], "prompt_token_ids": _prompt_ids(tok, req),
+           "output_token_ids": other}
+    rep = TokenizeReport()
+    (ex,) = tokenize_rows(tok, [row], None, rep)
+    assert ex.source == "template" and rep.inexact == {"token_ids_not_the_text": 1}
+    assert "hunter2" not in tok.decode(ex.input_ids.tolist())
+    # The prompt is checked too: ids of another question with this answer's text.
+    wrong_prompt = {**row, "prompt_token_ids": _prompt_ids(tok, [{"role": "user", "content": "something else"}]),
+                    "output_token_ids": tok("Paris<|im_end|>", add_special_tokens=False)["input_ids"]}
+    (ex,) = row_examples(tok, wrong_prompt)
+    assert ex.source == "template" and ex.inexact == ("token_ids_not_the_text",)
+
+
+def test_reasoning_on_a_target_whose_template_never_writes_it_is_skipped(tiny_model):
+    """A template without reasoning (ChatML here) would train the answer without the thinking the
+    endpoint's model generated: the row is skipped, counted, and training goes on."""
+    from transformers import AutoTokenizer
+
+    small = AutoTokenizer.from_pretrained(tiny_model)
+    req = [{"role": "user", "content": "two plus two"}]
+    thinking = {"messages": req + [{"role": "assistant", "reasoning": "add them", "content": "four"}]}
+    plain = {"messages": req + [{"role": "assistant", "content": "four"}]}
+    rep = TokenizeReport()
+    exs = tokenize_rows(small, [thinking, plain], None, rep)
+    assert len(exs) == 1 and rep.skipped == {"reasoning_not_in_template": 1} and rep.tokenized == 1
 
 
 def test_ids_of_another_vocabulary_fall_back_to_the_text_and_are_counted(tok, tiny_model):
@@ -141,14 +173,15 @@ def test_ids_of_another_vocabulary_fall_back_to_the_text_and_are_counted(tok, ti
 
     small = AutoTokenizer.from_pretrained(tiny_model)
     req = [{"role": "user", "content": "x"}]
-    row = {"messages": req + [{"role": "assistant", "content": "y"}], "prompt_token_ids": [5, 6, 7, 8],
-           "output_token_ids": [9, 10, 151645]}
+    qwen_prompt = _prompt_ids(tok, req)
+    row = {"messages": req + [{"role": "assistant", "content": "y"}], "prompt_token_ids": qwen_prompt,
+           "output_token_ids": tok("y<|im_end|>", add_special_tokens=False)["input_ids"]}
     rep = TokenizeReport()
     (ex,) = tokenize_rows(small, [row], None, rep)
     assert ex.source == "template" and ex.inexact == ("token_ids_not_this_tokenizer",)
     assert int(ex.input_ids.max()) < len(small)
     assert rep.inexact == {"token_ids_not_this_tokenizer": 1}
-    assert last_prompt_ids(small, to_exchange(row)) != [5, 6, 7, 8]
+    assert last_prompt_ids(small, to_exchange(row)) != qwen_prompt
     (same,) = row_examples(tok, row)  # the vocabulary they belong to keeps them
     assert same.source == "token_ids"
 
@@ -228,7 +261,11 @@ def test_evaluation_prompts_are_the_last_requests_as_the_target_read_it(tok, tin
     row = {"messages": req + [{"role": "assistant", "content": "sunny"}], "tools": TOOLS,
            "chat_template_kwargs": {"enable_thinking": False}}
     assert last_prompt_ids(tok, to_exchange(row)) == _prompt_ids(tok, req, TOOLS, enable_thinking=False)
-    assert last_prompt_ids(tok, to_exchange({**row, "prompt_token_ids": [1, 2], "output_token_ids": [3]})) == [1, 2]
+    stored = _prompt_ids(tok, req) + [198]  # what vLLM reported, one token past this rendering
+    sunny = tok("sunny<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert last_prompt_ids(tok, to_exchange({**row, "prompt_token_ids": stored, "output_token_ids": sunny})) == stored
+    # Ids that do not decode to the row's text are not the prompt the target read.
+    assert last_prompt_ids(tok, to_exchange({**row, "prompt_token_ids": stored, "output_token_ids": [3]})) != stored
     # A plain row ending with a question: the whole chat is the prompt.
     plain = {"conversations": [{"from": "human", "value": "hi"}]}
     assert last_prompt_ids(tok, to_exchange(plain)) == _prompt_ids(tok, [{"role": "user", "content": "hi"}])
