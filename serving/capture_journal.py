@@ -85,7 +85,7 @@ class Publisher:
                 self._s3 = boto3.client("s3", **self.s3_client_kwargs)
             self._s3.put_object(Bucket=bucket, Key=f"{prefix}/{key}" if prefix else key, Body=path.read_bytes(),
                                 ContentType="application/jsonl")
-            path.unlink()
+            path.unlink(missing_ok=True)
             return
         final = Path(self.destination) / key
         private_dirs(final.parent)
@@ -223,6 +223,8 @@ class JournalWriter(CaptureWriter):
                     await asyncio.wait_for(asyncio.to_thread(self.publisher.publish, path), self.write_timeout)
                 else:
                     self.publisher.publish(path)  # a rename
+            except FileNotFoundError:
+                pass  # an upload that outlived its timeout finished it meanwhile (the same key either way)
             except Exception as exc:  # noqa: BLE001 - the file stays in the spool; tried again later
                 self.last_error = f"publish {path.name}: {type(exc).__name__}: {exc}"
                 log.warning("capture: %s", self.last_error)
