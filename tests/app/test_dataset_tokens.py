@@ -37,8 +37,12 @@ def _records(tok) -> tuple[list[str], list[int], list[int]]:
             {"tools": TOOLS, "tool_choice": "auto"}),
         rec(2, [{"role": "user", "content": "is it ok?"}, {"role": "assistant", "content": "yes"},
                 {"role": "user", "content": "really?"}], {"role": "assistant", "content": "yes, sure"}),
-        # vLLM's return_token_ids; the text differs from the ids on purpose: the ids win.
-        rec(3, ask, {"role": "assistant", "reasoning": "x", "content": "six"}, None,
+        # vLLM's return_token_ids: the ids are trained on as they are.
+        rec(3, ask, {"role": "assistant", "reasoning": "sum", "content": "four"}, None,
+            {"prompt_token_ids": prompt}, {"token_ids": out}),
+        # Ids that do not decode to the row's text (another request's): the text is trained on, counted.
+        rec(4, [{"role": "user", "content": "what is four plus four"}],
+            {"role": "assistant", "reasoning": "add", "content": "eight"}, None,
             {"prompt_token_ids": prompt}, {"token_ids": out}),
     ], prompt, out
 
@@ -58,7 +62,7 @@ def test_dataset_tokens_and_stats_split(tmp_path, model_cache):
     layout_file(src, T0, "a.jsonl", records)
     runner = CliRunner()
     r = runner.invoke(app, ["ingest", "--source", str(src), "--config", str(cfg_file), "--json"])
-    assert r.exit_code == 0 and json.loads(r.stdout)["normalized"] == 4, r.output
+    assert r.exit_code == 0 and json.loads(r.stdout)["normalized"] == 5, r.output
 
     r = runner.invoke(app, ["dataset", "tokens", "--split", "train", "--config", str(cfg_file), "--json"])
     assert r.exit_code == 0, r.output
@@ -66,7 +70,8 @@ def test_dataset_tokens_and_stats_split(tmp_path, model_cache):
     assert all(set(x) >= {"row_id", "input_ids", "loss_mask", "source"} for x in lines)
     trained = {tok.decode([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m]): x["source"] for x in lines}
     assert trained["<think>\nthe user wants the sum\n</think>\n\nfour<|im_end|>"] == "template"
-    assert trained["<think>\nsum\n</think>\n\nfour<|im_end|>"] == "token_ids"  # the stored ids, not the text
+    assert trained["<think>\nsum\n</think>\n\nfour<|im_end|>"] == "token_ids"  # the stored ids, not a rendering
+    assert trained["<think>\nadd\n</think>\n\neight<|im_end|>"] == "template"  # ids of another answer
     assert trained["<think>\ncall the tool\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
                    "{\"city\": \"Paris\"}}\n</tool_call><|im_end|>"] == "template"
     assert "<think>\n\n</think>\n\nyes, sure<|im_end|>" in trained  # reasoning unknown: counted below
@@ -78,8 +83,8 @@ def test_dataset_tokens_and_stats_split(tmp_path, model_cache):
     r = runner.invoke(app, ["dataset", "stats", "--tokens", "--config", str(cfg_file), "--json"])
     assert r.exit_code == 0, r.output
     tr = json.loads(r.stdout)["trained"]
-    assert tr["rows"] == 4 == tr["tokenized"] and tr["sources"] == {"template": len(lines) - 1, "token_ids": 1}
-    assert tr["inexact"] == {"reasoning_unknown": 2}
+    assert tr["rows"] == 5 == tr["tokenized"] and tr["sources"] == {"template": len(lines) - 1, "token_ids": 1}
+    assert tr["inexact"] == {"reasoning_unknown": 2, "token_ids_not_the_text": 1}
     kinds = tr["tokens"]
     assert kinds["end_of_turn"] == len(lines)  # one per answer (the multi-turn row is two requests)
     assert kinds["tool_calls"] == len(tok("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
