@@ -179,7 +179,8 @@ def test_two_workers_answer_share_one_pool_and_capture_all_across_a_kill(tmp_pat
 
         async def kill_in_flight() -> None:
             await asyncio.sleep(0.5)
-            while sum(c.outstanding for c in w.pool.reports[0].replicas.values()) == 0:
+            give_up = time.monotonic() + 1.5
+            while sum(c.outstanding for c in w.pool.reports[0].replicas.values()) == 0 and time.monotonic() < give_up:
                 await asyncio.sleep(0.005)
             os.kill(pid0, signal.SIGKILL)
             killed["at"] = 1
@@ -285,3 +286,48 @@ def test_journal_to_s3_publishes_each_file_once(tmp_path, s3_server):
     assert len(keys) == 2 and sorted(TAG.search(ln).group(0) for ln in lines) == [
         b"req-0-0", b"req-0-1", b"req-0-2", b"req-1-0"]
     assert all(k.startswith(f"{prefix}/ep/AllTraffic/") for k in keys)
+
+
+def test_shared_pool_drain_waits_for_every_worker_and_sums_their_counts():
+    from serving.pool import Pool
+    from serving.poolview import ReplicaCounts, WorkerReport, apply
+
+    def rep(gen: int, a: tuple[int, int], down: dict | None = None) -> WorkerReport:
+        return WorkerReport(gen, {"http://a": ReplicaCounts(a[0], a[1], 0)}, down or {}, {"written": a[1]})
+
+    async def main() -> None:
+        pool = SharedPool()
+        for u in ("http://a", "http://b"):
+            pool.attach(u).healthy = True
+        pushed = []
+        pool.publish = pushed.append
+        pool.live_slots = lambda: {0, 1}
+        g0 = pool.push_if_changed()
+        pool.take_report(0, rep(g0, (1, 0)))
+        pool.take_report(1, rep(g0, (0, 0)))
+        drain = asyncio.create_task(pool.drain("http://a", 5))
+        await asyncio.sleep(0.1)
+        g = pushed[-1].gen
+        assert g > g0 and pushed[-1].replicas[0].draining and not drain.done()  # no worker has seen it yet
+        pool.take_report(0, rep(g, (1, 3)))  # seen, one request still in flight
+        pool.take_report(1, rep(g, (0, 2)))
+        await asyncio.sleep(0.1)
+        assert not drain.done()
+        pool.take_report(0, rep(g, (0, 4)))
+        assert await asyncio.wait_for(drain, 1) is True
+        assert pool.get("http://a").served == 6 and pool.capture_counts()["written"] == 6
+        pool.worker_gone(0)  # what a dead worker served stays counted
+        assert pool.get("http://a").served == 6 and pool.capture_counts()["written"] == 6
+        # A replica one worker saw refuse a connection is out of rotation for every worker.
+        pool.take_report(1, rep(g, (0, 2), {"http://b": "connect: refused"}))
+        assert pushed[-1].replicas[1].healthy is False and pool.get("http://b").last_error == "connect: refused"
+        # A worker's copy follows the state and keeps its own in-flight count.
+        mine = Pool()
+        apply(mine, pushed[-1])
+        mine.replicas[0].outstanding = 2
+        pool.undrain("http://a")
+        apply(mine, pushed[-1])
+        assert [(r.url, r.draining, r.healthy, r.outstanding) for r in mine.replicas] == [
+            ("http://a", False, True, 2), ("http://b", False, False, 0)]
+
+    asyncio.run(main())
