@@ -155,6 +155,145 @@ VARIANTS = [
 )]
 CANONICAL_ACCEPTED = (len(VARIANTS) - 8, len(VARIANTS) - 7, len(VARIANTS) - 6)
 
+# -- edge variants of whole exchanges (reasoning, tool calls, token ids) ------------------------
+
+_U = {"role": "user", "content": "q"}
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _answer(**msg) -> dict:
+    return {"choices": [{"index": 0, "message": {"role": "assistant", "content": None} | msg, "finish_reason": "stop"}]}
+
+
+def _call(args, **kw) -> dict:
+    return {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}} | kw
+
+
+def _stream(*chunks, done: bool = True) -> str:
+    return "".join("data: " + (c if isinstance(c, str) else json.dumps(c, ensure_ascii=False)) + "\n\n"
+                   for c in chunks) + ("data: [DONE]\n\n" if done else "")
+
+
+def _delta(index: int = 0, **delta) -> dict:
+    return {"choices": [{"index": index, "delta": delta, "finish_reason": None}]}
+
+
+_TEXTY = "a\"b\\c\n\t\r\b\f\x01\x1f\x7f é 😀 \u2028 </script>"
+EXCHANGE_VARIANTS = [
+    # requests kept as sent
+    ({"messages": [_U], "tools": _TOOLS, "tool_choice": "auto"}, _answer(content="a")),
+    ({"messages": [_U], "tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     _answer(tool_calls=[_call('{"x": 1}')])),
+    ({"messages": [_U], "tools": {"a": 1}}, _answer(content="a")),
+    ({"messages": [_U], "tools": [1]}, _answer(content="a")),
+    ({"messages": [_U], "tools": []}, _answer(content="a")),
+    ({"messages": [_U], "tools": None, "tool_choice": None, "chat_template_kwargs": None}, _answer(content="a")),
+    ({"messages": [_U], "chat_template_kwargs": []}, _answer(content="a")),
+    ({"messages": [_U], "chat_template_kwargs": {"enable_thinking": False, "n": -0, "big": 10 ** 30}},
+     _answer(content="a")),
+    ({"messages": [_U], "chat_template_kwargs": {"t": 0.5}}, _answer(content="a")),  # a float: declined
+    ({"messages": [_U, {"role": "assistant", "content": None, "tool_calls": [_call('{"city": "Oslo"}')]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "user", "content": "and?"}]},
+     _answer(content="ok")),
+    ({"messages": [_U, {"role": "assistant", "content": "", "tool_calls": [_call('{"t": "é\\n"}')]}]},
+     _answer(content="ok")),
+    ({"messages": [_U, {"role": "assistant", "content": None, "tool_calls": []}]}, _answer(content="ok")),
+    ({"messages": [_U, {"role": "assistant", "content": None, "tool_calls": [_call("{")]}]}, _answer(content="ok")),
+    ({"messages": [_U, {"role": "assistant", "content": None, "tool_calls": [_call(5)]}]}, _answer(content="ok")),
+    ({"messages": [_U, {"role": "assistant", "content": None, "tool_calls": [{"function": None}]}]},
+     _answer(content="ok")),
+    ({"messages": [_U, {"role": "assistant", "content": None, "tool_calls": "x"}]}, _answer(content="ok")),
+    ({"messages": [_U, {"role": "tool", "tool_call_id": 5, "content": "x"}]}, _answer(content="ok")),
+    ({"messages": [_U, {"role": "assistant", "content": "x", "reasoning": 1}]}, _answer(content="ok")),
+    ({"messages": [{"role": "developer", "content": "d"}, _U]}, _answer(content="ok")),
+    ({"messages": [{"role": "user", "content": "q", "name": "bob"}]}, _answer(content="ok")),
+    ({"messages": [{"role": "user", "content": ""}, _U]}, _answer(content="ok")),
+    ({"messages": [{"role": "user", "content": _TEXTY, "extra": [_TEXTY, {"k": None}, True, 12]}]},
+     _answer(content=_TEXTY)),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}], "tools": _TOOLS},
+     _answer(content="a")),
+    ('{"messages": [{"role": "user", "content": "q", "x": 1, "x": 2}], "tool_choice": "auto"}', _answer(content="a")),
+    ('{"messages": [{"role": "user", "content": "q\\ud83d\\ude00\\u00e9\\u001f\\u2028\\/"}], "tool_choice": "auto"}',
+     _answer(content="a")),
+    ('{"messages": [{"role": "user", "content": "q"}], "tool_choice": {"n": -0, "m": [1 , 2 ], "e": 1e2}}',
+     _answer(content="a")),
+    ({"messages": [_U], "tool_choice": {"deep": json.loads("[" * 34 + "]" * 34)}}, _answer(content="a")),
+    # answers
+    ({"messages": [_U]}, _answer(reasoning="think")),  # all reasoning: kept, an empty turn
+    ({"messages": [_U]}, _answer(content="", reasoning_content="think")),
+    ({"messages": [_U]}, _answer(content="a", reasoning="r1", reasoning_content="r2")),
+    ({"messages": [_U]}, _answer(content="a", reasoning=None, reasoning_content="r2")),
+    ({"messages": [_U]}, _answer(content="a", reasoning=5)),
+    ({"messages": [_U]}, _answer(content=None)),
+    ({"messages": [_U]}, _answer(content=" ", tool_calls=[])),
+    ({"messages": [_U]}, _answer(tool_calls=[_call('{"a": "é\\u00e9"}'), _call({"a": 1}, id="c2")])),
+    ({"messages": [_U]}, _answer(content="with text", tool_calls=[_call("[1, 2]")])),
+    ({"messages": [_U]}, _answer(tool_calls=[_call("not json")])),
+    ({"messages": [_U]}, _answer(tool_calls=[_call(None)])),
+    ({"messages": [_U]}, _answer(tool_calls=[_call(" 1 ")])),
+    ({"messages": [_U]}, _answer(tool_calls=[_call('{"a": 1.5}')])),
+    ({"messages": [_U]}, _answer(tool_calls=[_call('{"a": "\\u0000"}')])),
+    ({"messages": [_U]}, _answer(tool_calls=[{"function": "f"}])),
+    ({"messages": [_U]}, _answer(tool_calls=[1])),
+    ({"messages": [_U]}, {"choices": [{"message": None}]}),
+    ({"messages": [_U]}, {"choices": [{"message": {"content": [{"type": "text", "text": "a"}]}}]}),
+    # token ids
+    ({"messages": [_U]}, _answer(content="a") | {"prompt_token_ids": [1, 2, 2147483647]}),
+    ({"messages": [_U]}, _answer(content="a") | {"prompt_token_ids": []}),
+    ({"messages": [_U]}, {"prompt_token_ids": None, "choices": [{"message": {"content": "a"}, "token_ids": [0, 5],
+                                                                 "prompt_token_ids": [7]}]}),
+    ({"messages": [_U]}, {"prompt_token_ids": [1], "choices": [{"message": {"content": "a"}, "prompt_token_ids": [7]}]}),
+    ({"messages": [_U]}, {"choices": [{"message": {"content": "a"}, "token_ids": [1]},
+                                      {"message": {"content": "b"}, "token_ids": [2]}]}),
+    *[({"messages": [_U]}, _answer(content="a") | {"prompt_token_ids": bad})
+      for bad in ([-1], [1.0], [True], [2147483648], "x", [[1]], [1, None], [10 ** 20], [0o7])],
+    ({"prompt": "p"}, {"choices": [{"text": "a", "token_ids": [3, 4], "prompt_token_ids": [1, 2]}]}),
+    ({"prompt": "p"}, {"choices": [{"text": "", "token_ids": [3]}]}),
+    # streams
+    ({"messages": [_U], "tools": _TOOLS},
+     _stream(_delta(role="assistant", content=""), _delta(reasoning="th"), _delta(reasoning="ink"),
+             _delta(tool_calls=[{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]),
+             _delta(tool_calls=[{"index": 0, "function": {"arguments": '{"a": '}}]),
+             _delta(tool_calls=[{"index": 0, "id": None, "function": {"arguments": '"é\\n"}'}}]),
+             {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})),
+    ({"messages": [_U]},  # two calls interleaved, indices out of order, keys first given late
+     _stream(_delta(tool_calls=[{"index": 1, "function": {"arguments": "[1"}}]),
+             _delta(tool_calls=[{"index": 0, "type": "function", "function": {"name": "g"}}]),
+             _delta(tool_calls=[{"index": 1, "id": "b", "function": {"name": "f", "arguments": "]"}}]),
+             _delta(tool_calls=[{"index": 0, "id": "a", "function": {"arguments": "{}"}}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"function": {"name": "f", "arguments": "{}"}}]),
+                                 _delta(tool_calls=[{"function": {"arguments": "1"}}]))),  # no index: len(calls)
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": 0, "function": None, "id": "x"}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": 0, "function": {}}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": "0", "function": {"arguments": "1"}}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": None, "function": {"arguments": "1"}}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": True, "function": {"arguments": "1"}}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": 0, "function": {"arguments": 1}}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": 0, "function": {"arguments": "{"}}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": 0, "function": "f"}]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls={"index": 0}))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[]))),
+    ({"messages": [_U]}, _stream(_delta(tool_calls=[{"index": 0, "id": 5, "type": "function",
+                                                     "function": {"name": 3, "arguments": "1"}}]))),
+    ({"messages": [_U]}, _stream(_delta(reasoning_content="r"), _delta(reasoning="s", reasoning_content="t"))),
+    ({"messages": [_U]}, _stream(_delta(reasoning=""))),
+    ({"messages": [_U]}, _stream(_delta(reasoning=5))),
+    ({"messages": [_U]}, _stream(_delta(content="a"), _delta(index=1, reasoning="other choice", tool_calls=[1]))),
+    ({"messages": [_U]}, _stream(_delta(content="a") | {"prompt_token_ids": [1, 2]},
+                                 {"choices": [{"index": 0, "delta": {"content": "b"}, "token_ids": [5],
+                                               "prompt_token_ids": [9]}], "prompt_token_ids": [3]},
+                                 {"choices": [{"index": 0, "delta": {}, "token_ids": [6]}]})),
+    ({"messages": [_U]}, _stream({"choices": [{"index": 0, "delta": {"content": "a"}, "prompt_token_ids": [9]}],
+                                  "prompt_token_ids": [3]})),  # the chunk's own ids come first
+    ({"messages": [_U]}, _stream({"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": []}]})),
+    ({"messages": [_U]}, _stream({"choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [-3]}]})),
+    ({"messages": [_U]}, _stream({"choices": [{"index": 1, "delta": {"content": "a"}, "token_ids": [-3]}]},
+                                 _delta(content="b"))),
+    ({"messages": [_U]}, _stream(_delta(content="a"), {"choices": [], "prompt_token_ids": [1.5]})),
+    ({"prompt": "p"}, _stream({"choices": [{"index": 0, "text": "a", "token_ids": [1], "prompt_token_ids": [2]}]})),
+    ({"prompt": "p"}, _stream(_delta(reasoning="r"), {"choices": [{"index": 0, "text": "a"}]})),
+]
+
 # -- the reference, and the msgspec batch path against it, one line at a time ----------------
 
 def reference(line: bytes):
@@ -436,7 +575,7 @@ def mutated_line(rng: random.Random, pool: TextPool, i: int) -> bytes:
     """A capture line of a random format, mutated (or not) in its payloads, outer document and bytes."""
     kw = exchange(rng.choice(ALL_FORMATS), pool, i)
     if rng.random() < 0.3:
-        req, resp = rng.choice(VARIANTS)
+        req, resp = rng.choice(VARIANTS + EXCHANGE_VARIANTS)
         kw = {"request": req, "response": resp,
               "response_content_type": "text/event-stream" if isinstance(resp, str) else "application/json"}
     if rng.random() < 0.2 and isinstance(kw["request"], dict) and "inputs" in kw["request"]:
