@@ -126,7 +126,7 @@ class TrainingConfig(_Section):
     replay_ratio: float = Field(0.3, ge=0, le=1)
     device: str = "auto"
     # Data-parallel ranks of the cycle's train step (the DAG's train task, `adapt cycle`), one per GPU of
-    # the worker (gloo ranks on a CPU): above 1 the step runs under torchrun (adapt.distributed), as
+    # the worker (gloo ranks on a CPU): above 1 the step runs under torchrun (adapt.launch), as
     # `adapt train --gpus N` does.
     gpus: int = Field(1, ge=1)
     # Fraction of anchors whose parallel-drafting chain reaches depth 2, 3, ..., K

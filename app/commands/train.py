@@ -38,9 +38,9 @@ def _offline_estimate(cfg: Config, rows):
 
 def torchrun_argv(train_args: list[str], gpus: int, nnodes: int = 1, rdzv_endpoint: str = "",
                   python: str = sys.executable) -> list[str]:
-    """``adapt train`` under ``torchrun`` (:func:`adapt.distributed.torchrun_prefix`): ``gpus`` ranks on this
+    """``adapt train`` under ``torchrun`` (:func:`adapt.launch.torchrun_prefix`): ``gpus`` ranks on this
     node; with ``nnodes`` > 1, a c10d rendezvous at ``rdzv_endpoint``, where every node runs the same command."""
-    from adapt.distributed import torchrun_prefix
+    from adapt.launch import torchrun_prefix
 
     return torchrun_prefix(gpus, nnodes, rdzv_endpoint, python) + ["-m", "app", "train", *train_args]
 
