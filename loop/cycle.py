@@ -269,7 +269,7 @@ def step_train(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
 
 
 def train_here(cx: Cycle, state: dict[str, Any]) -> dict[str, Any]:
-    from adapt.distributed import launched_rank
+    from adapt.launch import launched_rank
     from adapt.train import train
     from headspec.validate import validate_head
 
@@ -344,7 +344,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def in_own_process(step: str, cx: Cycle, state: dict[str, Any], ranks: int = 1) -> dict[str, Any]:
     """Run ``step``'s work in ``python -m loop.step_worker`` and return its output; with ``ranks`` above 1,
-    in that many workers under torchrun (:func:`adapt.distributed.torchrun_prefix`, as `adapt train
+    in that many workers under torchrun (:func:`adapt.launch.torchrun_prefix`, as `adapt train
     --gpus` starts them), rank 0's output.
 
     The config goes to the child on its stdin (it holds secrets: never on its command line or on
@@ -368,7 +368,7 @@ def in_own_process(step: str, cx: Cycle, state: dict[str, Any], ranks: int = 1) 
     cmd = [sys.executable, "-m", "loop.step_worker", step, state["cycle_id"], str(out_path)]
     stdin: bytes | None = cx.cfg.model_dump_json().encode()
     if ranks > 1:
-        from adapt.distributed import torchrun_prefix
+        from adapt.launch import torchrun_prefix
 
         cmd = torchrun_prefix(ranks) + cmd[1:]
         env[CONFIG_ENV], stdin = stdin.decode(), None

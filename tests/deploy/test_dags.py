@@ -208,3 +208,79 @@ def test_a_failed_step_under_dag_test_is_announced_and_recorded_in_the_cycle(tmp
     out = summary(load_config(cfg), cycle_id_for({}, run_id))
     assert [(f["task_id"], f["error"].split(":")[0]) for f in out["failures"]] == [("ingest", "FileNotFoundError")]
     assert list(out["steps"]) == []  # the cycle resumes at ingest once the capture is there
+
+
+def test_the_train_task_runs_torchrun_ranks_when_the_config_says_several_gpus(tmp_path, monkeypatch):
+    """[training] gpus = 2: the DAG's train task (the cycle's train step) starts the step worker under the
+    torchrun command `adapt train --gpus 2` uses, the config in the ranks' environment (they share no stdin);
+    gpus = 1 trains in the task's own process. The ranks' DDP training itself is tested with 2 gloo ranks
+    in tests/adapt/test_train.py; here only the wiring, with the launch faked."""
+    from adapt.launch import torchrun_prefix
+    from loop import airflow_tasks as at
+    from loop import cycle
+    from settings.config import Config
+
+    launched: list[dict] = []
+    real_popen = subprocess.Popen
+
+    class FakeRanks:
+        def __init__(self, cmd, stdin=None, env=None):
+            launched.append({"cmd": cmd, "stdin": stdin, "env": env})
+            Path(cmd[-1]).write_text(json.dumps({"steps": 3, "ranks": 2}))
+            self.returncode = 0
+
+        def communicate(self, data=None):
+            launched[-1]["data"] = data
+            return None, None
+
+    def popen(cmd, *a, **kw):  # the step's launch is faked; anything else (git, MLflow) runs
+        if "loop.step_worker" not in cmd:
+            return real_popen(cmd, *a, **kw)
+        return FakeRanks(cmd, kw.get("stdin"), kw.get("env"))
+
+    class NoTracking:  # MLflow's store costs up to a minute to create on a loaded machine; not what is tested
+        def __init__(self, *a):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *a, **kw: None
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(cycle.tracking, "CycleRun", NoTracking)
+    monkeypatch.setattr(cycle.Cycle, "registry", None)
+    monkeypatch.setattr(cycle, "STEPS", ("train",))
+    monkeypatch.setattr(cycle, "train_here", lambda cx, state: {"steps": 1, "ranks": 1})
+    cfg_file = tmp_path / "g2.toml"
+    cfg_file.write_text(f'state_dir = "{tmp_path}/s"\n[training]\ngpus = 2\n')
+    params = {"config": str(cfg_file)}
+    cid = at.begin(params, "manual__gpus2")
+    at.step("train", cid, params)
+    assert at.load_state(at.config(params), cid)["steps"]["train"]["ranks"] == 2
+    [run] = launched
+    out_json = str(Path(run["cmd"][-1]))
+    assert run["cmd"] == torchrun_prefix(2) + ["-m", "loop.step_worker", "train", "af-manual__gpus2", out_json]
+    assert run["stdin"] == subprocess.DEVNULL and run["data"] is None
+    assert Config.model_validate_json(run["env"][cycle.CONFIG_ENV]).training.gpus == 2
+    one = at.config(params)
+    one.training.gpus = 1
+    assert cycle.step_train(cycle.Cycle(one), {}, cycle.CycleOptions())["ranks"] == 1 and len(launched) == 1
+
+
+def test_the_step_worker_reads_its_config_from_the_environment_and_only_rank_0_answers(tmp_path, monkeypatch):
+    from loop import cycle, step_worker
+    from settings.config import load_config
+
+    cfg = load_config(overrides={"state_dir": str(tmp_path)})
+    cx = cycle.Cycle(cfg)
+    state = cx.load_state("c1")
+    cx.save_state(state)
+    seen = []
+    monkeypatch.setitem(cycle.IN_PROCESS, "train", lambda cx, st: seen.append(cx.cfg.state_dir) or {"ok": 1})
+    monkeypatch.setattr(step_worker, "die_with_parent", lambda: None)
+    for rank in ("1", "0"):
+        monkeypatch.setenv(cycle.CONFIG_ENV, cfg.model_dump_json())
+        monkeypatch.setenv("RANK", rank)
+        out = tmp_path / f"out{rank}.json"
+        assert step_worker.main(["train", "c1", str(out)]) == 0
+        assert out.is_file() == (rank == "0")
+    assert seen == [cfg.state_dir] * 2 and json.loads((tmp_path / "out0.json").read_text()) == {"ok": 1}
