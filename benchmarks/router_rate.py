@@ -7,7 +7,8 @@ streamed. Each case runs the clients against the replica directly and then throu
 side by side in one run. The router is pinned to one core (``--router-core``); the replica and
 the clients share the others (``--client-cores``).
 
-``--workers 1 2`` runs every case through a router of each size in turn (``[serving] router_workers``:
+``--workers 1 2`` starts a router of each size and runs every case through each in turn, right after
+the direct arm (``[serving] router_workers``:
 1 = the router in `adapt serve` itself, N > 1 = N worker processes on its port, ``serving.workers``),
 with ``--router-core`` naming as many cores as the largest; its CPU is then the sum over `adapt serve`
 and its workers. On a machine with few cores, the clients and the fake replica share the router's
@@ -305,7 +306,8 @@ def main() -> int:
     ap.add_argument("--target", default=MODEL, help="the target the router's head is checked against (a name or directory)")
     ap.add_argument("--router-core", default="0", help="the router's cores (taskset -c), e.g. 0 or 0-1")
     ap.add_argument("--workers", type=int, nargs="+", default=[1],
-                    help="router processes ([serving] router_workers); several: each in turn, side by side")
+                    help="router processes ([serving] router_workers); several: a router of each size, "
+                         "every case through each in turn")
     ap.add_argument("--client-cores", default="1", help="the replica's and the clients' cores (taskset -c)")
     ap.add_argument("--router-only", action="store_true", help="skip the direct arm (profiling runs)")
     ap.add_argument("--hold", type=float, default=0.0, help="keep everything up this long after the run")
@@ -336,25 +338,25 @@ def main() -> int:
     os.sched_setaffinity(0, {c for part in args.client_cores.split(",") for a, _, b in [part.partition("-")]
                              for c in range(int(a), int(b or a) + 1)})
     work = Path(tempfile.mkdtemp(prefix="router-rate-"))
-    replica_port, router_port = free_ports(2)
-    replica_url, router_url = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{router_port}"
-    def config(workers: int) -> Path:
+    replica_port, *router_ports = free_ports(1 + len(args.workers))
+    replica_url = f"http://127.0.0.1:{replica_port}"
+
+    def config(workers: int, port: int) -> Path:
         cfg = load_config(overrides={
-            "state_dir": str(work), "target": {"model": args.target},
-            "capture": {"source": str(work / "capture"), "endpoint": "", "redact": False},
-            "serving": {"replicas": 0, "router_port": router_port, "attach_agents": [replica_url],
+            "state_dir": str(work / f"router-{workers}"), "target": {"model": args.target},
+            "capture": {"source": str(work / f"capture-{workers}"), "endpoint": "", "redact": False},
+            "serving": {"replicas": 0, "router_port": port, "attach_agents": [replica_url],
                         "capture_sampling_pct": 100, "router_workers": workers}})
         path = work / f"adapt-{workers}.toml"
         path.write_text(dump_toml(cfg))
         return path
 
-    cfg = load_config(overrides={"target": {"model": args.target}})
+    cfg = load_config(overrides={"state_dir": str(work), "target": {"model": args.target}})
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
     head = init_random_head(target, work / "head", k=cfg.head.num_speculative_tokens, seed=0)
     env = dict(os.environ, ADAPT_ADMIN_TOKEN="", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                ADAPT_AGENT_TOKEN="router-rate-bench-token-0123456789abcdef")
     procs: list[subprocess.Popen] = []
-    capture_dir = work / "capture"
 
     def wait_health(url: str, p: subprocess.Popen, log: Path) -> None:
         deadline = time.monotonic() + 300
@@ -386,29 +388,36 @@ def main() -> int:
                                        str(replica_port), "--head", str(head)], stdout=open(rlog, "wb"),
                                       stderr=subprocess.STDOUT, start_new_session=True))
         wait_health(replica_url, procs[-1], rlog)
-        for workers in args.workers:
+        # Every router size up at once, each case run through each in turn right after the direct arm:
+        # load from other work on the machine falls on all of them alike.
+        routers: dict[int, tuple[subprocess.Popen, str, Path]] = {}
+        for workers, port in zip(args.workers, router_ports):
             slog = work / f"router-{workers}.log"
             # `adapt serve` stops its workers itself (they run in sessions of their own).
             router = subprocess.Popen(["taskset", "-c", args.router_core, sys.executable, "-m", "app", "serve",
-                                       "--head", str(head)], env=dict(env, ADAPT_CONFIG=str(config(workers))),
+                                       "--head", str(head)], env=dict(env, ADAPT_CONFIG=str(config(workers, port))),
                                       cwd=REPO, stdout=open(slog, "wb"), stderr=subprocess.STDOUT,
                                       start_new_session=True)
             procs.append(router)
-            wait_health(router_url, router, slog)
+            url = f"http://127.0.0.1:{port}"
+            wait_health(url, router, slog)
+            routers[workers] = (router, url, work / f"capture-{workers}")
             print(f"router ({workers} worker(s)) pid {router.pid}, log {slog}", file=sys.stderr, flush=True)
-            warm = captured(capture_dir) + sum(len(client_case(router_url, 8, 1.0, stream, args.client_cores)["lat_ms"])
+        for workers, (router, url, capture_dir) in routers.items():
+            warm = captured(capture_dir) + sum(len(client_case(url, 8, 1.0, stream, args.client_cores)["lat_ms"])
                                                for stream in (False, True))  # both paths warm, their capture written
             deadline = time.monotonic() + 30
             while captured(capture_dir) < warm and time.monotonic() < deadline:
                 time.sleep(0.1)
-            for mode in args.modes:
-                stream = mode == "stream"
-                for c in args.concurrency:
-                    direct = None if args.router_only else client_case(replica_url, c, args.seconds, stream,
-                                                                       args.client_cores)
+        for mode in args.modes:
+            stream = mode == "stream"
+            for c in args.concurrency:
+                direct = None if args.router_only else client_case(replica_url, c, args.seconds, stream,
+                                                                   args.client_cores)
+                for workers, (router, url, capture_dir) in routers.items():
                     cap0 = captured(capture_dir)
                     cpu0 = tree_cpu_seconds(router.pid)
-                    via = client_case(router_url, c, args.seconds, stream, args.client_cores)
+                    via = client_case(url, c, args.seconds, stream, args.client_cores)
                     answered = len(via["lat_ms"])
                     deadline = time.monotonic() + 30
                     while (got := captured(capture_dir) - cap0) < answered and time.monotonic() < deadline:
@@ -431,10 +440,8 @@ def main() -> int:
                     rows.append(row)
                     if not args.json:
                         print(json.dumps(row), file=sys.stderr, flush=True)
-            if args.hold:
-                time.sleep(args.hold)
-            stop(router)
-            procs.remove(router)
+        if args.hold:
+            time.sleep(args.hold)
     finally:
         for p in reversed(procs):
             stop(p)
