@@ -338,7 +338,7 @@ class Demo:
         cycle_id, cx = new_cycle_id(), Cycle(cfg)
         for step in STEPS:  # step by step, as the DAG runs them
             if self.engines is not None and step == "train":
-                self.engines.down()  # the trainer takes their room (and their cores)
+                self.engines.down(finish_starting=True)  # the trainer takes their room (and their cores)
             if self.engines is not None and step == "bench" and bench_runs(cx.load_state(cycle_id)):
                 self.engines.up()
             run_step(cfg, cycle_id, step, self.opts, cx)
@@ -433,8 +433,12 @@ class BenchEngines:
             r.wait_healthy()
         self.log(f"  bench replicas up in {time.monotonic() - t0:.0f}s")
 
-    def down(self) -> None:
+    def down(self, finish_starting: bool = False) -> None:
+        """Stop them; with ``finish_starting``, one still starting first finishes (its compiled graphs
+        reach vLLM's cache, so the next start loads them instead of compiling again)."""
         for r in self.replicas:
+            if finish_starting and r.alive():
+                r.wait_healthy()
             r.stop()
 
 
