@@ -233,7 +233,7 @@ class CaptureTotals:
 
 
 class RouterWorkers:
-    """N router worker processes on one socket bound to ``host:port``, supervised; ``admin_app`` (the
+    """N router worker processes on ``host:port`` (a socket each), supervised; ``admin_app`` (the
     parent's router app over ``pool``) answers the admin requests and /metrics they pass on."""
 
     def __init__(self, pool: SharedPool, admin_app: Any, spec: WorkerSpec, host: str, port: int, n: int, *,
@@ -250,7 +250,13 @@ class RouterWorkers:
         self._backoff: dict[int, float] = {i: 0.2 for i in range(n)}
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
+        self._bg: set[asyncio.Task] = set()  # admin requests, restarts: held until done
         self.stopping = False
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     # -- life --------------------------------------------------------------------
 
@@ -273,17 +279,21 @@ class RouterWorkers:
         # A starting worker counts: it has the state it was started with, and reports once it serves.
         self.pool.live_slots = lambda: set(self.workers)
         self.pool.push_if_changed(force=True)
-        for slot in range(self.n):
-            await self._spawn(slot)
-        deadline = time.monotonic() + timeout
-        while not all(w.ready for w in self.workers.values()) or len(self.workers) < self.n:
-            for w in self.workers.values():
-                if w.proc.poll() is not None:
-                    raise RuntimeError(f"router worker {w.slot} exited with {w.proc.returncode} before it served"
-                                       + self._log_tail(w.slot))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"router workers did not start in {timeout:.0f} s" + self._log_tail(0))
-            await asyncio.sleep(0.05)
+        try:
+            for slot in range(self.n):
+                await self._spawn(slot)
+            deadline = time.monotonic() + timeout
+            while not all(w.ready for w in self.workers.values()) or len(self.workers) < self.n:
+                for w in self.workers.values():
+                    if w.proc.poll() is not None:
+                        raise RuntimeError(f"router worker {w.slot} exited with {w.proc.returncode} before it "
+                                           "served" + self._log_tail(w.slot))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router workers did not start in {timeout:.0f} s" + self._log_tail(0))
+                await asyncio.sleep(0.05)
+        except BaseException:
+            await self.stop()  # no worker left behind, the port released
+            raise
         self._tasks = [asyncio.create_task(self._supervise(), name="router-workers"),
                        asyncio.create_task(self._push_loop(), name="router-workers-state")]
 
@@ -349,7 +359,7 @@ class RouterWorkers:
                 if self.workers.get(w.slot) is w:
                     self.pool.take_report(w.slot, WorkerReport.from_json(msg["report"]))
             elif t == "admin":
-                asyncio.create_task(self._admin(w, msg))
+                self._background(self._admin(w, msg))
             elif t == "metrics":
                 fut = self._pending.pop(msg["id"], None)
                 if fut is not None and not fut.done():
@@ -386,6 +396,8 @@ class RouterWorkers:
                 got[slot] = await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
                 pass  # a worker that just died: its counters are gone with it
+        for k in [k for k, f in self._pending.items() if f in asks.values()]:
+            self._pending.pop(k, None)
         return got
 
     def _broadcast(self, state: PoolState) -> None:
@@ -412,10 +424,13 @@ class RouterWorkers:
                 self.workers.pop(slot, None)
                 self.pool.worker_gone(slot)
                 lived = time.monotonic() - w.started
-                self._backoff[slot] = 0.2 if lived > 30 else min(10.0, self._backoff[slot] * 2)
+                if lived > 30:  # not a crash loop: start again at the shortest wait
+                    self._backoff[slot] = 0.2
+                delay = self._backoff[slot]
+                self._backoff[slot] = min(10.0, delay * 2)
                 log.warning("router worker %d (pid %d) exited with %s after %.1f s; starting it again in %.1f s",
-                            slot, w.proc.pid, code, lived, self._backoff[slot])
-                asyncio.create_task(self._respawn(slot, self._backoff[slot] if lived < 30 else 0.2))
+                            slot, w.proc.pid, code, lived, delay)
+                self._background(self._respawn(slot, delay))
             await asyncio.sleep(0.05)
 
     async def _respawn(self, slot: int, delay: float) -> None:
@@ -428,7 +443,7 @@ class RouterWorkers:
         except Exception:  # noqa: BLE001 - tried again by the supervisor's next round
             log.exception("router worker %d: could not start", slot)
             await asyncio.sleep(1.0)
-            asyncio.create_task(self._respawn(slot, 0.0))
+            self._background(self._respawn(slot, 0.0))
 
     def status(self) -> list[dict[str, Any]]:
         return [{"slot": s, "pid": w.proc.pid, "ready": w.ready, "restarts": self.restarts[s]}
@@ -438,7 +453,7 @@ class RouterWorkers:
         """Stop the workers (SIGTERM: each finishes its requests and publishes its capture), then publish
         what any of them left, and release the socket."""
         self.stopping = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._bg]:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for w in self.workers.values():
