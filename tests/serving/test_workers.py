@@ -141,6 +141,7 @@ def replicas():
         yield (ra, a), (rb, b)
 
 
+@pytest.mark.services  # worker processes: seconds each to start
 def test_two_workers_answer_share_one_pool_and_capture_all_across_a_kill(tmp_path, replicas):
     """One stack (a worker start costs seconds): both workers answer, every answer is captured once; a
     drain through one is seen by the other; a worker killed under load is started again and every
