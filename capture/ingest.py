@@ -549,15 +549,37 @@ def _exact_hashes(hashes: pa.Array, ex: _Exchange, offsets: pa.Array, t_from: pa
     a row kept exactly is never stitched away into a longer row that would lose it: each such
     request stays its own example. It can still stand for plain rows that are its prefixes.
     """
-    offs = offsets.to_numpy(zero_copy_only=False)
+    # Vectorized: each exact row's turns, then its exchange as more turns, laid out by one take
+    # and hashed natively (a Python content_hash a row cost more than decoding the row in C).
+    exact = np.asarray(ex.exact, dtype=np.int64)
+    m, k = len(exact), len(EXCHANGE_COLUMNS) + 1
+    rows = pa.array(exact, pa.int64())
+    fields = [pa.nulls(m, pa.string()).fill_null("")]
+    for name in EXCHANGE_COLUMNS:
+        col = ex.columns[name].take(rows)
+        if not pa.types.is_string(col.type):  # token ids: json.dumps of the list
+            col = pc.binary_join_element_wise("[", pc.binary_join(pc.cast(col, pa.list_(pa.string())), ", "), "]", "")
+        fields.append(pc.fill_null(col, ""))
+    n_turns = len(t_value)
+    # The added turns of exact row j are n_turns + j * k ... + k - 1 of the concatenation below.
+    order = (np.arange(k, dtype=np.int64)[None, :] * m + np.arange(m, dtype=np.int64)[:, None]).ravel()
+    added_value = pa.concat_arrays([f.cast(pa.string()) for f in fields]).take(pa.array(order))
+    added_from = pa.array(["\x1fexchange", *EXCHANGE_COLUMNS] * m, pa.string())
+    offs = offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = np.empty(2 * m, dtype=np.int64)
+    lens = np.empty(2 * m, dtype=np.int64)
+    starts[0::2], lens[0::2] = offs[exact], offs[exact + 1] - offs[exact]
+    starts[1::2], lens[1::2] = n_turns + np.arange(m, dtype=np.int64) * k, k
+    seg_at = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    idx = np.repeat(starts - seg_at, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    take = pa.array(idx, pa.int64())
+    frm = pa.concat_arrays([t_from.cast(pa.string()), added_from]).take(take)
+    val = pa.concat_arrays([t_value.cast(pa.string()), added_value]).take(take)
+    row_offs = np.concatenate(([0], np.cumsum(lens[0::2] + k))).astype(np.int32)
+    got = content_hashes(pa.array(row_offs, pa.int32()), frm, val).to_pylist()
     out = hashes.to_pylist()
-    frm, val = t_from.to_pylist(), t_value.to_pylist()
-    extra = {k: ex.columns[k].to_pylist() for k in EXCHANGE_COLUMNS}
-    for r in ex.exact:
-        a, b = int(offs[r]), int(offs[r + 1])
-        fields = [(k, "" if extra[k][r] is None else extra[k][r] if isinstance(extra[k][r], str)
-                   else json.dumps(extra[k][r])) for k in EXCHANGE_COLUMNS]
-        out[r] = content_hash([*zip(frm[a:b], val[a:b]), ("\x1fexchange", ""), *fields])
+    for j, r in enumerate(ex.exact):
+        out[r] = got[j]
     return pa.array(out, pa.string())
 
 

@@ -302,12 +302,13 @@ def test_synthetic_mix_is_a_third_reasoning_and_tool_calls_built_like_vllm():
             assert all(isinstance(c["function"]["arguments"], str) for c in call)
 
 
-def test_fast_paths_decline_every_whole_exchange_and_agree_on_the_rest():
+def test_msgspec_declines_every_whole_exchange_that_the_c_decoder_decides_as_the_reference():
     lines = [line.encode() for line in synth_lines(1500, seed=9)]
     for line in lines[:300]:
         assert same(line)
-    decided_native, decided_msgspec = check(lines, hour=T0, exact=True)
-    assert decided_native == decided_msgspec
+    # check: the rows both fast paths decide alike, the ones only the C decoder decides as the reference.
+    decided_native, decided_msgspec = check(lines, hour=T0)
+    assert decided_native == len(lines) > decided_msgspec
     chunk = msgspec_chunk(lines)
     structured = set()
     for i, line in enumerate(lines):
