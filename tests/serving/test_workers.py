@@ -172,6 +172,11 @@ def test_two_workers_answer_share_one_pool_and_capture_all_across_a_kill(tmp_pat
             assert c.post(w.url + "/admin/drain", json={"url": ra.url},
                           headers={"Authorization": "Bearer wrong"}).status_code == 403
             metrics = c.get(w.url + "/metrics").text
+            # Bad input keeps its answers in a worker.
+            assert c.post(w.url + "/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"}).status_code == 400
+            assert c.post(w.url + "/v1/chat/completions", content=b"x" * (9 << 20)).status_code == 413
+            assert c.post(w.url + "/admin/drain", content=b"x" * (9 << 20), headers=AUTH).status_code == 413
         assert 'worker="0"' in metrics and 'worker="1"' in metrics
 
         # kill -9 worker 0 while it has requests in flight.
