@@ -842,7 +842,8 @@ static int write_calls(const Exchange *ex, const int *order, Buf *out, int prett
                 if (c->fn_keys[f] == 0)
                     TRY(json_canon_text(c->name.ptr, c->name.len, out));
                 else
-                    TRY(json_canon_text(c->arguments.data, c->arguments.len, out));
+                    TRY(json_canon_text(c->arguments.data ? c->arguments.data : (const uint8_t *)"", c->arguments.len,
+                                        out));
             }
             TRY(put_lit(out, "}"));
         }
