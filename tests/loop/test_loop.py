@@ -69,7 +69,9 @@ def loop(tiny_model: Path, mlflow_server, tmp_path_factory):
                   "device": "cpu", "seed": 0},
         bench={"concurrencies": [1], "max_prompts": 3, "max_tokens": 8, "rounds": 1},
         controller={"poll_seconds": 1.0},
-        serving={"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN, "max_model_len": 512})
+        serving={"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN, "max_model_len": 512,
+                 # Eager engines start about a minute sooner; compiled mode is the demo e2e test's.
+                 "vllm_args": ["--enforce-eager"]})
     cfg = load_config(overrides=over)
     stack = ServingStack(cfg, head_dir=live, target_dir=tiny_model, capture_dest="")
     stack.start()
@@ -181,7 +183,10 @@ def test_killed_cycle_rerun_yields_exactly_one_version(loop):
     from loop.cycle import load_state, run_cycle
     from rollout.registry import Registry
 
-    cfg = cfg_for(loop, "drafter-kill")
+    # Measured step times make each cycle propose its candidate's K per batch size (evaluation.spec_k).
+    steps = loop.dir / "step_times.json"
+    steps.write_text(json.dumps({f"{b}x{k}": 0.01 * (1 + k * b / 8) for b in (1, 8) for k in range(4)}))
+    cfg = cfg_for(loop, "drafter-kill", bench={"step_times": str(steps)})
     path = loop.dir / "kill.toml"
     path.write_text(dump_toml(cfg))
     ctx = mp.get_context("spawn")
@@ -197,6 +202,9 @@ def test_killed_cycle_rerun_yields_exactly_one_version(loop):
     assert out["complete"]
     vs = reg.versions()
     assert [v.version for v in vs] == [out["version"]]
+    schedule = out["proposed_k_per_batch_size"]
+    assert schedule and schedule[0][0] == 1 and schedule[-1][1] == 8 and all(0 <= k <= 3 for *_, k in schedule)
+    assert json.loads(vs[0].tags["proposed_k_per_batch_size"]) == schedule
     assert len(reg.client.search_runs([reg.experiment_id()])) == 1
 
 
