@@ -13,8 +13,10 @@ Two implementations of the same rules (:mod:`capture.rules`) do the decoding:
 * the C decoder of :mod:`capture.native` (:func:`decode_chunk`; :func:`decode_block` takes a
   block of raw lines and splits them in C), which writes Arrow buffers directly;
 * msgspec's typed decoders in a Python loop (:func:`decode_chunk_msgspec`), the fallback
-  where the native module is unavailable and the oracle the C decoder is tested against: the
-  C decoder declines at least every line this loop declines, and decides the rest alike.
+  where the native module is unavailable and the oracle the C decoder is tested against: every
+  line both decide comes out alike. Whole exchanges (reasoning, tool calls, token ids: the
+  :data:`STRUCTURED` columns) only the C decoder decides; this loop declines them to the
+  reference, and the tests compare the C decoder's rows of them with the reference's.
 
 Which one runs is :mod:`capture.backend`'s choice.
 """
@@ -48,8 +50,8 @@ ROW_SCHEMA = pa.schema([SCHEMA.field(name) for name in (
     "line_no", "conversations", "event_id", "inference_id", "inference_time", "format", "raw", "model",
     "temperature", "top_p", "max_tokens", "messages", "tools", "tool_choice", "chat_template_kwargs", "finish_reason",
     "prompt_token_ids", "output_token_ids", "dt")])
-# What the fast paths leave null: they decline every exchange the reference keeps whole (see
-# capture.formats.Answer), so only the reference fills these.
+# The whole exchange (see capture.formats.Answer): filled by the reference and the C decoder; the
+# msgspec path declines every exchange the reference keeps whole, so it leaves them null.
 STRUCTURED = ("messages", "tools", "tool_choice", "chat_template_kwargs", "prompt_token_ids", "output_token_ids")
 
 
@@ -780,7 +782,7 @@ def rows_batch(*, line_no: list[int] | pa.Array, offsets: list[int] | pa.Array, 
         elif f.name == "dt":
             arrays.append(when.cast(pa.date32()))
         elif f.name in STRUCTURED and cols.get(f.name) is None:
-            arrays.append(pa.nulls(len(when), f.type))  # a fast path's rows: none of them structured
+            arrays.append(pa.nulls(len(when), f.type))  # the msgspec path's rows: none of them structured
         else:
             arrays.append(_array(cols[f.name], f.type))
     return pa.RecordBatch.from_arrays(arrays, schema=ROW_SCHEMA)

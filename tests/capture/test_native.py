@@ -1,8 +1,9 @@
-"""The native decoder and hash (capture/_native) agree with the msgspec batch path and hashlib.
+"""The native decoder and hash (capture/_native) agree with the msgspec batch path, the reference and hashlib.
 
-The C decoder may decline more lines than the msgspec batch path (they only go the slower
-per-line way), but every line it accepts or skips must come out exactly as the msgspec
-path makes it. A seeded corpus of mutated lines probes the strictness rules.
+Every line both fast paths decide must come out alike; the C decoder may decline more (they
+only go the slower per-line way). Whole exchanges (reasoning, tool calls, token ids) the msgspec
+path declines and the C decoder decides: those must come out as the reference decoder makes
+them (tests.capture_support.check). A seeded corpus of mutated lines probes the strictness rules.
 """
 
 from __future__ import annotations
