@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,9 +383,13 @@ def in_own_process(step: str, cx: Cycle, state: dict[str, Any], ranks: int = 1) 
             proc.wait()
             raise
     if proc.returncode != 0 or not out_path.is_file():
-        lines = log_path.read_text(errors="replace").splitlines()[-15:]
+        lines = log_path.read_text(errors="replace").splitlines()
+        tail = lines[-15:]
+        if ranks > 1:  # torchrun's own summary ends the log: put the ranks' exceptions first
+            raised = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception): ", ln)]
+            tail = list(dict.fromkeys(raised))[-5:] + tail
         raise CycleError(f"step {step!r} in its own process exited with code {proc.returncode} "
-                         f"({log_path}):\n" + "\n".join(lines))
+                         f"({log_path}):\n" + "\n".join(tail))
     out = json.loads(out_path.read_text())
     out_path.unlink()
     return out

@@ -284,3 +284,26 @@ def test_the_step_worker_reads_its_config_from_the_environment_and_only_rank_0_a
         assert step_worker.main(["train", "c1", str(out)]) == 0
         assert out.is_file() == (rank == "0")
     assert seen == [cfg.state_dir] * 2 and json.loads((tmp_path / "out0.json").read_text()) == {"ok": 1}
+
+
+def test_the_train_step_under_torchrun_starts_its_ranks_and_says_why_they_failed(tmp_path):
+    """The real launch (2 gloo ranks, about 10 s): each rank reads the config from its environment and the
+    cycle from the store; here they fail (no snapshot yet) and the step's error names why, not only
+    torchrun's summary; the config's secret is nowhere on disk."""
+    from loop import cycle
+    from tests.config_support import make_cfg
+
+    cx = cycle.Cycle(make_cfg(tmp_path, serving={"admin_token": "a-secret-token-of-the-pool"},
+                              training={"gpus": 2, "device": "cpu"}))
+    state = cx.load_state("c1")
+    cx.save_state(state)
+    try:
+        cycle.step_train(cx, state, cycle.CycleOptions())
+        raise AssertionError("the ranks trained without a snapshot")
+    except cycle.CycleError as exc:
+        msg = str(exc)
+    assert "exited with code 1" in msg and "step 'snapshot' has not run in cycle c1" in msg.splitlines()[1]
+    log = (cx.dir("c1") / "train.log").read_text()
+    assert log.count("step 'snapshot' has not run in cycle c1") >= 2 and "local_rank: 1" in log  # both ranks ran
+    assert not any("a-secret-token-of-the-pool" in p.read_text(errors="replace")
+                   for p in cx.dir("c1").rglob("*") if p.is_file())
