@@ -48,7 +48,8 @@ def stderr_log(t0: float) -> Log:
 
 
 def demo_config(cfg: Config) -> Config:
-    """The demo's own config: the user's, with state in ``<state_dir>/demo`` and the bench sized by ``[demo]``.
+    """The demo's own config: the user's, with state in ``<state_dir>/demo`` and the bench sized by ``[demo]``
+    (its engines eager unless ``[bench] vllm_args`` says otherwise).
 
     Swaps are admin actions and the router refuses them without a token, so when none is
     configured the demo makes a one-off token for its own pool and controller. The bench
@@ -60,8 +61,10 @@ def demo_config(cfg: Config) -> Config:
     token = cfg.serving.resolved_admin_token() or secrets.token_urlsafe(24)
     return load_config(cfg.source_file, overrides={
         "state_dir": str(Path(cfg.state_dir) / "demo"), "serving": {"admin_token": token},
+        # The bench engines start for every cycle's bench (they hold no memory while training runs):
+        # eager, they start in a third of the compiled time; both arms share each engine.
         "bench": {"concurrencies": d.bench_concurrencies, "max_tokens": d.bench_max_tokens,
-                  "nospec_reference": True}})
+                  "nospec_reference": True, "vllm_args": cfg.bench.vllm_args or ["--enforce-eager"]}})
 
 
 # The KV cache the demo's engines need, in tokens: every sequence of its traffic at once (a user turn of at

