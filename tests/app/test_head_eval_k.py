@@ -19,7 +19,7 @@ def test_step_times_from_a_learning_curve_result_give_a_k_per_batch_size(tmp_pat
     result.write_text(json.dumps({"k_choice": {"step_seconds": times}}))
     got = _k_choice(head, result, [0.5, 0.2], None, target)
     assert [(c["batch_size"], c["k"]) for c in got["per_batch_size"]] == [(1, 2), (64, 0)]
-    assert got["schedule"] == [(1, 63, 2), (64, 64, 0)]
+    assert got["schedule"] == [[1, 63, 2], [64, 64, 0]]  # as --json prints it
     # a bare {"BxK": seconds} file reads the same
     bare = tmp_path / "times.json"
     bare.write_text(json.dumps(times))
