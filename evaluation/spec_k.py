@@ -142,3 +142,12 @@ def propose(rate_per_pos: Sequence[float], step_seconds: Mapping[tuple[int, int]
     sizes = sorted({b for b, _ in step_seconds})
     choices = best_k(rate_per_pos, verification_cost(step_seconds, head_layers, target_layers), sizes)
     return KProposal(choices, per_batch_size_schedule(choices))
+
+
+def propose_for_head(rate_per_pos: Sequence[float], step_times: str | Path, head_dir: str | Path,
+                     target_dir: str | Path) -> KProposal:
+    """:func:`propose` for the head in ``head_dir`` on the target in ``target_dir`` (their layer counts from
+    their ``config.json``), from the step times in ``step_times`` (:func:`load_step_seconds`)."""
+    head_layers = json.loads((Path(head_dir) / "config.json").read_text()).get("num_hidden_layers", 1)
+    target_layers = json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"]
+    return propose(rate_per_pos, load_step_seconds(step_times), head_layers, target_layers)

@@ -397,12 +397,10 @@ def in_own_process(step: str, cx: Cycle, state: dict[str, Any], ranks: int = 1) 
 
 def k_proposal(cfg: Config, head_dir: Path, rate_per_pos: list[float]):
     """The K per batch size a head with ``rate_per_pos`` supports on the target ([bench] step_times)."""
-    from evaluation.spec_k import load_step_seconds, propose
+    from evaluation.spec_k import propose_for_head
 
-    head_layers = json.loads((head_dir / "config.json").read_text()).get("num_hidden_layers", 1)
-    target_layers = json.loads((_target(cfg) / "config.json").read_text())["num_hidden_layers"]
     try:
-        return propose(rate_per_pos, load_step_seconds(cfg.bench.step_times), head_layers, target_layers)
+        return propose_for_head(rate_per_pos, cfg.bench.step_times, head_dir, _target(cfg))
     except (OSError, ValueError, KeyError) as exc:
         raise CycleError(f"[bench] step_times {cfg.bench.step_times}: {exc}") from exc
 

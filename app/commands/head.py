@@ -91,12 +91,10 @@ def eval_cmd(
 
 def _k_choice(head: Path, path: Path, rates: list[float], cfg, target: Optional[Path]) -> dict:
     """The best K per batch size from ``path``'s measured step times and this head's per-position acceptance."""
-    from evaluation.spec_k import load_step_seconds, propose
+    from evaluation.spec_k import propose_for_head
 
     try:
-        head_layers = json.loads((head / "config.json").read_text()).get("num_hidden_layers", 1)
-        target_layers = json.loads((_target(cfg, target) / "config.json").read_text())["num_hidden_layers"]
-        return propose(rates, load_step_seconds(path), head_layers, target_layers).to_json()
+        return propose_for_head(rates, path, head, _target(cfg, target)).to_json()
     except (OSError, ValueError, KeyError, AttributeError) as exc:
         fail(f"--step-times {path}: {error_text(exc)}")
 
