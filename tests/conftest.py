@@ -50,6 +50,17 @@ def _mlflow_client_env():
             os.environ[k] = v
 
 
+# Each test's phases as they finish, appended to $ADAPT_TEST_TIMES when set (.ci/run sets it), so a
+# run stopped by CI's time limit still says where its minutes went (--durations prints only at the end).
+_TEST_TIMES = os.environ.get("ADAPT_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    if _TEST_TIMES and report.duration >= 0.5:
+        with open(_TEST_TIMES, "a", encoding="utf-8") as f:
+            f.write(f"{report.duration:.1f}\t{report.when}\t{report.nodeid}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
