@@ -340,13 +340,11 @@ class Demo:
                              training={"max_steps": steps, "max_minutes": minutes})
         cycle_id, cx = new_cycle_id(), Cycle(cfg)
         for step in STEPS:  # step by step, as the DAG runs them
-            if self.engines is not None and step == "train":
-                self.engines.down(finish_starting=True)  # the trainer takes their room (and their cores)
-            if self.engines is not None and step == "bench" and bench_runs(cx.load_state(cycle_id)):
-                self.engines.up()
+            if self.engines is not None:
+                self.engines.before(step, lambda: bench_runs(cx.load_state(cycle_id)))
             run_step(cfg, cycle_id, step, self.opts, cx)
-            if self.engines is not None and step == "bench":
-                self.engines.down()
+            if self.engines is not None:
+                self.engines.after(step)
         c = summary(cfg, cycle_id, cx)
         self.log(f"{key}: version {c['version']} {c['verdict']}: {c['reason']}")
         if c["artifacts"].get("head_sha256"):
@@ -421,8 +419,20 @@ class BenchEngines:
     every start compiles again (about 80 s per engine on 2 quiet cores, docs/benchmarks.md).
     """
 
-    def __init__(self, replicas: list, log: Log) -> None:
-        self.replicas, self.log = replicas, log
+    def __init__(self, replicas: list, log: Log, stay_up: bool = False) -> None:
+        self.replicas, self.log, self.stay_up = replicas, log, stay_up  # stay_up: [demo] bench_engines_stay_up
+
+    def before(self, step: str, bench_runs: Callable[[], bool]) -> None:
+        """Before a cycle's step: down for training (the trainer takes their room and cores), up for a
+        benchmark that runs."""
+        if step == "train" and not self.stay_up:
+            self.down(finish_starting=True)
+        if step == "bench" and bench_runs():
+            self.up()
+
+    def after(self, step: str) -> None:
+        if step == "bench" and not self.stay_up:
+            self.down()
 
     def start(self) -> None:
         for r in self.replicas:
@@ -653,7 +663,7 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
                            root / "serving" / "logs" / "bench-replica.log")
     nospec = ReplicaProcess(bench_replica_spec(cfg.serving, k, target, None, model, concs, cfg.bench),
                             root / "serving" / "logs" / "bench-nospec-replica.log")
-    engines = BenchEngines([bench, nospec], log)
+    engines = BenchEngines([bench, nospec], log, stay_up=d.bench_engines_stay_up)
     stack = ServingStack(cfg, head_dir=cold, target_dir=target)
     try:
         log(f"setup: starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port}")

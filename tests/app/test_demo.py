@@ -98,7 +98,10 @@ def test_demo_shows_promotion_refusal_and_rollback_on_the_tiny_target(model_cach
                  "tool_prompts": 3, "heldout_fraction": 1 / 3, "max_turns": 1, "max_turn_chars": 400,
                  "max_tokens": 24, "concurrency": 4, "gap_seconds": 2, "bootstrap_steps": 20, "nightly_steps": 1,
                  "adapt_steps": 20, "train_minutes": 1, "nightly_minutes": 1, "bench_concurrencies": [1],
-                 "bench_max_tokens": 16},
+                 "bench_max_tokens": 16,
+                 # Started once for the whole run (the stop-per-benchmark policy: the test above and the
+                 # real demo): the suite's minutes, not memory, are short here.
+                 "bench_engines_stay_up": True},
     })
     cfg_file = tmp_path / "demo.toml"
     cfg_file.write_text(dump_toml(cfg))
@@ -300,6 +303,23 @@ def test_bench_engines_are_up_only_for_a_benchmark_that_runs():
     engines.up()  # already up: waited for, not started twice
     engines.down()
     assert a.calls == b.calls == ["start", "healthy", "stop", "start", "healthy", "healthy", "stop"]
+
+    # A cycle's steps: down for training, up only for a benchmark that runs, down after it ...
+    for runs in (True, False):
+        a.calls, b.calls = [], []
+        engines.start()
+        for step in ("train", "bench"):
+            engines.before(step, lambda: runs)
+            engines.after(step)
+        assert a.calls == ["start", "healthy", "stop"] + (["start", "healthy", "stop"] if runs else ["stop"])
+    # ... or, with [demo] bench_engines_stay_up, started once and never stopped by a cycle.
+    kept = BenchEngines([Fake()], lambda m: None, stay_up=True)
+    fake = kept.replicas[0]
+    kept.start()
+    for step in ("train", "bench", "train", "bench"):
+        kept.before(step, lambda: True)
+        kept.after(step)
+    assert fake.calls == ["start", "healthy", "healthy"] and fake.up
 
     live = {"base": {"live_path": "live"}}
     assert not bench_runs({"steps": {"base": {"live_path": None}}})  # bootstrap against nothing
