@@ -64,7 +64,9 @@ def gated(tmp_path_factory, model_cache):
         "serving": {"replicas": 1, "base_port": base, "router_port": router, "admin_token": TOKEN,
                     # Eager engines start about a minute sooner (both arms alike); compiled mode is the demo's.
                     "max_model_len": 1024, "vllm_args": ["--enforce-eager"]},
-        "bench": {"concurrencies": [1, 2], "max_prompts": 16, "max_tokens": 32, "rounds": 2},
+        # One concurrency: the gate's rule is the same at every one (tests/loop/test_gate.py), and each
+        # more doubles the bench's minutes.
+        "bench": {"concurrencies": [1], "max_prompts": 16, "max_tokens": 32, "rounds": 2},
         # On a loaded machine one attempt may not tell; the cycle then measures again and pools, as in
         # production (each look at Pocock's level for 4 looks, so the false-promotion rate stays 5%).
         "gate": {"max_attempts": 4},
@@ -114,7 +116,7 @@ def test_a_clearly_better_candidate_is_promoted_and_served(gated):
     assert out["verdict"] == "passed" and out["promoted"], out["reason"]
     d = b.differences
     assert d.mean_acceptance_length.lo > 0.2  # trained on the target's own text: far better drafts
-    assert all(d.tok_per_s(c).lo > 0 for c in (1, 2))
+    assert d.tok_per_s(1).lo > 0
     assert d.tok_per_s(1).clusters >= cfg.gate.min_clusters
     assert served(gated["stack"]) == {out["artifacts"]["head_sha256"]}
     gated["production"] = out
