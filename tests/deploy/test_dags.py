@@ -304,6 +304,8 @@ def test_the_train_step_under_torchrun_starts_its_ranks_and_says_why_they_failed
         msg = str(exc)
     assert "exited with code 1" in msg and "step 'snapshot' has not run in cycle c1" in msg.splitlines()[1]
     log = (cx.dir("c1") / "train.log").read_text()
-    assert log.count("step 'snapshot' has not run in cycle c1") >= 2 and "local_rank: 1" in log  # both ranks ran
+    # Both ranks started (torchrun's summary names rank 1 whether it failed on its own or was stopped
+    # when rank 0 failed first, before writing its error: which one wins is a race).
+    assert "step 'snapshot' has not run in cycle c1" in log and "local_rank: 1" in log
     assert not any("a-secret-token-of-the-pool" in p.read_text(errors="replace")
                    for p in cx.dir("c1").rglob("*") if p.is_file())
