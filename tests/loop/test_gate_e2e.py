@@ -199,7 +199,7 @@ def test_an_in_place_swap_drafts_as_on_a_fresh_cache(gated):
     admin = stack.pool.replicas[0].admin
     rng = random.Random(7)
     # ~600 tokens each: four full 128-token CPU blocks, of which vLLM reuses all but the last for EAGLE
-    texts = [" ".join(rng.choice(WORDS) for _ in range(420)) for _ in range(8)]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(420)) for _ in range(4)]
     heads = {"cold": gated["cold"], "trained": Path(prod["artifacts"]["head"])}
     sha = {k: validate_head(v).sha256 for k, v in heads.items()}
     try:
