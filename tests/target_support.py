@@ -30,18 +30,22 @@ def self_answered(runner: TargetRunner, n: int, seed: int, max_new: int = 48) ->
     return rows
 
 
-def serve_greedy(server, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], SpecDelta]:
-    """Each prompt's greedy completion (token ids, ``max_new`` of them) from a replica serving as
-    ``target``, and the spec-decode counters those requests moved."""
-    before = SpecSnapshot.from_text(server.metrics())
+def serve_greedy(server, prompts: list[list[int]], max_new: int,
+                 model: str = "target") -> tuple[list[list[int]], SpecDelta]:
+    """Each prompt's greedy completion (token ids, ``max_new`` of them) from one replica (anything with
+    a ``url``) serving as ``model``, and the spec-decode counters those requests moved."""
+    def counters() -> SpecSnapshot:
+        return SpecSnapshot.from_text(httpx.get(server.url + "/metrics", timeout=60).text)
+
+    before = counters()
     outs = []
     for p in prompts:
         r = httpx.post(server.url + "/v1/completions", timeout=180, json={
-            "model": "target", "prompt": p, "max_tokens": max_new, "temperature": 0,
+            "model": model, "prompt": p, "max_tokens": max_new, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
         r.raise_for_status()
         outs.append(r.json()["choices"][0]["token_ids"])
-    return outs, SpecSnapshot.from_text(server.metrics()).minus(before)
+    return outs, counters().minus(before)
 
 
 def qwen3_chat_model(model_cache) -> Path:
@@ -59,11 +63,10 @@ def served_head(server, head: Path):
     sha256 it serves."""
     from headspec.validate import validate_head
 
-    def swap(to: Path) -> dict:
+    def swap(to: Path) -> None:
         want = validate_head(to).sha256
         got = asyncio.run(server.admin.load_head(str(to), None, want))
         assert got["sha256"] == want, got
-        return got
 
     swap(head)
     try:

@@ -286,18 +286,7 @@ def test_failure_on_second_replica_rolls_back_the_first(stack, heads):
     assert stack.pool.current_head["sha256"] == before[stack.pool.replicas[0].url]["sha256"]
 
 
-def per_position(url: str, prompts: list[list[int]]) -> list[float]:
-    """Accepted drafts per position over greedy token-id ``prompts`` sent one by one to one replica."""
-    from serving.metrics import SpecSnapshot
-
-    before = SpecSnapshot.from_text(httpx.get(url + "/metrics", timeout=60).text)
-    for p in prompts:
-        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": MASK_NEW,
-                                                  "temperature": 0, "ignore_eos": True}, timeout=120).raise_for_status()
-    after = SpecSnapshot.from_text(httpx.get(url + "/metrics", timeout=60).text)
-    return after.minus(before).per_pos
-
-
+# Tokens generated per prompt in the mask-state test (offline and served alike).
 MASK_NEW = 48
 
 
@@ -313,6 +302,7 @@ def test_hot_swap_drafts_with_the_new_mask_state_and_leaves_target_alone(stack, 
     from adapt.hidden_states import TargetRunner
     from evaluation.offline import estimate_acceptance
     from headspec.validate import validate_head
+    from tests.target_support import serve_greedy
 
     r = stack.pool.replicas[0]
     adm = r.admin
@@ -339,7 +329,7 @@ def test_hot_swap_drafts_with_the_new_mask_state_and_leaves_target_alone(stack, 
     for h in ("mA", "mB"):
         info = stack.run_coro(adm.load_head(str(heads[h]), h, None), 120)
         assert info["version"] == h and info["path"] == str(heads[h]) and info["swaps"] >= 1
-        got[h] = per_position(r.url, prompts)
+        got[h] = serve_greedy(r, prompts, MASK_NEW, model=MODEL)[1].per_pos
     assert len(got["mB"]) == len(want) == 3
     for o, v in zip(want, got["mB"]):  # the offline/vLLM tolerance of test_head_vllm.py
         assert abs(o - v) <= max(2, 0.05 * v), (got, want)
