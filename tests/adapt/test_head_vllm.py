@@ -12,7 +12,6 @@ d2t at start: tests/targets/test_architectures.py.
 from __future__ import annotations
 
 import random
-import time
 
 import httpx
 import pytest
@@ -23,8 +22,7 @@ from adapt.checkpoint import init_random_head, load_head, save_head
 from adapt.hidden_states import TargetRunner
 from evaluation.offline import all_step_inputs, estimate_acceptance
 from headspec.validate import validate_head
-from serving.metrics import SpecSnapshot
-from tests.target_support import served_head
+from tests.target_support import serve_greedy, served_head
 
 K = 3
 MAX_NEW = 40
@@ -88,15 +86,6 @@ def spec_server(trained, vllm_server):
         yield server
 
 
-def _complete(server, prompt_ids: list[int]) -> list[int]:
-    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-        "model": "target", "prompt": prompt_ids, "max_tokens": MAX_NEW, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True,
-    })
-    r.raise_for_status()
-    return r.json()["choices"][0]["token_ids"]
-
-
 def test_trained_head_is_valid(trained, tiny_model):
     head, _, _ = trained
     info = validate_head(head, tiny_model)
@@ -106,12 +95,10 @@ def test_trained_head_is_valid(trained, tiny_model):
 
 def test_vllm_serves_head_and_matches_offline_acceptance(trained, spec_server):
     head, runner, prompts = trained
-    before = SpecSnapshot.from_text(spec_server.metrics())
-    for p in prompts:
-        got = _complete(spec_server, p)
+    outs, d = serve_greedy(spec_server, prompts, MAX_NEW)
+    for p, got in zip(prompts, outs):
         # Greedy speculative decoding must not change the target's output.
         assert got == runner.greedy(p, MAX_NEW), f"spec-decoded output differs for prompt {p}"
-    d = SpecSnapshot.from_text(spec_server.metrics()).minus(before)
     vllm = {"num_drafts": d.drafts, "num_draft_tokens": d.draft_tokens, "num_accepted_tokens": d.accepted}
     vllm_pos = d.per_pos
     assert vllm["num_drafts"] > 0 and vllm["num_draft_tokens"] == K * vllm["num_drafts"]
