@@ -190,14 +190,15 @@ class Traffic:
 
 
 def wait_captured(stack, expected: int, timeout: float = 60) -> dict[str, int]:
-    """Wait until the router's capture writer has written ``expected`` records in total."""
+    """Wait until the router has published ``expected`` captured records in total, where an ingest reads
+    them (its own writer's, or its workers' journals summed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        counts = dict(stack.writer.counts)
-        if counts["written"] >= expected:
+        counts = dict(stack.capture.counts)
+        if counts["published"] >= expected:
             return counts
         time.sleep(0.5)
-    raise TimeoutError(f"capture wrote {stack.writer.counts['written']} of {expected} records")
+    raise TimeoutError(f"capture published {stack.capture.counts['published']} of {expected} records")
 
 
 def heldout_hours_for(cfg: Config, gap_mid: dt.datetime) -> tuple[float, dict[str, Any]]:

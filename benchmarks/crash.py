@@ -71,11 +71,12 @@ def main() -> int:
     stack.start()
 
     def written() -> int:
+        """Records published so far (router workers' journals too), once what is queued has landed."""
         time.sleep(1.0)
-        while stack.writer.queue.qsize():
+        while stack.capture.queue.qsize():
             time.sleep(0.2)
         time.sleep(1.0)
-        return stack.writer.counts["written"]
+        return stack.capture.counts["published"]
 
     try:
         before = written()

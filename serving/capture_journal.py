@@ -124,6 +124,7 @@ class JournalWriter(CaptureWriter):
     with each record written to this process's journal file when offered (see the module doc).
 
     ``counts["written"]``: records in a journal (in the kernel); ``objects``: journal files published;
+    ``published``: the records in them (an ingest reads those; recovered ones included);
     ``recovered``: records a previous process of this slot left and this one published;
     ``dropped_partial``: records cut by that process's end (their requests were not answered).
     """
@@ -140,7 +141,7 @@ class JournalWriter(CaptureWriter):
         self._path: Path | None = None
         self._n = 0
         self._opened = 0.0
-        self._ready: list[Path] = []
+        self._ready: list[tuple[Path, int]] = []  # closed journal files and their records
         self._wake: asyncio.Event | None = None
 
     # -- request path ------------------------------------------------------------
@@ -181,7 +182,7 @@ class JournalWriter(CaptureWriter):
         os.close(self._fd)
         self._fd = None
         if self._n:
-            self._ready.append(self._path)  # type: ignore[arg-type]
+            self._ready.append((self._path, self._n))  # type: ignore[arg-type]
         elif self._path is not None:
             self._path.unlink(missing_ok=True)
         self._n = 0
@@ -198,6 +199,7 @@ class JournalWriter(CaptureWriter):
         self.counts["recovered"] += records
         self.counts["dropped_partial"] += partial
         self.counts["objects"] += files
+        self.counts["published"] += records
         if files or partial:
             log.warning("capture: published %d record(s) in %d file(s) a previous router worker left in %s "
                         "(%d partial record(s) of unanswered requests dropped)", records, files, self.spool, partial)
@@ -217,7 +219,7 @@ class JournalWriter(CaptureWriter):
 
     async def _publish_ready(self) -> None:
         while self._ready:
-            path = self._ready[0]
+            path, n = self._ready[0]
             try:
                 if self.destination.startswith("s3://"):
                     await asyncio.wait_for(asyncio.to_thread(self.publisher.publish, path), self.write_timeout)
@@ -232,6 +234,7 @@ class JournalWriter(CaptureWriter):
                 return
             self._ready.pop(0)
             self.counts["objects"] += 1
+            self.counts["published"] += n
         self.counts["unpublished"] = 0
 
     async def close(self, timeout: float = 15.0) -> None:

@@ -60,8 +60,10 @@ class CaptureWriter:
         self.batch_size, self.flush_seconds, self.write_timeout = batch_size, flush_seconds, write_timeout
         self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=max_queue)
         self.rng = rng or random.Random()
+        # ``published``: records in objects at the destination, where an ingest reads them (here as soon
+        # as ``written``; a journal writes first and publishes after).
         self.counts = {"offered": 0, "sampled_out": 0, "written": 0, "dropped_queue_full": 0,
-                       "dropped_write_error": 0, "dropped_bad_record": 0, "objects": 0}
+                       "dropped_write_error": 0, "dropped_bad_record": 0, "objects": 0, "published": 0}
         self.last_error: str | None = None
         self._task: asyncio.Task | None = None
         self._s3 = None
@@ -147,6 +149,7 @@ class CaptureWriter:
                 if records:
                     await asyncio.wait_for(asyncio.to_thread(self._write, records), self.write_timeout)
                     self.counts["written"] += len(records)
+                    self.counts["published"] += len(records)
                     self.counts["objects"] += 1
             except Exception as exc:  # noqa: BLE001 - a capture failure must not propagate
                 self.counts["dropped_write_error"] += len(records)

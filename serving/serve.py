@@ -155,6 +155,9 @@ class ServingStack(LoopService):
         self.pool = (SharedPool if cfg.serving.router_workers > 1 else Pool)(verify=tls_verify(cfg.serving.agent_ca_file))
         self.workers: RouterWorkers | None = None
         self.writer: CaptureWriter | None = None
+        # What the router captured, however it routes: this process's writer, or its workers' counts summed.
+        # ``counts["published"]`` is what an ingest can read.
+        self.capture: CaptureWriter | CaptureTotals | None = None
         self.controller: SwapController | None = None
         self.server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task | None = None
@@ -209,7 +212,8 @@ class ServingStack(LoopService):
 
         # With workers, this app answers their admin requests: capture counts are theirs, summed.
         totals = CaptureTotals(self.pool) if n_workers > 1 and self.capture_dest else None  # type: ignore[arg-type]
-        app = create_app(self.pool, writer=self.writer or totals,  # type: ignore[arg-type]
+        self.capture = self.writer or totals
+        app = create_app(self.pool, writer=self.capture,  # type: ignore[arg-type]
                          admin_token=cfg.serving.resolved_admin_token(),
                          swap_handler=swap_handler, capture_token_ids=cfg.serving.capture_token_ids,
                          request_timeout=cfg.serving.upstream_read_timeout_s,

@@ -201,7 +201,7 @@ class CaptureTotals:
     (``/admin/status``, ``/metrics``); the parent captures nothing itself."""
 
     KEYS = ("offered", "sampled_out", "written", "dropped_queue_full", "dropped_write_error",
-            "dropped_bad_record", "objects", "recovered", "dropped_partial", "unpublished")
+            "dropped_bad_record", "objects", "published", "recovered", "dropped_partial", "unpublished")
 
     class _NoQueue:
         @staticmethod

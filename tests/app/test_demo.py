@@ -325,3 +325,16 @@ def test_bench_engines_are_up_only_for_a_benchmark_that_runs():
     assert not bench_runs({"steps": {"base": {"live_path": None}}})  # bootstrap against nothing
     assert bench_runs({"steps": {**live, "evaluate": {"prescreen": None}}})
     assert not bench_runs({"steps": {**live, "evaluate": {"prescreen": {"verdict": "rejected"}}}})
+
+
+def test_the_demo_waits_for_captured_records_an_ingest_can_read():
+    """`written` is a journal's count with router workers; only `published` records reach an ingest."""
+    from types import SimpleNamespace
+
+    from app.demo import wait_captured
+
+    stack = SimpleNamespace(capture=SimpleNamespace(counts={"written": 5, "published": 2}))
+    with pytest.raises(TimeoutError, match="published 2 of 5"):
+        wait_captured(stack, 5, timeout=0.6)
+    stack.capture.counts["published"] = 5
+    assert wait_captured(stack, 5, timeout=0.6)["published"] == 5

@@ -61,7 +61,7 @@ def test_capture_writer_local_layout_sampling_and_drops(tmp_path: Path):
         assert rel[:2] == ("ep", "AllTraffic") and len(rel) == 7  # ep/variant/yyyy/mm/dd/hh/file
         lines = [json.loads(x) for f in files for x in f.read_text().splitlines()]
         assert sorted(x["i"] for x in lines) == list(range(5))
-        assert w.counts["written"] == 5 and w.dropped == 0
+        assert w.counts["written"] == w.counts["published"] == 5 and w.dropped == 0
 
         # 0 % sampling captures nothing.
         w0 = CaptureWriter(str(tmp_path / "none"), "ep", sampling_pct=0)

@@ -222,6 +222,7 @@ def test_journal_recovers_whole_lines_and_publishes_each_once(tmp_path):
 
     w = asyncio.run(first())
     assert not list(dest.rglob("*.jsonl"))  # in the journal only
+    assert w.counts["written"] == 3 and w.counts["published"] == 0  # nothing an ingest can read yet
     part = next(spool.glob("*.part"))
     with open(part, "ab") as f:
         f.write(b'{"req": "req-0-3", "cut by the ki')  # a record whose request was never answered
@@ -235,6 +236,7 @@ def test_journal_recovers_whole_lines_and_publishes_each_once(tmp_path):
 
     w2 = asyncio.run(second())
     assert w2.counts["recovered"] == 3 and w2.counts["dropped_partial"] == 1 and w2.counts["written"] == 1
+    assert w2.counts["published"] == 4  # the recovered records and its own
     assert sorted(captured_tags(dest)) == [b"req-0-0", b"req-0-1", b"req-0-2", b"req-1-0"]
     assert recover(spool, Publisher(str(dest))) == (0, 0, 0)  # nothing left: a second recovery is a no-op
     assert all((p.stat().st_mode & 0o777) == 0o600 for p in dest.rglob("*.jsonl"))
