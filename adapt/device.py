@@ -41,8 +41,12 @@ def use_bf16_autocast(dtype: str, device: torch.device) -> bool:
         return dtype == "bf16"
     if device.type == "cuda":
         return True
-    if device.type != "cpu":
-        return False
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16); elsewhere oneDNN
+    emulates bf16 matmuls, several times slower than fp32 ones."""
     probes = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
     return any(probe is not None and bool(probe()) for probe in probes)
 

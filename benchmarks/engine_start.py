@@ -8,7 +8,7 @@ then replays the same ShareGPT first turns at concurrency 1 and 2 and reports ou
 and mean acceptance length, so the trade-off is read from one run.
 
     python benchmarks/engine_start.py [--target smollm2|tiny|DIR] [--prompts 8] [--max-tokens 64]
-        [--modes compiled eager eager-mp] [--json]
+        [--modes compiled eager eager-mp] [--dtype default bfloat16] [--json]
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--dtype", nargs="+", default=["default"],
+                    help="vLLM --dtype values to run each mode with; 'default': the replica's own choice "
+                         "(serving.replica.host_dtype_args: fp32 on a CPU without native bf16)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -84,23 +87,29 @@ def main() -> int:
     rows = [c.to_row() for c in convs if len(c.user_turns[0]) <= 1000][: args.prompts]
     model = served_name(cfg.target)
     results = {}
-    for mode in args.modes:
-        extra = MODES[mode]
+    for mode, dtype in ((m, d) for d in args.dtype for m in args.modes):
+        extra = MODES[mode] + ([] if dtype == "default" else ["--dtype", dtype])
+        if len(args.dtype) > 1:
+            mode = f"{mode}/{dtype}"
         port = free_ports(1)[0]
         spec = replica_specs(cfg.serving, cfg.head.num_speculative_tokens, target, head, 1, model, base_port=port,
                              extra_args=extra)[0]
-        results[mode] = measure(spec, work / f"{mode}.log", rows, model, args.max_tokens, args.concurrency)
+        log = work / f"{mode.replace('/', '-')}.log"
+        results[mode] = measure(spec, log, rows, model, args.max_tokens, args.concurrency)
         print(f"{mode}: {json.dumps(results[mode])}", file=sys.stderr)
     if args.json:
         print(json.dumps({"target": args.target, "prompts": len(rows), "max_tokens": args.max_tokens,
                           "results": results}, indent=2))
         return 0
-    print(f"{'mode':<10} {'start s':>8} {'procs':>6} {'PSS MiB':>8} "
+    print(f"{'mode':<18} {'start s':>8} {'procs':>6} {'PSS MiB':>8} "
           + " ".join(f"{'tok/s c' + str(c):>12}" for c in args.concurrency))
     for mode, r in results.items():
-        print(f"{mode:<10} {r['start_s']:>8} {r['processes']:>6} {r['pss_mib']:>8} "
+        print(f"{mode:<18} {r['start_s']:>8} {r['processes']:>6} {r['pss_mib']:>8} "
               + " ".join(f"{r[f'c{c}']['output_tok_per_s']:>12}" for c in args.concurrency))
-    for a, b in (("eager", "compiled"), ("eager", "eager-mp")):
+    pairs = [(f"{a}/{d}", f"{b}/{d}") if len(args.dtype) > 1 else (a, b)
+             for d in args.dtype for a, b in (("eager", "compiled"), ("eager", "eager-mp"))]
+    pairs += [(f"{m}/{args.dtype[0]}", f"{m}/{d}") for m in args.modes for d in args.dtype[1:]]
+    for a, b in pairs:
         if a in results and b in results:
             x, y = results[a], results[b]
             print(f"{a} / {b}: start {x['start_s'] / y['start_s']:.2f}x, "

