@@ -412,6 +412,19 @@ def test_bench_two_heads_json_and_plot(stack, heads, tmp_path):
         shutil.copytree(Path(res.plot_path).parent, os.environ["ADAPT_KEEP_BENCH"], dirs_exist_ok=True)
 
 
+def test_shape_change_falls_back_to_rolling_restart_without_failures(stack, heads):
+    """A head of other shapes cannot be loaded in place: each replica is drained and restarted on it in
+    turn, under load, with no request failed."""
+    with SteadyLoad(stack.url, MODEL, workers=2) as load:
+        time.sleep(2)
+        rep = stack.run_coro(stack.controller.swap(str(heads["v128"])), 900)
+        time.sleep(2)
+    assert rep.ok and rep.mode == "restart", rep.error
+    assert "draft_vocab_size" in rep.head["shape_changes"]
+    assert load.failed == [] and load.ok > 5, (load.ok, load.failed[:5])
+    assert {h["sha256"] for h in heads_now(stack).values()} == {rep.head["sha256"]}
+
+
 def test_a_replica_killed_under_load_fails_only_streams_that_had_started(stack):
     """kill -9 of one replica under 8 concurrent clients: every request it held that had not started
     answering is retried on the other, and every answer is captured once. Last: the killed replica is
