@@ -70,7 +70,7 @@ def main() -> int:
                          replica_extra_args=["--enforce-eager"] if args.eager else None)
     stack.start()
 
-    def written() -> int:
+    def published() -> int:
         """Records published so far (router workers' journals too), once what is queued has landed."""
         time.sleep(1.0)
         while stack.capture.queue.qsize():
@@ -79,7 +79,7 @@ def main() -> int:
         return stack.capture.counts["published"]
 
     try:
-        before = written()
+        before = published()
         victim = stack.pool.replicas[-1]
         with SteadyLoad(stack.url, stack.model_name, args.clients, max_seconds=3600, max_tokens=args.max_tokens,
                         completions=False) as load:
@@ -98,7 +98,7 @@ def main() -> int:
                         raise TimeoutError("the pool did not bring the replica back in 30 min")
                 back_s = time.monotonic() - t_kill
             time.sleep(args.settle)
-        captured = written() - before
+        captured = published() - before
         retries = router_retries(stack.url)
     finally:
         stack.stop()

@@ -21,7 +21,7 @@ import httpx
 
 from serving.admin import AgentAdmin, RpcError
 from serving.metrics import SpecSnapshot, afetch_snapshot
-from serving.replica import ReplicaProcess, ReplicaSpec, is_cpu_build
+from serving.replica import ReplicaProcess, ReplicaSpec, cpu_build, has_flag
 from settings.config import BenchConfig, ServingConfig
 
 log = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ def replica_devices(s: ServingConfig, n: int, cpu: bool | None = None) -> list[s
                 raise ValueError(f"[serving] replica_devices entry {d!r} does not hold {tp} GPU(s) "
                                  "(tensor_parallel_size)")
         return list(s.replica_devices[:n])
-    if is_cpu_build() if cpu is None else cpu:
+    if cpu_build(cpu):
         return [None] * n
     tp = tensor_parallel(s)
     return [",".join(str(i * tp + j) for j in range(tp)) for i in range(n)]
@@ -338,7 +338,7 @@ def replica_specs(s: ServingConfig, k: int, target_dir: str | Path, head_dir: st
     port0 = base_port if base_port is not None else s.base_port
     token = control_token or s.resolved_admin_token()
     tp = tensor_parallel(s)
-    in_args = any(a.partition("=")[0] in ("--tensor-parallel-size", "-tp") for a in s.vllm_args)
+    in_args = has_flag(s.vllm_args, "--tensor-parallel-size") or has_flag(s.vllm_args, "-tp")
     devices = replica_devices(s, n, cpu)
     return [ReplicaSpec(target_dir=str(target_dir), head_dir=str(head_dir),
                         num_speculative_tokens=k, port=port0 + i,
@@ -378,13 +378,13 @@ def bench_devices(s: ServingConfig, b: BenchConfig, cpu: bool | None = None) -> 
                 raise ValueError(f"[bench] devices entry {d!r} does not hold {tp} GPU(s) (tensor_parallel_size)")
         spec_dev = b.devices[0]
         nospec_dev = b.devices[1] if len(b.devices) > 1 else b.devices[0]
-    elif is_cpu_build() if cpu is None else cpu:
+    elif cpu_build(cpu):
         return None, None
     else:
         first = s.replicas * tp
         spec_dev = ",".join(str(first + j) for j in range(tp))
         nospec_dev = ",".join(str(first + tp + j) for j in range(tp))
-    if not (is_cpu_build() if cpu is None else cpu):
+    if not cpu_build(cpu):
         pool = set().union(*(_gpus(d) for d in replica_devices(s, s.replicas, False) if d)) if s.replicas else set()
         shared = (_gpus(spec_dev) | _gpus(nospec_dev)) & pool
         shares = (s.gpu_memory_utilization, b.gpu_memory_utilization)

