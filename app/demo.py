@@ -64,7 +64,9 @@ def demo_config(cfg: Config) -> Config:
         # The bench engines start for every cycle's bench (they hold no memory while training runs):
         # eager, they start in a third of the compiled time; both arms share each engine.
         "bench": {"concurrencies": d.bench_concurrencies, "max_tokens": d.bench_max_tokens,
-                  "nospec_reference": True, "vllm_args": cfg.bench.vllm_args or ["--enforce-eager"]}})
+                  "nospec_reference": True, "vllm_args": cfg.bench.vllm_args or ["--enforce-eager"]},
+        # Its minutes leave no room for a bench sized up for power on a busy machine: the default's replays.
+        "gate": {"most_budget": 1.0}})
 
 
 # The KV cache the demo's engines need, in tokens: every sequence of its traffic at once (a user turn of at

@@ -341,23 +341,29 @@ def _noise(results: Sequence[BenchResult], gate: Any) -> dict[str, tuple[float, 
 
 
 def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, available: int, *,
-                  tok_gain: float = 0.10, acceptance_gain: float = 0.10, target: float = 0.8,
-                  most_budget: float = 2.0) -> AttemptSize:
-    """The shape of a cycle's attempts, from the last cycles' benches (``recent``), for ``target`` power.
+                  tok_gain: float = 0.10, acceptance_gain: float = 0.10, target: float | None = None,
+                  most_budget: float | None = None) -> AttemptSize:
+    """The shape of a cycle's attempts, from the last cycles' benches (``recent``), for ``target`` power
+    (default: ``[gate] power_target``) within ``most_budget`` (default: ``[gate] most_budget``).
 
     For a candidate ``tok_gain`` faster and ``acceptance_gain`` tokens better, each shape's
-    power at the last look (every attempt pooled, at ``α / max_attempts``) is predicted from
-    the recent benches' noise (:func:`_noise`). The shapes: the default (``[bench]
-    max_prompts``, ``rounds``, ``group_size``), more prompts per attempt, and one round of
-    twice the prompts instead of replaying each twice, in groups of the configured size or
-    of 2 (more, shorter turns: the machine's noise averages over more of them), up to
-    ``most_budget`` times the default's prompt replays per attempt, and never more prompts
-    than the held-out set has (``available``). The default wins when it reaches ``target``,
+    power at the last look (every attempt pooled, at the last look's level) is predicted from
+    the recent benches' noise (:func:`_noise`): the product of the checks' powers, since a
+    promotion needs all of them. The shapes: the default (``[bench] max_prompts``,
+    ``rounds``, ``group_size``), more prompts per attempt, the same prompts replayed in more
+    rounds (all a small held-out set allows), and one round of twice the prompts instead of
+    replaying each twice, each in groups of the configured size or, where every attempt
+    takes new prompts, of 2 (more, shorter turns: the machine's noise averages over more of
+    them, and a load burst more often spans every arm of a slot), up to ``most_budget`` times the default's prompt replays per
+    attempt, and never more prompts than the held-out set has (``available``). The default
+    wins when it reaches ``target``,
     else the cheapest shape that does (then the one with the fewest turns); when none does,
     the most powerful. Without recent benches the default is what comes out.
     """
     from evaluation.bench import GROUP_CYCLE, prompt_groups
 
+    target = gate.power_target if target is None else target
+    most_budget = gate.most_budget if most_budget is None else most_budget
     default = AttemptSize(bench.max_prompts, bench.rounds, bench.group_size, 1.0)
     noise = _noise(recent, gate)
     if not noise:
@@ -366,13 +372,17 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
     attempts = max(1, gate.max_attempts)
     level = look_level(gate.level, attempts)
     base = bench.max_prompts * bench.rounds
-    shapes: list[tuple[int, int, int]] = [(bench.max_prompts, bench.rounds, bench.group_size)]
+    sizes = sorted({bench.group_size, 2}, reverse=True)
+    shapes: list[tuple[int, int, int]] = [(bench.max_prompts, bench.rounds, m) for m in sizes]
     for f in (1.5, 2.0, 3.0, 4.0):
         if f <= most_budget:
-            shapes.append((int(round(f * bench.max_prompts)), bench.rounds, bench.group_size))
+            for m in sizes:
+                shapes.append((int(round(f * bench.max_prompts)), bench.rounds, m))
+                # the same prompts replayed more often: all a small held-out set allows
+                shapes.append((bench.max_prompts, int(round(f * bench.rounds)), m))
     for f in (1.0, 1.5, 2.0, 3.0, 4.0):
         if f <= most_budget:
-            for m in sorted({bench.group_size, 2}, reverse=True):
+            for m in sizes:
                 shapes.append((int(round(f * base)), 1, m))
 
     def predict(p: int, rounds: int, m: int) -> tuple[float, dict[str, float], int]:
@@ -391,11 +401,15 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
             else:
                 effect = tok_gain - gate.min_throughput_gain
             out[name] = power(effect, math.sqrt(var), j * batches, level) if j * batches >= gate.min_clusters else 0.0
-        return min(out.values()), out, turns
+        return math.prod(out.values()), out, turns  # every check must pass
 
     rows = []
     for p, rounds, m in dict.fromkeys(shapes):
         if p > max(available, bench.max_prompts) or p < 1:
+            continue
+        if m < bench.group_size and available < p * attempts:
+            # Smaller groups only where every attempt brings new ones: a few prompts replayed in small
+            # groups made the t-bound liberal on a busy machine (benchmarks/gate_sim.py); many held it.
             continue
         pw, per, turns = predict(min(p, available) if p == bench.max_prompts else p, rounds, m)
         rows.append((p * rounds / base, turns, pw, per, p, rounds, m))

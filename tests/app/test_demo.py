@@ -23,6 +23,8 @@ def test_demo_has_its_own_state_and_an_admin_token(tmp_path, monkeypatch):
     assert cfg.bench.vllm_args == ["--enforce-eager"] and cfg.serving.vllm_args == base.serving.vllm_args
     chosen = load_config(overrides={"bench": {"vllm_args": ["--max-num-batched-tokens", "4096"]}})
     assert demo_config(chosen).bench.vllm_args == ["--max-num-batched-tokens", "4096"]
+    # Its benches keep the default size: no attempt grown for power (the sizing's cap is the default's replays).
+    assert cfg.gate.most_budget == 1.0 and base.gate.most_budget == 2.0
 
 
 def test_with_overrides_validates(tmp_path, monkeypatch):

@@ -7,6 +7,8 @@ control voiding an attempt, attempts pooled under Pocock's level.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from evaluation.result import Arm, ArmFigures, BenchResult, compare_all
@@ -195,24 +197,31 @@ def test_the_offline_prescreen_never_promotes_and_lets_the_bench_decide_otherwis
 
 def test_the_attempts_are_sized_from_the_last_cycles_noise_within_twice_the_default_budget():
     """A quiet machine keeps the default bench; a noisy one gets more prompts per attempt (new ones for every
-    attempt where the held-out set has them), never more than twice the default's replays, never more prompts
-    than the held-out set holds; with no earlier bench, the default."""
+    attempt where the held-out set has them, in smaller groups only then), or the same prompts replayed more
+    often where the set is small, never more than twice the default's replays, never more prompts than the
+    held-out set holds; the cheapest shape that reaches [gate] power_target, else the most powerful; with no
+    earlier bench, the default."""
     from settings.config import BenchConfig
 
     b = BenchConfig()
     none = size_attempts([], GateConfig(), b, 1000)
     assert (none.prompts, none.rounds, none.group_size, none.budget) == (32, 2, 4, 1.0) and "no earlier" in none.why
     quiet = size_attempts([bench()] * 3, GateConfig(), b, 1000)
-    assert (quiet.prompts, quiet.rounds, quiet.budget) == (32, 2, 1.0) and quiet.power >= 0.8
+    assert (quiet.prompts, quiet.rounds, quiet.budget) == (32, 2, 1.0) and quiet.power >= 0.95
     loud_gain, loud_aa = (16.0, -12.0, 18.0, -10.0, 14.0, -8.0, 12.0, -6.0), (4.0, -5.0, 3.0, -4.0, 5.0, -3.0, 4.0, -4.0)
     loud = bench(gain=loud_gain, aa=loud_aa)
-    busy = size_attempts([loud] * 3, GateConfig(), b, 1000)
-    assert 1.0 < busy.budget <= 2.0 and busy.prompts * busy.rounds > 64 and busy.power >= 0.8
-    assert (busy.prompts, busy.rounds) == (96, 1)  # the cheapest that does: one round of new prompts, 1.5x
-    few = size_attempts([loud], GateConfig(), b, 32)
-    assert (few.prompts, few.budget) == (32, 1.0) and few.power < 0.5  # nothing bigger to replay than 32 prompts
+    busy = size_attempts([loud] * 3, GateConfig(), b, 1000, target=0.8)
+    assert 1.0 < busy.budget <= 2.0 and busy.prompts * busy.rounds > 64 and 0.8 <= busy.power < 0.95
+    assert (busy.prompts, busy.rounds, busy.group_size) == (96, 1, 4)  # the cheapest that does: one round, 1.5x
+    sure = size_attempts([loud] * 3, GateConfig(), b, 1000)  # the default target, 95%: shorter turns too
+    assert (sure.prompts, sure.rounds, sure.group_size, sure.budget) == (128, 1, 2, 2.0) and sure.power >= 0.95
+    assert sure.power == pytest.approx(math.prod(sure.predicted.values()))  # a promotion needs every check
+    few = size_attempts([loud], GateConfig(), b, 32)  # nothing bigger to replay than 32 prompts: more rounds
+    assert (few.prompts, few.rounds, few.group_size, few.budget) == (32, 4, 4, 2.0) and few.power < 0.5
     louder = bench(gain=tuple(1.5 * x for x in loud_gain), aa=tuple(1.5 * x for x in loud_aa))
     most = size_attempts([louder], GateConfig(), b, 1000)
-    assert most.budget == 2.0 and most.power < 0.8 and "no shape within 2x" in most.why  # the most powerful
+    assert most.budget == 2.0 and most.power < 0.95 and "no shape within 2x" in most.why  # the most powerful
+    capped = size_attempts([loud] * 3, GateConfig(most_budget=1.0), b, 1000)  # e.g. the demo's: no more replays
+    assert capped.budget == 1.0 and capped.prompts * capped.rounds == 64 and "within 1x" in capped.why
     assert busy.to_json()["prompts"] == busy.prompts and set(busy.predicted) == {"mean_acceptance_length",
                                                                                  "output_tok_per_s@c1"}
