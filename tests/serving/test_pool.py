@@ -138,15 +138,24 @@ _TEXT = re.compile(rb'"(text|content)":"((?:[^"\\]|\\.)*)"')
 
 
 def _comparable(body: bytes, stream: bool):
-    """A JSON answer as it is; a stream as its text and its events with the text blanked, runs of equal
-    events collapsed: how many tokens vLLM puts in one event depends on when its detokenizer catches up,
-    so two streams of the same greedy answer are chunked differently, byte for byte otherwise the same."""
+    """A JSON answer as it is; a stream as its text, its first event and its last two (the finish and
+    [DONE]) with the text blanked, and the set of the events between, blanked too: how many tokens
+    vLLM puts in one event depends on when its detokenizer catches up, so two streams of the same
+    greedy answer are split into different numbers of events (the last text may even come with the
+    finish), byte for byte the same otherwise."""
     if not stream:
         return body
     events = [e for e in body.split(b"\n\n") if e]
     text = b"".join(m[2] for e in events for m in _TEXT.finditer(e))
     frames = [_TEXT.sub(rb'"\1":""', e) for e in events]
-    return text, [f for i, f in enumerate(frames) if i == 0 or f != frames[i - 1]]
+    return text, frames[0], frames[-2:], set(frames[1:-2])
+
+
+def _same(got, ref, stream: bool) -> bool:
+    if not stream:
+        return got == ref
+    # every event between the first and the finish is a text event of one form, if the stream has any
+    return got[:3] == ref[:3] and len(got[3] | ref[3]) <= 1
 
 
 def test_router_captures_token_ids_and_answers_as_the_replica_does_without_them(stack):
@@ -165,7 +174,7 @@ def test_router_captures_token_ids_and_answers_as_the_replica_does_without_them(
             via = httpx.post(stack.url + path, json=body, timeout=120)
             assert via.status_code == direct.status_code == 200
             got, ref = (_comparable(same.sub(b"", x.content), stream) for x in (via, direct))
-            assert got == ref, (path, stream)
+            assert _same(got, ref, stream), (path, stream, got, ref)
             assert b'token_ids":[' not in via.content
             if not stream:
                 assert int(via.headers["content-length"]) == len(via.content)
