@@ -298,7 +298,7 @@ class AttemptSize:
     rounds: int
     group_size: int
     budget: float  # prompt replays per attempt, as a multiple of the default bench's
-    power: float | None = None  # the weakest check's predicted power at the last look (None: no noise known)
+    power: float | None = None  # predicted chance every check passes at the last look (None: no noise known)
     why: str = ""
     predicted: dict[str, float] = field(default_factory=dict)  # per check
 
@@ -354,11 +354,11 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
     rounds (all a small held-out set allows), and one round of twice the prompts instead of
     replaying each twice, each in groups of the configured size or, where every attempt
     takes new prompts, of 2 (more, shorter turns: the machine's noise averages over more of
-    them, and a load burst more often spans every arm of a slot), up to ``most_budget`` times the default's prompt replays per
-    attempt, and never more prompts than the held-out set has (``available``). The default
-    wins when it reaches ``target``,
-    else the cheapest shape that does (then the one with the fewest turns); when none does,
-    the most powerful. Without recent benches the default is what comes out.
+    them, and a load burst more often spans every arm of a slot), up to ``most_budget``
+    times the default's prompt replays per attempt, and never more prompts than the
+    held-out set has (``available``). The default wins when it reaches ``target``, else the
+    cheapest shape that does (then the one with the fewest turns); when none does, the most
+    powerful. Without recent benches the default is what comes out.
     """
     from evaluation.bench import GROUP_CYCLE, prompt_groups
 

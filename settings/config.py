@@ -282,9 +282,9 @@ class GateConfig(_Section):
     aa_confidence: float = Field(0.99, gt=0, lt=1)
     # Benchmarks per cycle: an inconclusive one is measured again, pooled with the earlier ones.
     max_attempts: int = Field(2, ge=1)
-    # Each cycle sizes its attempts (held-out prompts, rounds, group size; at most twice the default's
-    # replays) from the last cycles' benches, for this chance of promoting a head 10% faster and 0.1
-    # better in acceptance. The default bench is kept when it is predicted to reach it.
+    # Each cycle sizes its attempts (held-out prompts, rounds, group size; within most_budget) from the
+    # last cycles' benches, for this chance of promoting a head 10% faster and 0.1 better in
+    # acceptance. The default bench is kept when it is predicted to reach it.
     power_target: float = Field(0.95, gt=0, lt=1)
     # The most prompt replays an attempt may take, as a multiple of the default bench's
     # (max_prompts x rounds); 1: the default size or the same replays cut differently.

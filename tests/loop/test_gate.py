@@ -221,7 +221,7 @@ def test_the_attempts_are_sized_from_the_last_cycles_noise_within_twice_the_defa
     louder = bench(gain=tuple(1.5 * x for x in loud_gain), aa=tuple(1.5 * x for x in loud_aa))
     most = size_attempts([louder], GateConfig(), b, 1000)
     assert most.budget == 2.0 and most.power < 0.95 and "no shape within 2x" in most.why  # the most powerful
-    capped = size_attempts([loud] * 3, GateConfig(most_budget=1.0), b, 1000)  # e.g. the demo's: no more replays
+    capped = size_attempts([loud] * 3, GateConfig(most_budget=1.0), b, 1000)  # the demo's cap: no more replays
     assert capped.budget == 1.0 and capped.prompts * capped.rounds == 64 and "within 1x" in capped.why
     assert busy.to_json()["prompts"] == busy.prompts and set(busy.predicted) == {"mean_acceptance_length",
                                                                                  "output_tok_per_s@c1"}
