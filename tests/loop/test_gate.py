@@ -2,7 +2,7 @@
 
 Each bench is built from per-prompt-group figures, so every rule is checked against
 numbers worked out by hand: the one-sided levels, the minimum number of groups, the A/A
-control voiding an attempt, attempts pooled under Pocock's level.
+control voiding an attempt, attempts pooled, each look at its share of the level.
 """
 
 from __future__ import annotations
