@@ -88,9 +88,9 @@ def cycle(s: Setting, size: AttemptSize, heads: Heads, noise: Noise, gate: GateC
     for n in range(1, gate.max_attempts + 1):
         arms = SPEC + ([NOSPEC] if s.nospec and n == 1 else [])
         slots = plan(arms, p, concs, size.rounds, size.group_size, cycle_seed(cid, bench.seed + n - 1),
-                     gate.min_clusters, first_prompt=((n - 1) % batches) * p)
+                     gate.min_clusters, first_prompt=((n - 1) % batches) * p, prompts_at=size.prompts_at)
         results.append(bench_result(slots, heads, noise, world, seed * 1000 + n, concs, gate.confidence, arrays))
-        spent += p * size.rounds
+        spent += sum(len(x.prompts) for x in slots) / len(concs)  # per arm and concurrency
         v = decide(results, gate)
         if v.status != INCONCLUSIVE or v.final:
             break
@@ -142,6 +142,7 @@ def main() -> int:
                 rows.append({"setting": s.name, "noise": nname, "scenario": scen, "promoted": k, "runs": runs,
                              "rate": k / runs, "ci95": [lo, hi], "rejected": sum(v == "rejected" for v, _ in out),
                              "shape": [size.prompts, size.rounds, size.group_size], "predicted_power": size.power,
+                             "prompts_at": size.prompts_at,
                              "replays_per_cycle": spent, "budget_vs_default_most": spent / today,
                              "seconds": time.perf_counter() - t})
                 log(f"{s.name:<32} {nname:<5} {scen:<20} promoted {k:>5}/{runs} = {k / runs:6.2%} "
@@ -172,7 +173,8 @@ def main() -> int:
              f"{'setting':<32} {'noise':<6} {'shape (prompts x rounds, group)':<32} {'scenario':<20} "
              f"{'promoted':>9}  {'95% CI':<18} {'budget':>6}"]
     for r in rows:
-        shape = f"{r['shape'][0]} x {r['shape'][1]}, groups of {r['shape'][2]}"
+        at = "/".join(str(n) for n in r["prompts_at"].values()) if r["prompts_at"] else r["shape"][0]
+        shape = f"{at} x {r['shape'][1]}, groups of {r['shape'][2]}"
         lines.append(f"{r['setting']:<32} {r['noise']:<6} {shape:<32} {r['scenario']:<20} {r['rate']:>8.2%}  "
                      f"[{r['ci95'][0]:.2%}, {r['ci95'][1]:.2%}]  {r['budget_vs_default_most']:>5.2f}x")
     for b in beyond:

@@ -23,6 +23,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,7 +306,8 @@ def _no_repeats(segment: list[Slot], prev: str | None) -> list[Slot]:
 
 
 def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int, group_size: int,
-         seed: int, min_groups: int = 6, first_prompt: int = 0) -> list[Slot]:
+         seed: int, min_groups: int = 6, first_prompt: int = 0,
+         prompts_at: Mapping[int, int] | None = None) -> list[Slot]:
     """The whole run as slots, in time order: round by round, concurrency by concurrency.
 
     Every arm is measured on the same few prompts within seconds of the others, so load
@@ -317,9 +319,14 @@ def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int
     arm the previous mirror ended with), and no slot starts with the arm that ran just
     before it (:func:`_no_repeats`), across concurrency switches and rounds too. The prompt
     groups do not depend on ``arms`` (:data:`GROUP_CYCLE`).
+
+    ``prompts_at``: how many of the ``n_requests`` prompts (the first ones) a concurrency replays,
+    where that is fewer than all (a sizing that spends more of its replays where a check is weak).
     """
     pairs = mirrored_pairs(arms, seed)
-    groups = {c: prompt_groups(n_requests, c, group_size, GROUP_CYCLE, min_groups, first_prompt)
+    at = prompts_at or {}
+    groups = {c: prompt_groups(min(n_requests, at.get(c, n_requests)), c, group_size, GROUP_CYCLE, min_groups,
+                               first_prompt)
               for c in concurrencies}
     slots: list[Slot] = []
     for r in range(rounds):
@@ -339,7 +346,8 @@ def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int
 async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[BenchRequest], *,
                     concurrencies: list[int], rounds: int, confidence: float = 0.9,
                     restart=None, nospec_url: str | None = None, seed: int = 0, group_size: int = 4,
-                    min_groups: int = 6, first_prompt: int = 0, progress=None, token: str = "") -> BenchResult:
+                    min_groups: int = 6, first_prompt: int = 0, prompts_at: Mapping[int, int] | None = None,
+                    progress=None, token: str = "") -> BenchResult:
     """Measure ``heads`` (``{"candidate": {...}, "live": {...}}`` with path/sha256/version) on ``url``.
 
     Arms: the candidate, the live head, the live head again as an A/A control and,
@@ -349,14 +357,15 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
     for *every* arm, the live head's turns too) and a warm-up of one wave of short requests
     at the slot's concurrency; without ``restart`` heads of different shapes are an error.
     ``reqs[i]`` is held-out prompt ``first_prompt + i`` (a cycle's later attempts replay new
-    prompts, numbered on). ``progress(msg)`` hears about each round. ``token``: the bench
+    prompts, numbered on); ``prompts_at`` (:func:`plan`) replays fewer of them at some concurrencies.
+    ``progress(msg)`` hears about each round. ``token``: the bench
     replica's admin token (heads go in through its agent's ``/agent/*`` routes, never dev routes).
     """
     admin = AgentAdmin(url, token, local=True)
     blocks: list[dict] = []
     swaps: list[dict] = []
     arms = [CANDIDATE, LIVE, CONTROL] + ([NOSPEC] if nospec_url else [])
-    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed, min_groups, first_prompt)
+    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed, min_groups, first_prompt, prompts_at)
     original = await admin.head_info()
     t_run = time.perf_counter()
     try:
@@ -397,6 +406,8 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
     result = analyze(blocks, arms, concurrencies, confidence)
     result.seed, result.group_size, result.slots, result.swaps = seed, group_size, len(slots), swaps
     result.first_prompt = first_prompt
+    result.prompts_at = {c: sum(len(s.prompts) for s in slots if s.concurrency == c and s.round == 0)
+                         for c in concurrencies}
     result.order = [s.order for s in slots if s.round < 2 and s.concurrency == concurrencies[0]]
     result.blocks = [{
         "role": b["role"], "round": b["round"], "concurrency": b["concurrency"], "slot": b["slot"],
@@ -463,8 +474,10 @@ class BenchPlan:
     url: str | None = None  # an existing bench replica on loopback (default: start one)
     concurrencies: list[int] | None = None  # default [bench] concurrencies, and so on
     rounds: int | None = None
-    max_prompts: int | None = None
+    max_prompts: int | None = None  # held-out prompts per attempt (the batch)
     group_size: int | None = None
+    # Fewer of the batch's prompts replayed at some concurrencies (loop.gate.AttemptSize.prompts_at).
+    prompts_at: dict[int, int] | None = None
     nospec: bool | None = None  # default [bench] nospec_reference
     nospec_url: str | None = None
     seed: int | None = None
@@ -565,7 +578,8 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
                                        nospec_url=nospec_url if nospec else None, seed=seed,
                                        group_size=bp.group_size or cfg.bench.group_size,
                                        min_groups=cfg.gate.min_clusters,
-                                       first_prompt=first, progress=progress, token=token))
+                                       first_prompt=first, prompts_at=bp.prompts_at, progress=progress,
+                                       token=token))
     finally:
         for p in procs.values():
             p.stop()

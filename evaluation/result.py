@@ -223,6 +223,7 @@ class BenchResult:
     group_size: int = 4
     requests: int = 0  # held-out prompts replayed
     first_prompt: int = 0  # the number of the first (a cycle's later attempts replay new prompts, numbered on)
+    prompts_at: dict[int, int] = field(default_factory=dict)  # prompts replayed per concurrency (per round)
     heads: dict[str, HeadRef] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     created_at: str | None = None
@@ -325,7 +326,7 @@ class BenchResult:
             "heads": {r: h.to_json() for r, h in self.heads.items()}, "bench_url": self.bench_url,
             "nospec_url": self.nospec_url, "requests": self.requests, "concurrencies": self.concurrencies,
             "rounds": self.rounds, "confidence": self.confidence, "seed": self.seed, "group_size": self.group_size,
-            "first_prompt": self.first_prompt,
+            "first_prompt": self.first_prompt, "prompts_at": {str(c): n for c, n in self.prompts_at.items()},
             "heldout_overlap": self.heldout_overlap,
             "summary": self.headline(),
             "arms": {r: a.to_json() for r, a in self.arms.items()},
@@ -386,6 +387,7 @@ class BenchResult:
             concurrencies=[int(c) for c in d.get("concurrencies") or []], rounds=int(rounds),
             confidence=conf, seed=int(d.get("seed") or 0), group_size=int(d.get("group_size") or 0),
             requests=int(d.get("requests") or 0), first_prompt=int(d.get("first_prompt") or 0),
+            prompts_at={int(c): int(n) for c, n in (d.get("prompts_at") or {}).items()},
             heads={r: HeadRef.from_json(h) for r, h in (d.get("heads") or {}).items()},
             schema_version=version, created_at=d.get("created_at"), environment=d.get("environment") or {},
             bench_url=d.get("bench_url"), nospec_url=d.get("nospec_url"), heldout_overlap=d.get("heldout_overlap"),

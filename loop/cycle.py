@@ -448,6 +448,7 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
                 nospec=(bool(opts.nospec_url) or None) if n == 1 else False, nospec_url=opts.nospec_url,
                 seed=cfg.bench.seed + n - 1, cycle=state["cycle_id"], prompt_batch=n - 1,
                 max_prompts=size.prompts, rounds=size.rounds, group_size=size.group_size,
+                prompts_at=size.prompts_at or None,
                 heldout_overlap=snap.get("heldout_overlap")), progress=opts.progress)
         results.append(res)
         verdict = gate_mod.decide(results, cfg.gate)

@@ -297,13 +297,15 @@ class AttemptSize:
     prompts: int  # held-out prompts per attempt (a later attempt takes new ones while the set has them)
     rounds: int
     group_size: int
-    budget: float  # prompt replays per attempt, as a multiple of the default bench's
+    budget: float  # prompt replays per attempt (per concurrency, on average), as a multiple of the default bench's
     power: float | None = None  # predicted chance every check passes at the last look (None: no noise known)
     why: str = ""
     predicted: dict[str, float] = field(default_factory=dict)  # per check
+    # Prompts replayed at each concurrency where they differ (the first ones of ``prompts``); empty: all of them.
+    prompts_at: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "prompts_at": {str(c): n for c, n in self.prompts_at.items()}}
 
 
 def _noise(results: Sequence[BenchResult], gate: Any) -> dict[str, tuple[float, float, float]]:
@@ -354,11 +356,14 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
     rounds (all a small held-out set allows), and one round of twice the prompts instead of
     replaying each twice, each in groups of the configured size or, where every attempt
     takes new prompts, of 2 (more, shorter turns: the machine's noise averages over more of
-    them, and a load burst more often spans every arm of a slot), up to ``most_budget``
-    times the default's prompt replays per attempt, and never more prompts than the
-    held-out set has (``available``). The default wins when it reaches ``target``, else the
-    cheapest shape that does (then the one with the fewest turns); when none does, the most
-    powerful. Without recent benches the default is what comes out.
+    them, and a load burst more often spans every arm of a slot); where the held-out set
+    has the prompts, also the same replays split unevenly between the concurrencies (the
+    lowest one a quarter or an eighth fewer, the others as many more, or the reverse), so the
+    weaker check gets more of them. Up to ``most_budget`` times the default's prompt replays
+    per attempt, and never more prompts than the held-out set has (``available``). The
+    default wins when it reaches ``target``, else the cheapest shape that does (then the one
+    with the fewest turns); when none does, the most powerful. Without recent benches the
+    default is what comes out.
     """
     from evaluation.bench import GROUP_CYCLE, prompt_groups
 
@@ -371,31 +376,40 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
         return default
     attempts = max(1, gate.max_attempts)
     level = look_level(gate.level, attempts)
+    concs = sorted({c for _, _, c in noise.values()})
     base = bench.max_prompts * bench.rounds
     sizes = sorted({bench.group_size, 2}, reverse=True)
-    shapes: list[tuple[int, int, int]] = [(bench.max_prompts, bench.rounds, m) for m in sizes]
+    even: list[tuple[int, int, int]] = [(bench.max_prompts, bench.rounds, m) for m in sizes]
     for f in (1.5, 2.0, 3.0, 4.0):
         if f <= most_budget:
             for m in sizes:
-                shapes.append((int(round(f * bench.max_prompts)), bench.rounds, m))
+                even.append((int(round(f * bench.max_prompts)), bench.rounds, m))
                 # the same prompts replayed more often: all a small held-out set allows
-                shapes.append((bench.max_prompts, int(round(f * bench.rounds)), m))
+                even.append((bench.max_prompts, int(round(f * bench.rounds)), m))
     for f in (1.0, 1.5, 2.0, 3.0, 4.0):
         if f <= most_budget:
             for m in sizes:
-                shapes.append((int(round(f * base)), 1, m))
+                even.append((int(round(f * base)), 1, m))
+    # (prompts per concurrency, rounds, group size)
+    shapes: list[tuple[tuple[int, ...], int, int]] = [((p,) * len(concs), r, m) for p, r, m in even]
+    if len(concs) > 1:
+        for p, r, m in even:
+            for shift in (-0.25, -0.125, 0.125, 0.25):
+                low = int(round(p * (1 - shift)))
+                high = int(round(p * (1 + shift / (len(concs) - 1))))
+                if max(low, high) <= available:  # only prompts the set has, never the same ones twice
+                    shapes.append(((low,) + (high,) * (len(concs) - 1), r, m))
 
-    def predict(p: int, rounds: int, m: int) -> tuple[float, dict[str, float], int]:
-        batches = max(1, min(attempts, available // p))  # new prompt groups per attempt while they last
+    def predict(at: dict[int, int], rounds: int, m: int) -> tuple[float, dict[str, float], int]:
+        batches = max(1, min(attempts, available // max(at.values())))  # new prompts per attempt while they last
         eff_rounds = rounds * attempts / batches
         out, turns = {}, 0
         for name, (machine, prompt, c) in noise.items():
-            groups = prompt_groups(p, c, m, GROUP_CYCLE, gate.min_clusters)
+            groups = prompt_groups(at[c], c, m, GROUP_CYCLE, gate.min_clusters)
             j = len(groups)
             if name.startswith("output"):
                 turns += j * rounds
-            size = p / j
-            var = machine / eff_rounds + prompt / size
+            var = machine / eff_rounds + prompt / (at[c] / j)
             if name == "mean_acceptance_length":
                 effect = acceptance_gain - gate.min_acceptance_gain
             else:
@@ -404,25 +418,31 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
         return math.prod(out.values()), out, turns  # every check must pass
 
     rows = []
-    for p, rounds, m in dict.fromkeys(shapes):
-        if p > max(available, bench.max_prompts) or p < 1:
+    for ps, rounds, m in dict.fromkeys(shapes):
+        p = max(ps)
+        if p > max(available, bench.max_prompts) or min(ps) < 1:
             continue
         if m < bench.group_size and available < p * attempts:
             # Smaller groups only where every attempt brings new ones: a few prompts replayed in small
             # groups made the t-bound liberal on a busy machine (benchmarks/gate_sim.py); many held it.
             continue
-        pw, per, turns = predict(min(p, available) if p == bench.max_prompts else p, rounds, m)
-        rows.append((p * rounds / base, turns, pw, per, p, rounds, m))
+        if p == bench.max_prompts:
+            ps = tuple(min(n, available) for n in ps)
+        at = dict(zip(concs, ps))
+        pw, per, turns = predict(at, rounds, m)
+        rows.append((sum(ps) / len(ps) * rounds / base, turns, pw, per, p, rounds, m, at))
     good = [r for r in rows if r[2] >= target]
     default_row = rows[0]  # (prompts, rounds, group size) as configured
     if default_row[2] >= target:
         good = [default_row]
     pick = min(good, key=lambda r: (r[0], r[1])) if good else max(rows, key=lambda r: (r[2], -r[0]))
-    f, _turns, pw, per, p, rounds, m = pick
+    f, _turns, pw, per, p, rounds, m, at = pick
+    split = len(set(at.values())) > 1
+    what = (", ".join(f"{n} at c={c}" for c, n in at.items()) if split else f"{p}") + " prompts"
     if good:
-        why = (f"{p} prompts x {rounds} round(s) in groups of {m}: the cheapest shape with {target:.0%} power "
+        why = (f"{what} x {rounds} round(s) in groups of {m}: the cheapest shape with {target:.0%} power "
                f"(predicted {pw:.0%}) from {len(recent)} recent bench(es)")
     else:
-        why = (f"{p} prompts x {rounds} round(s) in groups of {m}: no shape within {most_budget:g}x the default "
+        why = (f"{what} x {rounds} round(s) in groups of {m}: no shape within {most_budget:g}x the default "
                f"budget reaches {target:.0%} power (predicted {pw:.0%} at best)")
-    return AttemptSize(p, rounds, m, f, pw, why, per)
+    return AttemptSize(p, rounds, m, f, pw, why, per, at if split else {})

@@ -122,6 +122,19 @@ def test_plan_covers_every_prompt_with_every_arm_in_groups_of_at_least_one_wave(
     assert {tuple(s.prompts) for s in slots if s.round == 0} == {tuple(s.prompts) for s in slots if s.round == 1}
 
 
+def test_a_concurrency_can_replay_fewer_of_the_prompts_in_groups_of_its_own():
+    """``prompts_at``: the first n prompts at that concurrency (still a whole plan: every arm in every slot),
+    all of them where it names none or more than there are."""
+    slots = plan(ARMS, 144, [1, 4], 1, 2, 0, first_prompt=144, prompts_at={1: 112, 4: 200})
+    at = {c: sorted(p for s in slots if s.concurrency == c for p in s.prompts) for c in (1, 4)}
+    assert at == {1: list(range(144, 256)), 4: list(range(144, 288))}
+    groups = bench_mod.prompt_groups(112, 1, 2, bench_mod.GROUP_CYCLE, 6, 144)
+    assert [s.prompts for s in slots if s.concurrency == 1] == groups and len(groups) > 50
+    assert all(sorted(s.order) == sorted(ARMS) for s in slots)
+    even = plan(ARMS, 32, [1, 4], 2, 4, 0)
+    assert plan(ARMS, 32, [1, 4], 2, 4, 0, prompts_at={}) == even == plan(ARMS, 32, [1, 4], 2, 4, 0, prompts_at={4: 32})
+
+
 def test_prompt_groups_take_min_groups_when_the_prompts_allow():
     assert [len(g) for g in prompt_groups(6, 1, 4, 3, 6)] == [1] * 6  # 6 prompts: 6 groups of one
     assert len(prompt_groups(6, 4, 4, 3, 6)) == 1  # c=4 with 6 prompts: one wave is all there is
@@ -283,3 +296,9 @@ def test_every_arm_goes_through_the_same_load_path(monkeypatch):
             c = events[i][2]
             assert [e[0] for e in events[i - c:i]] == ["warm"] * c and events[i - c - 1][0] != "warm", (i, c)
         assert {events[i][2] for i in blocks} == {1, 2}
+    # A sizing that replays fewer prompts at c=1: its blocks hold the first ones only, the result says so.
+    res = asyncio.run(bench.run_bench("http://spec", heads, reqs, concurrencies=[1, 2], rounds=2, restart=restart,
+                                      min_groups=3, first_prompt=6, prompts_at={1: 4}))
+    assert {p for b in res.blocks if b["concurrency"] == 1 for p in b["prompts"]} == {6, 7, 8, 9}
+    assert {p for b in res.blocks if b["concurrency"] == 2 for p in b["prompts"]} == set(range(6, 12))
+    assert res.prompts_at == {1: 4, 2: 6}

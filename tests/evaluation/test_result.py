@@ -19,6 +19,7 @@ def _result():
     res = analyze(simulate(slots_for(arms=arms), {CANDIDATE: 1.2, LIVE: 1.0, CONTROL: 1.0, NOSPEC: 1.1}, load=0.1),
                   arms, CONCS, 0.9)
     res.heads = {"candidate": HeadRef("/h/c", "c" * 64, "2"), "live": HeadRef("/h/l", "l" * 64, "1")}
+    res.prompts_at = {1: 24, 4: 32}
     return res
 
 
@@ -32,6 +33,7 @@ def test_a_result_survives_its_json(tmp_path):
     assert list(on_disk["arms"][CANDIDATE]["by_concurrency"]) == ["1", "4"]
     assert list(on_disk["differences"]["by_concurrency"]) == ["1", "4"]
     assert back.differences.tok_per_s(4).estimate == res.differences.tok_per_s(4).estimate
+    assert back.prompts_at == {1: 24, 4: 32} and on_disk["prompts_at"] == {"1": 24, "4": 32}
 
 
 def test_metrics_and_headline_come_from_the_result():

@@ -214,7 +214,7 @@ def test_the_last_cycles_noise_sizes_this_cycles_attempts(cfg, monkeypatch):
     def run(cid: str, runs: list) -> dict:
         real = simulated_bench(runs, [])
         monkeypatch.setattr(evaluation.bench, "bench_heads", lambda c, bp, progress=None: asked.append(
-            (cid, bp.max_prompts, bp.rounds, bp.group_size)) or real(c, bp, progress))
+            (cid, bp.max_prompts, bp.rounds, bp.group_size, bp.prompts_at)) or real(c, bp, progress))
         state = bench_state(cid)
         state["steps"]["snapshot"]["heldout"]["measured_rows"] = 1000  # plenty of held-out traffic
         state["steps"]["bench"] = cycle.step_bench(cx, state, cycle.CycleOptions())
@@ -232,4 +232,6 @@ def test_the_last_cycles_noise_sizes_this_cycles_attempts(cfg, monkeypatch):
     shape = (busy["prompts"], busy["rounds"], busy["group_size"])
     assert shape != default and 1.0 < busy["budget"] <= 2.0, busy
     assert busy["power"] < quiet["power"]
-    assert [a[1:] for a in asked if a[0] == "c5"] == [shape, shape]  # both attempts take the sized shape
+    # both attempts take the sized shape, the prompts per concurrency too where they differ
+    at = {int(c): n for c, n in busy["prompts_at"].items()} or None
+    assert [a[1:] for a in asked if a[0] == "c5"] == [(*shape, at)] * 2

@@ -225,3 +225,21 @@ def test_the_attempts_are_sized_from_the_last_cycles_noise_within_twice_the_defa
     assert capped.budget == 1.0 and capped.prompts * capped.rounds == 64 and "within 1x" in capped.why
     assert busy.to_json()["prompts"] == busy.prompts and set(busy.predicted) == {"mean_acceptance_length",
                                                                                  "output_tok_per_s@c1"}
+
+
+def test_a_weaker_check_at_one_concurrency_gets_more_of_the_replays_where_the_held_out_set_has_the_prompts():
+    """Benches at c=1 and c=4 with the same noise per group: c=4 cuts fewer groups (each holds a wave), so its
+    check is the weaker; within the same replays the sizing gives c=4 more of the prompts and c=1 fewer, and
+    predicts more power than any even shape; a held-out set without the prompts keeps every concurrency even."""
+    from settings.config import BenchConfig
+
+    b = BenchConfig()
+    loud = bench(gain=(16.0, -12.0, 18.0, -10.0, 14.0, -8.0, 12.0, -6.0), aa=(4.0, -5.0, 3.0, -4.0, 5.0, -3.0, 4.0,
+                                                                                -4.0), concs=(1, 4))
+    split = size_attempts([loud] * 3, GateConfig(), b, 1000)
+    assert split.prompts_at == {1: 112, 4: 144} and split.prompts == 144 and split.budget == 2.0
+    assert "112 at c=1, 144 at c=4 prompts" in split.why and split.to_json()["prompts_at"] == {"1": 112, "4": 144}
+    assert split.predicted["output_tok_per_s@c4"] > size_attempts([loud] * 3, GateConfig(), b, 1000,
+                                                                   target=0.8).predicted["output_tok_per_s@c4"]
+    small = size_attempts([loud] * 3, GateConfig(), b, 130)  # 144 prompts are more than the set has
+    assert small.prompts_at == {} and small.prompts <= 130
