@@ -358,7 +358,7 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
     takes new prompts, of 2 (more, shorter turns: the machine's noise averages over more of
     them, and a load burst more often spans every arm of a slot); where the held-out set
     has the prompts, also the same replays split unevenly between the concurrencies (the
-    lowest one a quarter or an eighth fewer, the others as many more, or the reverse), so the
+    lowest one a quarter or an eighth fewer, the others as many more between them, or the reverse), so the
     weaker check gets more of them. Up to ``most_budget`` times the default's prompt replays
     per attempt, and never more prompts than the held-out set has (``available``). The
     default wins when it reaches ``target``, else the cheapest shape that does (then the one
