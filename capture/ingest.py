@@ -37,7 +37,7 @@ from capture.dedupe import HashSet
 from capture.batchpath import ROW_SCHEMA, decode_block, rows_batch, split_block
 from capture.formats import content_text, to_conversation
 from capture.records import Reject, decode_line
-from capture.redact import flagged, redact_array, redact_values
+from capture.redact import flagged_json, redact_array, redact_values
 from capture.sources import (BLOCK_BYTES, LongLine, ObjectMissing, SourceObject, iter_blocks, list_objects, parse_when,
                              s3_client)
 from capture.stitch import Known, Prefixes, stitch_file
@@ -382,12 +382,14 @@ def _finish(rows: pa.Table, obj: SourceObject, redact: bool, hashes: pa.ChunkedA
         t_value = pa.array(values, pa.string())
         convs = pa.ListArray.from_arrays(offsets, pa.StructArray.from_arrays([t_from, t_value], fields=list(TURN)))
     row_redactions = sorted(per_row.items())
-    # The hash is of the stored (redacted) text: what dedupe compares is what is kept.
+    # The hash is of the stored (redacted) text: what dedupe compares is what is kept. The
+    # decoder's hash of a row kept exactly is already _exact_hashes' (see row_serialize in
+    # capture/_native/module.c); it stands where redaction changed no row.
     if hashes is None or changed or len(hashes) != n:
-        hashes, unique = content_hashes(offsets, t_from, t_value), False
+        hashes, unique, decoded = content_hashes(offsets, t_from, t_value), False, False
     else:
-        hashes = _combined(hashes)
-    if exchange.exact:
+        hashes, decoded = _combined(hashes), True
+    if exchange.exact and not (decoded and not per_row):
         hashes, unique = _exact_hashes(hashes, exchange, offsets, t_from, t_value), False
     arrays = []
     for f in SCHEMA:
@@ -449,7 +451,7 @@ def _exchange_columns(rows: pa.Table, redact: bool, per_row: dict[int, dict[str,
     suspects: set[int] = set()
     for k in EXCHANGE_TEXT:
         if k in present:
-            suspects.update(_gate_json(cols[k]))
+            suspects.update(flagged_json(cols[k]))
     texts = {k: cols[k].to_pylist() for k in EXCHANGE_TEXT if k in present} if suspects else {}
     parsed: list[tuple[str, int, list]] = []
     leaves: list[str] = []
@@ -516,24 +518,6 @@ def turn_texts(messages: list[dict]) -> list[str]:
             text = json.dumps(m["tool_calls"], ensure_ascii=False)
         out.append(text)
     return out
-
-
-# JSON escapes undone for the redaction gate: "\\" first (so that the one after a backslash
-# is not read as an escape's start), to a byte no JSON text holds raw, then back.
-_UNESCAPE = (("\\\\", "\x01"), ('\\"', '"'), ("\\n", "\n"), ("\\t", "\t"), ("\\r", "\r"), ("\x01", "\\"))
-
-
-def _gate_json(col: pa.Array) -> list[int]:
-    """Rows of a JSON text column the redaction gate flags, escapes undone; rows holding another
-    escape (\\b, \\f, \\u: control characters) are flagged too."""
-    if col.null_count == len(col):
-        return []
-    view = col
-    for a, b in _UNESCAPE:
-        view = pc.replace_substring(view, a, b)
-    odd = _bool_mask(pc.fill_null(pc.match_substring_regex(view, r"\\[bfu/]"), False))
-    hits = set(flagged(pc.fill_null(view, "")))
-    return sorted(hits | set(np.flatnonzero(odd).tolist()))
 
 
 def _bool_mask(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:

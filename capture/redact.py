@@ -324,6 +324,46 @@ def flagged(values: "pa.Array") -> list[int]:
     return flagged_re2(values)
 
 
+# JSON escapes undone for the gate over JSON text: "\\" first (so that the one after a backslash
+# is not read as an escape's start), to a byte no JSON text holds raw, then back.
+_UNESCAPE = (("\\\\", "\x01"), ('\\"', '"'), ("\\n", "\n"), ("\\t", "\t"), ("\\r", "\r"), ("\x01", "\\"))
+
+
+def flagged_json(values: "pa.Array") -> list[int]:
+    """Indices of the JSON texts whose strings may hold something to redact (sorted; nulls never).
+
+    A JSON string is redacted as the text it decodes to (an escape cannot hide a secret): the gate
+    runs over each text with its escapes undone, where every string of it stands whole between
+    quotes; a text holding another escape (\\b, \\f, \\u, \\/: control characters) is flagged
+    outright. The native module does it in one pass (``redact_gate_json``), else Arrow kernels.
+    """
+    import pyarrow as pa
+
+    nat = backend.native()
+    if nat is not None and isinstance(values, pa.Array) and values.type == pa.string():
+        import numpy as np
+
+        if not len(values) or values.null_count == len(values):
+            return []
+        return np.frombuffer(nat.redact_gate_json(*native.utf8_args(values)), dtype=np.int64).tolist()
+    return flagged_json_arrow(values)
+
+
+def flagged_json_arrow(values: "pa.Array") -> list[int]:
+    """:func:`flagged_json` with Arrow kernels and the gate of :func:`flagged` (the native module's or RE2)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    if values.null_count == len(values):
+        return []
+    view = values
+    for a, b in _UNESCAPE:
+        view = pc.replace_substring(view, a, b)
+    odd = pc.fill_null(pc.match_substring_regex(view, r"\\[bfu/]"), False)
+    hits = set(flagged(pc.fill_null(view, "")))
+    return sorted(hits | set(np.flatnonzero(np.asarray(odd.to_numpy(zero_copy_only=False), dtype=bool)).tolist()))
+
+
 def flagged_re2(values: "pa.Array") -> list[int]:
     """Indices of the strings GATE matches (RE2)."""
     import pyarrow.compute as pc

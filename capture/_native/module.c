@@ -1,5 +1,5 @@
 /* The Python module _capture_native: configure, decode_chunk, decode_block, content_hashes, range_hashes,
- * parse_times, redact_gate, digests_add_new, digests_contains, digests_rehash, blake2b16_many. */
+ * parse_times, redact_gate, redact_gate_json, digests_add_new, digests_contains, digests_rehash, blake2b16_many. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -467,7 +467,55 @@ static int columns_serialize(const Utf8 *from, const Utf8 *value, int32_t first,
     return J_OK;
 }
 
-/* What content_hash hashes of a decoded row. */
+/* Decimal text of v into out (at least 11 bytes); returns its length. */
+static int int_text(int32_t v, char *out) {
+    char digits[12];
+    int k = 0, len = 0;
+    uint32_t u = v < 0 ? (uint32_t)0 - (uint32_t)v : (uint32_t)v;
+    do {
+        digits[k++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        out[len++] = '-';
+    while (k)
+        out[len++] = digits[--k];
+    return len;
+}
+
+/* The turn "name:len:[a, b, ...]" of a token id list (Python's str of the list; "" when absent). */
+static int put_ids_turn(Buf *out, const char *name, const Buf *ids, int has) {
+    const int32_t *v = (const int32_t *)ids->data;
+    size_t n = has ? ids->len / 4 : 0, chars = 0;
+    char text[12];
+    for (size_t i = 0; i < n; i++)
+        chars += (size_t)int_text(v[i], text) + (i ? 2 : 0);
+    chars += has ? 2 : 0;
+    char len_text[32];
+    int lf = length_field(len_text, chars);
+    if (buf_put(out, name, strlen(name)) != J_OK || buf_put(out, len_text, (size_t)lf) != J_OK)
+        return J_NOMEM;
+    if (!has)
+        return J_OK;
+    if (buf_put(out, "[", 1) != J_OK)
+        return J_NOMEM;
+    for (size_t i = 0; i < n; i++) {
+        int k = int_text(v[i], text);
+        if ((i && buf_put(out, ", ", 2) != J_OK) || buf_put(out, text, (size_t)k) != J_OK)
+            return J_NOMEM;
+    }
+    return buf_put(out, "]", 1);
+}
+
+static int put_text_turn(Buf *out, const char *name, const uint8_t *p, size_t n, int has) {
+    Span v = {has && p != NULL ? p : (const uint8_t *)"", has ? n : 0};
+    return put_turn(out, (const uint8_t *)name, strlen(name), &v, 1);
+}
+
+/* What content_hash hashes of a decoded row. A row kept exactly is hashed as
+ * capture.ingest._exact_hashes hashes it: its turns, then a turn "\x1fexchange" with no text
+ * and a turn of each of capture.ingest.EXCHANGE_COLUMNS in that order (its text, or "" where
+ * the column is null), so that the decoder's hash of such a row is the one ingest stores. */
 static int row_serialize(const Row *row, Buf *out) {
     const Turn *turns = (const Turn *)row->turns.data;
     const Span *pieces = (const Span *)row->pieces.data;
@@ -478,6 +526,19 @@ static int row_serialize(const Row *row, Buf *out) {
         if (put_turn(out, from.ptr, from.len, pieces + turns[t].first, turns[t].count) != J_OK)
             return J_NOMEM;
     }
+    if (!row_exact(row))
+        return J_OK;
+    const Exchange *ex = &row->ex;
+    const Span *fin = &row->finish_reason;
+    if (put_text_turn(out, "\x1f" "exchange", NULL, 0, 0) != J_OK ||
+        put_text_turn(out, "messages", ex->messages.data, ex->messages.len, ex->has_messages) != J_OK ||
+        put_text_turn(out, "tools", ex->tools.data, ex->tools.len, ex->has_tools) != J_OK ||
+        put_text_turn(out, "tool_choice", ex->tool_choice.data, ex->tool_choice.len, ex->has_tool_choice) != J_OK ||
+        put_text_turn(out, "chat_template_kwargs", ex->kwargs.data, ex->kwargs.len, ex->has_kwargs) != J_OK ||
+        put_text_turn(out, "finish_reason", fin->ptr, fin->len, fin->ptr != NULL) != J_OK ||
+        put_ids_turn(out, "prompt_token_ids", &ex->prompt_ids, ex->has_prompt_ids) != J_OK ||
+        put_ids_turn(out, "output_token_ids", &ex->output_ids, ex->has_output_ids) != J_OK)
+        return J_NOMEM;
     return J_OK;
 }
 
@@ -698,6 +759,79 @@ static PyObject *redact_gate(PyObject *self, PyObject *args) {
         result = bytes_of(&hits);
 done:
     buf_free(&hits);
+    utf8_arg_release(&a);
+    return result;
+}
+
+PyDoc_STRVAR(redact_gate_json_doc,
+             "redact_gate_json(offset, length, offsets, data, validity) -> bytes\n\n"
+             "redact_gate over JSON texts read with their escapes \\\\, \\\", \\n, \\t, \\r undone (every JSON\n"
+             "string then stands whole in the text): the indices (int64) of the texts the gate flags there,\n"
+             "and of those holding a backslash before b, f, u or / after the undoing (the control\n"
+             "characters and escapes it leaves); null texts are never flagged.");
+
+/* s[0, n) with the escapes \\ \" \n \t \r undone into out (n bytes of room): capture.redact's
+ * sequential replacements, which pair backslashes left to right as JSON does. */
+static size_t json_unescaped(const uint8_t *s, size_t n, uint8_t *out) {
+    size_t i = 0, k = 0;
+    while (i < n) {
+        const uint8_t *bs = memchr(s + i, '\\', n - i);
+        size_t run = bs == NULL ? n - i : (size_t)(bs - (s + i));
+        memcpy(out + k, s + i, run);
+        k += run;
+        i += run;
+        if (i >= n)
+            break;
+        uint8_t c = i + 1 < n ? s[i + 1] : 0;
+        uint8_t to = c == '\\' ? '\\' : c == '"' ? '"' : c == 'n' ? '\n' : c == 't' ? '\t' : c == 'r' ? '\r' : 0;
+        if (to) {
+            out[k++] = to;
+            i += 2;
+        } else {
+            out[k++] = '\\';
+            i += 1;
+        }
+    }
+    return k;
+}
+
+static int odd_escape(const uint8_t *v, size_t n) {
+    for (const uint8_t *p = v, *end = v + n; (p = memchr(p, '\\', (size_t)(end - p))) != NULL && p + 1 < end; p++)
+        if (p[1] == 'b' || p[1] == 'f' || p[1] == 'u' || p[1] == '/')
+            return 1;
+    return 0;
+}
+
+static PyObject *redact_gate_json(PyObject *self, PyObject *args) {
+    Utf8Arg a;
+    PyObject *result = NULL;
+    Buf hits = {0}, view = {0};
+    if (utf8_arg(args, &a) < 0)
+        goto done;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < a.u.length && !failed; i++) {
+        Py_ssize_t j = a.u.offset + i;
+        if (a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1))
+            continue;
+        size_t n = (size_t)(a.u.offsets[j + 1] - a.u.offsets[j]);
+        view.len = 0;
+        if (buf_reserve(&view, n + 1) != J_OK) {
+            failed = 1;
+            break;
+        }
+        size_t m = json_unescaped(a.u.data + a.u.offsets[j], n, view.data);
+        if (odd_escape(view.data, m) || gate_match(view.data, m, view.data + m)) {
+            int64_t at = (int64_t)i;
+            failed = buf_put(&hits, &at, sizeof at) != J_OK;
+        }
+    }
+    if (failed)
+        PyErr_NoMemory();
+    else
+        result = bytes_of(&hits);
+done:
+    buf_free(&hits);
+    buf_free(&view);
     utf8_arg_release(&a);
     return result;
 }
@@ -1069,6 +1203,7 @@ static PyMethodDef methods[] = {
     {"range_hashes", range_hashes, METH_VARARGS, range_hashes_doc},
     {"parse_times", parse_times, METH_VARARGS, parse_times_doc},
     {"redact_gate", redact_gate, METH_VARARGS, redact_gate_doc},
+    {"redact_gate_json", redact_gate_json, METH_VARARGS, redact_gate_json_doc},
     {"digests_add_new", digests_add_new, METH_VARARGS, digests_add_new_doc},
     {"digests_contains", digests_contains_py, METH_VARARGS, digests_contains_doc},
     {"digests_rehash", py_digests_rehash, METH_VARARGS, digests_rehash_doc},

@@ -7,6 +7,7 @@ came); every kind of secret has a positive and a near miss; every pattern stays 
 from __future__ import annotations
 
 import ctypes
+import json
 import random
 import subprocess
 import sys
@@ -337,6 +338,52 @@ def test_gates_cover_the_redactor_on_a_large_random_corpus():
     changed = sum(Redactor().redact(v) != v for v in values[:2000])
     assert changed > 500  # the corpus does exercise the redactor
     gates_cover_the_redactor(values)
+
+
+def _json_texts(strings: list[list[str]]) -> list[str | None]:
+    """JSON texts of the strings as messages/tools columns hold them, both ways json.dumps escapes."""
+    out: list[str | None] = [None]
+    for i, parts in enumerate(strings):
+        doc = {"role": "tool", "content": "".join(parts), "args": parts, "\\": [{"k": p} for p in parts]}
+        out.append(json.dumps(doc, ensure_ascii=i % 2 == 0, separators=(",", ":")))
+    return out
+
+
+@settings(max_examples=200, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.one_of(_piece, st.sampled_from(["\\", '"', "\\n", "\x08", "\x0c", "\x01", "/"])),
+                         max_size=6), min_size=1, max_size=20))
+def test_the_json_gate_is_one_pass_in_c_as_in_arrow_and_flags_what_the_redactor_changes(strings):
+    """capture.ingest redacts the exchange's JSON columns only where redact.flagged_json flags a text."""
+    texts = _json_texts(strings)
+    arr = pa.array(texts, pa.string())
+    got = redact.flagged_json(arr)
+    assert backend.native() is not None
+    assert got == redact.flagged_json_arrow(arr)
+    assert redact.flagged_json(arr.slice(1)) == redact.flagged_json_arrow(arr.slice(1))
+    changed = {i for i, t in enumerate(texts) if t is not None
+               and any(Redactor().redact(v) != v for v in _strings_in(json.loads(t)))}
+    assert changed <= set(got)
+
+
+def test_the_json_gate_reads_each_escape_as_json_does():
+    # Each secret is found only once its escape is undone (a blank or quote the escape stands for);
+    # the last ones hold escapes the gate flags outright, or an escaped backslash before an n.
+    hidden = ["Basic\nQWxhZGRpbjpvcGVu", "password\n: hunter2", "pwd\t= x", "Bearer\rabc", 'x "password": 1',
+              "\x08", "\x0c", "a/b", "\\n", "\\\n"]
+    texts = [json.dumps([h], ensure_ascii=True) for h in hidden]
+    texts[hidden.index("a/b")] = '["a\\/b"]'  # json.dumps leaves "/" alone; other writers escape it
+    arr = pa.array(texts + ["[\"plain words\"]", '"\\\\nope"'], pa.string())
+    got = redact.flagged_json(arr)
+    assert got == redact.flagged_json_arrow(arr)
+    assert set(range(len(hidden) - 2)) <= set(got) and len(hidden) not in got
+
+
+def _strings_in(doc) -> list[str]:
+    if isinstance(doc, str):
+        return [doc]
+    items = doc.values() if isinstance(doc, dict) else doc if isinstance(doc, list) else []
+    return [s for v in items for s in _strings_in(v)] + (list(doc) if isinstance(doc, dict) else [])
 
 
 # -- the scalar (non-SSE2) gate equals the SSE2 one ----------------------------------------------
