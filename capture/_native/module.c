@@ -732,37 +732,6 @@ PyDoc_STRVAR(redact_gate_doc,
              "length, offsets buffer, data buffer, validity buffer or None) that capture.redact.GATE may\n"
              "match: a superset of what RE2 flags (see gate.c); null strings are never flagged.");
 
-static PyObject *redact_gate(PyObject *self, PyObject *args) {
-    Utf8Arg a;
-    PyObject *result = NULL;
-    Buf hits = {0};
-    if (utf8_arg(args, &a) < 0)
-        goto done;
-    const uint8_t *limit = a.u.data + a.data.view.len;
-    int failed = 0;
-    for (Py_ssize_t i = 0; i < a.u.length; i++) {
-        Py_ssize_t j = a.u.offset + i;
-        if (a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1))
-            continue;
-        const uint8_t *s = a.u.data + a.u.offsets[j];
-        if (gate_match(s, (size_t)(a.u.offsets[j + 1] - a.u.offsets[j]), limit)) {
-            int64_t at = (int64_t)i;
-            if (buf_put(&hits, &at, sizeof at) != J_OK) {
-                failed = 1;
-                break;
-            }
-        }
-    }
-    if (failed)
-        PyErr_NoMemory();
-    else
-        result = bytes_of(&hits);
-done:
-    buf_free(&hits);
-    utf8_arg_release(&a);
-    return result;
-}
-
 PyDoc_STRVAR(redact_gate_json_doc,
              "redact_gate_json(offset, length, offsets, data, validity) -> bytes\n\n"
              "redact_gate over JSON texts read with their escapes \\\\, \\\", \\n, \\t, \\r undone (every JSON\n"
@@ -802,25 +771,34 @@ static int odd_escape(const uint8_t *v, size_t n) {
     return 0;
 }
 
-static PyObject *redact_gate_json(PyObject *self, PyObject *args) {
+/* redact_gate (json 0) or redact_gate_json (json 1) over a utf8 array argument. */
+static PyObject *gate_over(PyObject *args, int json) {
     Utf8Arg a;
     PyObject *result = NULL;
     Buf hits = {0}, view = {0};
     if (utf8_arg(args, &a) < 0)
         goto done;
+    const uint8_t *limit = a.u.data + a.data.view.len;
     int failed = 0;
     for (Py_ssize_t i = 0; i < a.u.length && !failed; i++) {
         Py_ssize_t j = a.u.offset + i;
         if (a.valid != NULL && !((a.valid[j >> 3] >> (j & 7)) & 1))
             continue;
+        const uint8_t *s = a.u.data + a.u.offsets[j];
         size_t n = (size_t)(a.u.offsets[j + 1] - a.u.offsets[j]);
-        view.len = 0;
-        if (buf_reserve(&view, n + 1) != J_OK) {
-            failed = 1;
-            break;
+        int hit;
+        if (json) {
+            view.len = 0;
+            if (buf_reserve(&view, n + 1) != J_OK) {
+                failed = 1;
+                break;
+            }
+            size_t m = json_unescaped(s, n, view.data);
+            hit = odd_escape(view.data, m) || gate_match(view.data, m, view.data + m);
+        } else {
+            hit = gate_match(s, n, limit);
         }
-        size_t m = json_unescaped(a.u.data + a.u.offsets[j], n, view.data);
-        if (odd_escape(view.data, m) || gate_match(view.data, m, view.data + m)) {
+        if (hit) {
             int64_t at = (int64_t)i;
             failed = buf_put(&hits, &at, sizeof at) != J_OK;
         }
@@ -835,6 +813,10 @@ done:
     utf8_arg_release(&a);
     return result;
 }
+
+static PyObject *redact_gate(PyObject *self, PyObject *args) { return gate_over(args, 0); }
+
+static PyObject *redact_gate_json(PyObject *self, PyObject *args) { return gate_over(args, 1); }
 
 /* A writable digest table argument (digests.h) of `slots` slots, checked. */
 static int table_arg(PyObject *obj, Py_ssize_t slots, Py_buffer *view) {
