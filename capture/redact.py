@@ -351,7 +351,6 @@ def flagged_json(values: "pa.Array") -> list[int]:
 
 def flagged_json_arrow(values: "pa.Array") -> list[int]:
     """:func:`flagged_json` with Arrow kernels and the gate of :func:`flagged` (the native module's or RE2)."""
-    import numpy as np
     import pyarrow.compute as pc
 
     if values.null_count == len(values):
@@ -359,9 +358,8 @@ def flagged_json_arrow(values: "pa.Array") -> list[int]:
     view = values
     for a, b in _UNESCAPE:
         view = pc.replace_substring(view, a, b)
-    odd = pc.fill_null(pc.match_substring_regex(view, r"\\[bfu/]"), False)
-    hits = set(flagged(pc.fill_null(view, "")))
-    return sorted(hits | set(np.flatnonzero(np.asarray(odd.to_numpy(zero_copy_only=False), dtype=bool)).tolist()))
+    odd = pc.indices_nonzero(pc.fill_null(pc.match_substring_regex(view, r"\\[bfu/]"), False)).to_pylist()
+    return sorted(set(flagged(pc.fill_null(view, ""))) | set(odd))
 
 
 def flagged_re2(values: "pa.Array") -> list[int]:

@@ -423,18 +423,28 @@ static size_t count_code_points(const uint8_t *p, size_t n) {
     return n - continuation;
 }
 
+/* Digits of n in decimal. */
+static int decimal_len(uint64_t n) {
+    int k = 1;
+    while (n >= 10) {
+        n /= 10;
+        k++;
+    }
+    return k;
+}
+
+/* n in decimal into out (decimal_len(n) bytes); returns its length. */
+static int decimal(uint64_t n, char *out) {
+    int len = decimal_len(n);
+    for (int i = len - 1; i >= 0; i--, n /= 10)
+        out[i] = (char)('0' + n % 10);
+    return len;
+}
+
 /* ":<n>:" in decimal; returns its length. */
 static int length_field(char *out, size_t n) {
-    char digits[24];
-    int k = 0;
-    do {
-        digits[k++] = (char)('0' + n % 10);
-        n /= 10;
-    } while (n);
-    int len = 0;
-    out[len++] = ':';
-    while (k)
-        out[len++] = digits[--k];
+    out[0] = ':';
+    int len = 1 + decimal(n, out + 1);
     out[len++] = ':';
     return len;
 }
@@ -467,44 +477,36 @@ static int columns_serialize(const Utf8 *from, const Utf8 *value, int32_t first,
     return J_OK;
 }
 
-/* Decimal text of v into out (at least 11 bytes); returns its length. */
-static int int_text(int32_t v, char *out) {
-    char digits[12];
-    int k = 0, len = 0;
-    uint32_t u = v < 0 ? (uint32_t)0 - (uint32_t)v : (uint32_t)v;
-    do {
-        digits[k++] = (char)('0' + u % 10);
-        u /= 10;
-    } while (u);
-    if (v < 0)
-        out[len++] = '-';
-    while (k)
-        out[len++] = digits[--k];
-    return len;
-}
+static uint64_t magnitude(int32_t v) { return v < 0 ? (uint64_t)(-(int64_t)v) : (uint64_t)v; }
 
 /* The turn "name:len:[a, b, ...]" of a token id list (Python's str of the list; "" when absent). */
 static int put_ids_turn(Buf *out, const char *name, const Buf *ids, int has) {
     const int32_t *v = (const int32_t *)ids->data;
-    size_t n = has ? ids->len / 4 : 0, chars = 0;
-    char text[12];
+    size_t n = has ? ids->len / 4 : 0, chars = has ? 2 : 0;
     for (size_t i = 0; i < n; i++)
-        chars += (size_t)int_text(v[i], text) + (i ? 2 : 0);
-    chars += has ? 2 : 0;
+        chars += (size_t)(decimal_len(magnitude(v[i])) + (v[i] < 0)) + (i ? 2 : 0);
     char len_text[32];
     int lf = length_field(len_text, chars);
     if (buf_put(out, name, strlen(name)) != J_OK || buf_put(out, len_text, (size_t)lf) != J_OK)
         return J_NOMEM;
     if (!has)
         return J_OK;
-    if (buf_put(out, "[", 1) != J_OK)
+    if (buf_reserve(out, chars) != J_OK)
         return J_NOMEM;
+    char *p = (char *)out->data + out->len;
+    *p++ = '[';
     for (size_t i = 0; i < n; i++) {
-        int k = int_text(v[i], text);
-        if ((i && buf_put(out, ", ", 2) != J_OK) || buf_put(out, text, (size_t)k) != J_OK)
-            return J_NOMEM;
+        if (i) {
+            *p++ = ',';
+            *p++ = ' ';
+        }
+        if (v[i] < 0)
+            *p++ = '-';
+        p += decimal(magnitude(v[i]), p);
     }
-    return buf_put(out, "]", 1);
+    *p++ = ']';
+    out->len += chars;
+    return J_OK;
 }
 
 static int put_text_turn(Buf *out, const char *name, const uint8_t *p, size_t n, int has) {
