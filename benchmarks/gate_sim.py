@@ -23,6 +23,10 @@ Clopper-Pearson 95% intervals, the prompt replays each cycle spent against the d
 bench's most (2 attempts of 32 prompts x 2 rounds), and run times; writes JSON.
 
     python benchmarks/gate_sim.py [--runs 4000] [--power-runs 2000] [--quick]
+
+``--aa-offset 0.015`` makes the A/A control 1.5% faster than the live head in every run (a
+steady offset between identical arms, as a real machine sometimes shows) to see what the A/A
+void costs; ``--aa-tolerance`` sets ``[gate] aa_tolerance`` for the run.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ class Setting:
     nospec: bool  # the no-speculation arm in the first attempt
 
 
-def scenarios(margin: float) -> dict[str, Heads]:
-    base = {LIVE: 1.0, CONTROL: 1.0, NOSPEC: 1.1}
+def scenarios(margin: float, aa_offset: float = 0.0) -> dict[str, Heads]:
+    base = {LIVE: 1.0, CONTROL: 1.0 + aa_offset, NOSPEC: 1.1}
     acc = {LIVE: 1.5, CONTROL: 1.5}
     return {
         "null acceptance": Heads({**base, CANDIDATE: 1.3}, {**acc, CANDIDATE: 1.5 + margin}),
@@ -66,9 +70,10 @@ def scenarios(margin: float) -> dict[str, Heads]:
 
 
 def sized(noise: Noise, heldout: int, gate: GateConfig, bench: BenchConfig, seed: int = 10**6,
-          most_budget: float = 2.0) -> AttemptSize:
+          most_budget: float = 2.0, aa_offset: float = 0.0) -> AttemptSize:
     """The attempts' shape ``loop.gate.size_attempts`` picks after three default benches on this machine."""
     heads = Heads()
+    heads.speed[CONTROL] += aa_offset
     world = World.make(bench.max_prompts, heads, seed)
     recent = [bench_result(plan(SPEC, bench.max_prompts, list(bench.concurrencies), bench.rounds, bench.group_size,
                                 seed + k, gate.min_clusters), heads, noise, world, seed + k,
@@ -107,6 +112,10 @@ def main() -> int:
     ap.add_argument("--nospec", choices=["both", "yes", "no"], default="both",
                     help="the paths: with the no-speculation arm in the first attempt, without, or both")
     ap.add_argument("--no-beyond", action="store_true", help="skip the heavy power beyond twice the budget")
+    ap.add_argument("--aa-offset", type=float, default=0.0,
+                    help="the A/A control this much faster than the live head in every run (a steady offset "
+                         "between identical arms that the design does not cancel, e.g. 0.015)")
+    ap.add_argument("--aa-tolerance", type=float, default=None, help="[gate] aa_tolerance (default: the config's)")
     ap.add_argument("--out", type=Path, default=REPO / "gate_sim.json")
     args = ap.parse_args()
     if args.quick:
@@ -118,6 +127,8 @@ def main() -> int:
         sys.stderr.flush()
 
     gate, bench = GateConfig(), BenchConfig()
+    if args.aa_tolerance is not None:
+        gate = gate.model_copy(update={"aa_tolerance": args.aa_tolerance})
     today = gate.max_attempts * bench.max_prompts * bench.rounds  # the default bench's most prompt replays
     noises = {"quiet": quiet(), "heavy": heavy()}
     settings = []
@@ -130,9 +141,9 @@ def main() -> int:
     for s in settings:
         for nname in args.noise:
             noise = noises[nname]
-            size = sized(noise, s.heldout, gate, bench)
+            size = sized(noise, s.heldout, gate, bench, aa_offset=args.aa_offset)
             log(f"{s.name}, {nname}: {size.why}")
-            for scen, heads in scenarios(gate.min_acceptance_gain).items():
+            for scen, heads in scenarios(gate.min_acceptance_gain, args.aa_offset).items():
                 runs = args.power_runs if scen.startswith("better") else args.runs
                 t = time.perf_counter()
                 out = [cycle(s, size, heads, noise, gate, bench, seed) for seed in range(runs)]
@@ -152,8 +163,8 @@ def main() -> int:
     if "heavy" in args.noise and "plentiful" in args.settings and args.nospec != "yes" and not args.no_beyond:
         # What 80% power takes on the heavy machine when the budget may grow past twice the default's.
         s = Setting("plentiful held-out", PLENTY, False)
-        big = sized(noises["heavy"], PLENTY, gate, bench, most_budget=4.0)
-        heads = scenarios(gate.min_acceptance_gain)["better (+10%, +0.1)"]
+        big = sized(noises["heavy"], PLENTY, gate, bench, most_budget=4.0, aa_offset=args.aa_offset)
+        heads = scenarios(gate.min_acceptance_gain, args.aa_offset)["better (+10%, +0.1)"]
         t = time.perf_counter()
         out = [cycle(s, big, heads, noises["heavy"], gate, bench, seed) for seed in range(args.power_runs // 4)]
         k = sum(v == PASSED for v, _ in out)
