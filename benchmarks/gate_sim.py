@@ -25,8 +25,8 @@ bench's most (2 attempts of 32 prompts x 2 rounds), and run times; writes JSON.
     python benchmarks/gate_sim.py [--runs 4000] [--power-runs 2000] [--quick]
 
 ``--aa-offset 0.015`` makes the A/A control 1.5% faster than the live head in every run (a
-steady offset between identical arms, as a real machine sometimes shows) to see what the A/A
-void costs; ``--aa-tolerance`` sets ``[gate] aa_tolerance`` for the run.
+steady offset between identical arms, as a real machine sometimes shows) to see what voiding
+on it costs in power.
 """
 
 from __future__ import annotations
@@ -115,7 +115,6 @@ def main() -> int:
     ap.add_argument("--aa-offset", type=float, default=0.0,
                     help="the A/A control this much faster than the live head in every run (a steady offset "
                          "between identical arms that the design does not cancel, e.g. 0.015)")
-    ap.add_argument("--aa-tolerance", type=float, default=None, help="[gate] aa_tolerance (default: the config's)")
     ap.add_argument("--out", type=Path, default=REPO / "gate_sim.json")
     args = ap.parse_args()
     if args.quick:
@@ -127,8 +126,6 @@ def main() -> int:
         sys.stderr.flush()
 
     gate, bench = GateConfig(), BenchConfig()
-    if args.aa_tolerance is not None:
-        gate = gate.model_copy(update={"aa_tolerance": args.aa_tolerance})
     today = gate.max_attempts * bench.max_prompts * bench.rounds  # the default bench's most prompt replays
     noises = {"quiet": quiet(), "heavy": heavy()}
     settings = []

@@ -34,9 +34,8 @@ early for it never adds promotions). :func:`size_attempts` sizes a cycle's attem
 from the noise of the last cycles' benches, within twice the default bench budget.
 
 **The A/A control is a diagnostic.** Control − live compares a head with itself: when its
-own interval (at ``aa_confidence``) leaves out 0 for any figure (and, for tok/s, the shift is
-over ``aa_tolerance`` of the live head's), load changed under that benchmark in a way the
-counterbalancing did not cancel, and the attempt is void: its data
+own interval (at ``aa_confidence``) leaves out 0 for any figure, load changed under that
+benchmark in a way the counterbalancing did not cancel, and the attempt is void: its data
 joins no pool and the look is spent. Against the pooled reference, the A/A contrast is
 orthogonal to the candidate's, so voiding on it does not bias the decision.
 """
@@ -149,27 +148,18 @@ def aa_void(result: BenchResult, gate: Any) -> str | None:
     """Why the A/A control voids this benchmark (None: it does not).
 
     Control − live of every gated figure, on this benchmark alone, at ``aa_confidence``:
-    an interval that leaves out 0 says two identical heads measured apart. For tok/s the
-    shift must also exceed ``aa_tolerance`` of the live head's: a quiet machine measures a
-    steady offset of a percent or two between identical arms confidently, a shift far below
-    the gains the bench is sized for, and a benchmark that decides clearly is not discarded
-    for it. Acceptance keeps no tolerance: the same head on the same prompts accepts the same
-    drafts.
+    an interval that leaves out 0 says two identical heads measured apart.
     """
     if CONTROL not in result.arms:
         return "no A/A control in this benchmark, so nothing shows the machine held still under it"
     c1 = min(result.concurrencies)
-    figs = [("mean_acceptance_length", c1, "mean_acceptance_length", 0.0)]
-    figs += [(f"output_tok_per_s@c{c}", c, "output_tok_per_s", gate.aa_tolerance) for c in result.concurrencies]
-    for name, c, metric, tolerance in figs:
+    figs = [("mean_acceptance_length", c1, "mean_acceptance_length")]
+    figs += [(f"output_tok_per_s@c{c}", c, "output_tok_per_s") for c in result.concurrencies]
+    for name, c, metric in figs:
         iv = contrast(result.clusters, metric, c, CONTROL, [LIVE], gate.aa_confidence)
-        if not iv.excludes(0.0):
-            continue
-        live = [v for v in reference(result.clusters, metric, c, [LIVE]) if not math.isnan(v)]
-        if tolerance and live and abs(iv.estimate) <= tolerance * abs(sum(live) / len(live)):
-            continue
-        return (f"A/A control {name}: the live head measured against itself differs by {iv.estimate:.4g} "
-                f"[{iv.lo:.4g}, {iv.hi:.4g}] ({gate.aa_confidence:.0%}): load changed under the bench")
+        if iv.excludes(0.0):
+            return (f"A/A control {name}: the live head measured against itself differs by {iv.estimate:.4g} "
+                    f"[{iv.lo:.4g}, {iv.hi:.4g}] ({gate.aa_confidence:.0%}): load changed under the bench")
     return None
 
 

@@ -280,11 +280,6 @@ class GateConfig(_Section):
     # The A/A control voids a benchmark when its own two-sided interval at this confidence leaves out 0
     # (load changed under the bench); 0.99 voids 1 clean run in 100 per check.
     aa_confidence: float = Field(0.99, gt=0, lt=1)
-    # ... and only when the control's tok/s differs from the live head's by more than this fraction of
-    # it: a quiet machine measures a steady offset of 1-2% between two identical arms confidently, a
-    # shift far below the 10% gains the bench is sized for, so a benchmark that decides clearly is not
-    # discarded for it. 0: void on any shift the interval sees.
-    aa_tolerance: float = Field(0.02, ge=0, lt=1)
     # Benchmarks per cycle: an inconclusive one is measured again, pooled with the earlier ones.
     max_attempts: int = Field(2, ge=1)
     # Each cycle sizes its attempts (held-out prompts, rounds, group size; within most_budget) from the
