@@ -14,7 +14,10 @@ the client has received nothing) and the rest, the seconds the pool took to brin
 and the capture records written against the requests answered. The check: 0 failed among the
 requests that had not started streaming when the replica died (exit status 1 otherwise).
 
-    python benchmarks/crash.py [--target tiny] [--replicas 2] [--clients 16] [--eager]
+With ``--router-workers N`` the router is N worker processes on one port (``[serving] router_workers``),
+each retrying and capturing on its own, and the capture records counted are their journals, published.
+
+    python benchmarks/crash.py [--target tiny] [--replicas 2] [--clients 16] [--eager] [--router-workers 1]
                                [--kill process|engine] [--no-wait-return] [--json]
 """
 
@@ -48,6 +51,7 @@ def main() -> int:
                     help="kill -9 the replica's whole process group, or its engine core process alone")
     ap.add_argument("--no-wait-return", dest="wait_return", action="store_false",
                     help="stop --settle seconds after the kill instead of after the replica's return")
+    ap.add_argument("--router-workers", type=int, default=1, help="router processes on the router's port")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -61,7 +65,8 @@ def main() -> int:
     cfg = load_config(overrides={
         "state_dir": str(work), "target": {"model": args.target},
         "serving": {"replicas": args.replicas, "base_port": base, "router_port": router_port,
-                    "admin_token": "bench", "max_model_len": 1024, "max_num_seqs": args.clients + 2},
+                    "admin_token": "bench", "max_model_len": 1024, "max_num_seqs": args.clients + 2,
+                    "router_workers": args.router_workers},
         "capture": {"source": str(work / "capture"), "endpoint": "", "redact": False},
     })
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
@@ -104,7 +109,8 @@ def main() -> int:
         stack.stop()
     failed_started = len(load.failed_started)
     failed_otherwise = len(load.failed) - failed_started
-    out = {"target": str(target), "replicas": args.replicas, "clients": args.clients, "max_tokens": args.max_tokens,
+    out = {"target": str(target), "replicas": args.replicas, "router_workers": args.router_workers,
+           "clients": args.clients, "max_tokens": args.max_tokens,
            "kill": args.kill, "in_flight_on_victim_at_kill": in_flight, "answered": load.ok,
            "failed": len(load.failed), "failed_streams_already_answering": failed_started,
            "failed_otherwise": failed_otherwise, "router_retries": retries,
@@ -114,7 +120,8 @@ def main() -> int:
         print(json.dumps(out))
     else:
         what = "engine core process" if args.kill == "engine" else "process group"
-        print(f"target {Path(target).name}, {args.replicas} replicas, {args.clients} chat clients (1 in 3 streamed), "
+        print(f"target {Path(target).name}, {args.replicas} replicas, {args.router_workers} router process(es), "
+              f"{args.clients} chat clients (1 in 3 streamed), "
               f"kill -9 of one replica's {what} with {in_flight} requests in flight on it")
         back = f"replica back after {back_s:.0f} s" if back_s is not None else "replica's return not awaited"
         print(f"answered {load.ok}, failed {len(load.failed)} ({failed_started} streams already answering, "
@@ -128,11 +135,15 @@ def main() -> int:
 
 
 def router_retries(url: str) -> dict[str, float]:
-    """The router's retries so far, by reason (its /metrics)."""
+    """The router's retries so far, by reason (its /metrics; its workers' summed)."""
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    return {k: float(v) for k, v in re.findall(r'adapt_router_retries_total\{reason="(\w+)"\} ([0-9.]+)', text)}
+    out: dict[str, float] = {}
+    # With router workers each series also carries its worker="N" label: summed over them.
+    for k, v in re.findall(r'adapt_router_retries_total\{reason="(\w+)"[^}]*\} ([0-9.]+)', text):
+        out[k] = out.get(k, 0.0) + float(v)
+    return out
 
 
 def engine_core_pid(replica_pid: int) -> int:

@@ -58,6 +58,28 @@ def default_spool_root(destination: str, state_dir: str | Path) -> Path:
     return Path(destination) / ".spool"
 
 
+def claim_spool(root: str | Path, name: str, *, alternatives: int = 0) -> tuple[Path, int]:
+    """The first of ``root/name``, ``root/name-1`` … ``root/name-{alternatives}`` that no live process holds:
+    its directory and an open descriptor of its lock, which this process then holds until it closes it or
+    ends (however it ends: the kernel releases it, so a killed process's successor claims its spool and
+    publishes what it left). Raises when every one is held."""
+    import fcntl
+
+    names = [name] + [f"{name}-{i}" for i in range(1, alternatives + 1)]
+    for n in names:
+        spool = Path(root) / n
+        private_dirs(spool)
+        fd = os.open(spool / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return spool, fd
+    raise RuntimeError(f"capture spool {Path(root) / name} (and {alternatives} alternative(s)) held by other "
+                       "live router processes: one spool per process")
+
+
 def _whole_lines(path: Path) -> tuple[int, int]:
     """Cut ``path`` after its last newline; (records kept, bytes cut)."""
     data = path.read_bytes()
@@ -131,10 +153,13 @@ class JournalWriter(CaptureWriter):
 
     def __init__(self, destination: str, endpoint: str, variant: str = "AllTraffic", *, spool: str | Path,
                  sampling_pct: float = 100.0, s3_client_kwargs: dict[str, Any] | None = None,
-                 batch_size: int = 256, flush_seconds: float = 1.0, **kwargs: Any) -> None:
+                 batch_size: int = 256, flush_seconds: float = 1.0, lock_fd: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(destination, endpoint, variant, sampling_pct=sampling_pct, s3_client_kwargs=s3_client_kwargs,
                          batch_size=batch_size, flush_seconds=flush_seconds, **kwargs)
         self.spool = Path(spool)
+        # The spool's lock (claim_spool), held while this writer lives: another process cannot take the slot.
+        self._lock_fd = lock_fd
         self.publisher = Publisher(destination, s3_client_kwargs)
         self.counts.update(recovered=0, dropped_partial=0, unpublished=0)
         self._fd: int | None = None
@@ -195,6 +220,8 @@ class JournalWriter(CaptureWriter):
         """Publish what a previous process of this slot left, then publish this one's files as they fill."""
         if self._task is not None:
             return
+        if self._lock_fd is None:
+            self.spool, self._lock_fd = claim_spool(self.spool.parent, self.spool.name)
         files, records, partial = recover(self.spool, self.publisher)
         self.counts["recovered"] += records
         self.counts["dropped_partial"] += partial
@@ -253,3 +280,6 @@ class JournalWriter(CaptureWriter):
             await asyncio.wait_for(self._publish_ready(), timeout)
         except asyncio.TimeoutError:
             pass
+        if self._lock_fd is not None:  # what is left stays for the spool's next holder
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -3,7 +3,10 @@
 Objects land at ``{dest}/{endpoint}/{variant}/yyyy/mm/dd/hh/{MM-SS-mmm}-{uuid}.jsonl``,
 the layout ``capture.sources`` reads. The request path only calls :meth:`offer`,
 which never blocks: a full queue or a failed/slow write drops records, counted
-in :attr:`counts` (and exported as Prometheus metrics by the router).
+in :attr:`counts` (and exported as Prometheus metrics by the router). Its encoding
+and writing run on threads, which a loop saturated with requests starves of the GIL:
+``adapt serve`` captures with :class:`serving.capture_journal.JournalWriter`, which
+writes each record on the request path and loses none to a busy loop.
 
 Each record is encoded on its own, so that one request's body cannot fail the batch
 it shares with others: a lone surrogate (a ``"\\ud800"`` escape that JSON allows and

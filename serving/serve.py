@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from serving.admin import ExposureError, check_exposure, tls_verify, token_weakness, url_is_loopback
-from serving.capture_writer import CaptureWriter
+from serving.capture_journal import JournalWriter, claim_spool, default_spool_root
 from serving.pool import Pool, head_identity, replica_specs
 from serving.poolview import SharedPool
 from serving.replica import ReplicaProcess
@@ -154,10 +154,10 @@ class ServingStack(LoopService):
         # Router workers (serving.workers) route in their own processes: the pool sums their counters.
         self.pool = (SharedPool if cfg.serving.router_workers > 1 else Pool)(verify=tls_verify(cfg.serving.agent_ca_file))
         self.workers: RouterWorkers | None = None
-        self.writer: CaptureWriter | None = None
+        self.writer: JournalWriter | None = None
         # What the router captured, however it routes: this process's writer, or its workers' counts summed.
         # ``counts["published"]`` is what an ingest can read.
-        self.capture: CaptureWriter | CaptureTotals | None = None
+        self.capture: JournalWriter | CaptureTotals | None = None
         self.controller: SwapController | None = None
         self.server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task | None = None
@@ -194,9 +194,16 @@ class ServingStack(LoopService):
             self.pool.current_head["sha256"] = self.pool.replicas[0].head.get("sha256")
         n_workers = cfg.serving.router_workers
         if self.capture_dest and n_workers == 1:
-            self.writer = CaptureWriter(self.capture_dest, cfg.serving.capture_endpoint, cfg.capture.variant,
-                                        sampling_pct=cfg.serving.capture_sampling_pct,
-                                        s3_client_kwargs=cfg.s3.client_kwargs(), **self.writer_kwargs)
+            # A journal, as each worker's: every record is in the kernel before its answer ends, and a loop
+            # saturated with requests cannot starve it (a queue drained by threads waits for the GIL, which
+            # a busy loop hardly yields, and drops what overflows). A second `adapt serve` on the same
+            # destination and state takes a spool of its own beside this one.
+            spool, lock = claim_spool(default_spool_root(self.capture_dest, cfg.state_dir), "router", alternatives=7)
+            self.writer = JournalWriter(self.capture_dest, cfg.serving.capture_endpoint, cfg.capture.variant,
+                                        spool=spool, lock_fd=lock, sampling_pct=cfg.serving.capture_sampling_pct,
+                                        s3_client_kwargs=cfg.s3.client_kwargs(),
+                                        **{k: v for k, v in self.writer_kwargs.items()
+                                           if k in ("batch_size", "flush_seconds")})
         self.controller = SwapController(
             self.pool, target_dir=self.target_dir, num_speculative_tokens=cfg.head.num_speculative_tokens,
             served_model_name=self.model_name, smoke_prompts=cfg.serving.smoke_prompts or None,

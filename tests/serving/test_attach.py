@@ -562,3 +562,62 @@ def test_a_path_a_restart_and_a_wrong_token_are_refused(attached, heads, s3_serv
         attached.run_coro(AgentAdmin(r.url, "x" + STRONG).load_head("s3://drafter-test/heads/e1", None, None), 60)
     assert httpx.post(r.url + "/agent/load", json={"uri": "s3://drafter-test/heads/e1"}, timeout=30).status_code == 401
     assert attached.run_coro(r.admin.head_info(), 60)["sha256"] == before["sha256"]
+
+
+@pytest.mark.services
+def test_a_swap_asked_through_a_router_worker_reaches_the_agent_under_load(attached, heads, tmp_path):
+    """`[serving] router_workers = 2` in front of the same agent: an operator's swap, asked on the router's
+    port, reaches the process that owns the pool through whichever worker took the connection; the agent
+    loads the head; the workers serve through it with 0 failed and capture every answer once. The swap
+    back leaves the agent holding what it held before."""
+    from serving.serve import ServingStack
+    from traffic.loadgen import SteadyLoad
+
+    cfg = load_config(overrides={
+        "state_dir": str(tmp_path / "central"), "target": {"model": str(attached.target_dir)},
+        "capture": {"source": str(tmp_path / "capture"), "endpoint": "ep", "redact": False},
+        "s3": {"endpoint_url": attached.s3.endpoint_url},
+        "mlflow": {"tracking_uri": attached.cfg.mlflow.tracking_uri, "registered_model": "attach-heads"},
+        "serving": {"replicas": 0, "router_port": free_port(), "admin_token": ADMIN, "agent_token": STRONG,
+                    "router_workers": 2}})
+    agent = attached.pool.replicas[0].admin
+    before = attached.run_coro(agent.head_info(), 60)
+    back = before["uri"] or _upload(attached.s3, heads["e0"], "heads/e0")
+    stack = ServingStack(cfg, head_dir=heads["e0"], target_dir=attached.target_dir, attach_agents=[attached.agent_url],
+                         writer_kwargs={"flush_seconds": 0.2})
+    stack.start()
+    answered = 0
+    try:
+        assert stack.workers is not None and len(stack.workers.workers) == 2
+        uri = _upload(attached.s3, heads["e1"], "heads/e1-workers")
+        with SteadyLoad(stack.url, stack.model_name, 4, max_seconds=300, max_tokens=8) as load:
+            time.sleep(2)
+            rep = _swap(stack, uri)
+            time.sleep(2)
+        assert rep["ok"] and rep["mode"] == "inplace", rep
+        assert load.failed == [] and load.ok > 4, (load.ok, load.failed[:3])
+        answered += load.ok
+        assert attached.run_coro(agent.head_info(), 60)["sha256"] == _sha(heads["e1"])
+        assert stack.pool.current_head["sha256"] == _sha(heads["e1"])
+        # Every worker serves after the swap: new connections until each has answered one more.
+        served = {s: sum(c.served for c in r.replicas.values()) for s, r in stack.pool.reports.items()}
+        for _ in range(200):
+            with httpx.Client(timeout=120) as c:
+                r = c.post(stack.url + "/v1/completions", json={"model": stack.model_name, "prompt": "the of and",
+                                                                 "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            answered += 1
+            time.sleep(0.05)  # a worker reports its counters every 20 ms
+            now = {s: sum(c.served for c in r.replicas.values()) for s, r in stack.pool.reports.items()}
+            if sorted(now) == [0, 1] and all(now[s] > served.get(s, 0) for s in now):
+                break
+        else:
+            raise AssertionError(f"not every router worker served after the swap: {served} -> {now}")
+        rep = _swap(stack, back)
+        assert rep["ok"], rep
+    finally:
+        stack.stop()
+    assert attached.run_coro(agent.head_info(), 60)["sha256"] == before["sha256"]
+    records = [line for f in (tmp_path / "capture").rglob("*.jsonl") if ".spool" not in f.parts
+               for line in f.read_bytes().splitlines() if line.strip()]
+    assert len(records) == answered  # each answer captured once, by whichever worker served it
