@@ -153,13 +153,13 @@ class JournalWriter(CaptureWriter):
 
     def __init__(self, destination: str, endpoint: str, variant: str = "AllTraffic", *, spool: str | Path,
                  sampling_pct: float = 100.0, s3_client_kwargs: dict[str, Any] | None = None,
-                 batch_size: int = 256, flush_seconds: float = 1.0, lock_fd: int | None = None,
-                 **kwargs: Any) -> None:
+                 batch_size: int = 256, flush_seconds: float = 1.0, alternatives: int = 0, **kwargs: Any) -> None:
         super().__init__(destination, endpoint, variant, sampling_pct=sampling_pct, s3_client_kwargs=s3_client_kwargs,
                          batch_size=batch_size, flush_seconds=flush_seconds, **kwargs)
-        self.spool = Path(spool)
-        # The spool's lock (claim_spool), held while this writer lives: another process cannot take the slot.
-        self._lock_fd = lock_fd
+        # ``spool``, or the first free of ``alternatives`` more beside it (claim_spool): taken at start.
+        self._asked, self.alternatives = Path(spool), alternatives
+        self.spool = self._asked
+        self._lock_fd: int | None = None  # the spool's lock, held while this writer lives
         self.publisher = Publisher(destination, s3_client_kwargs)
         self.counts.update(recovered=0, dropped_partial=0, unpublished=0)
         self._fd: int | None = None
@@ -220,8 +220,7 @@ class JournalWriter(CaptureWriter):
         """Publish what a previous process of this slot left, then publish this one's files as they fill."""
         if self._task is not None:
             return
-        if self._lock_fd is None:
-            self.spool, self._lock_fd = claim_spool(self.spool.parent, self.spool.name)
+        self.spool, self._lock_fd = claim_spool(self._asked.parent, self._asked.name, alternatives=self.alternatives)
         files, records, partial = recover(self.spool, self.publisher)
         self.counts["recovered"] += records
         self.counts["dropped_partial"] += partial

@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from serving.admin import ExposureError, check_exposure, tls_verify, token_weakness, url_is_loopback
-from serving.capture_journal import JournalWriter, claim_spool, default_spool_root
+from serving.capture_journal import JournalWriter
 from serving.pool import Pool, head_identity, replica_specs
 from serving.poolview import SharedPool
 from serving.replica import ReplicaProcess
@@ -198,12 +198,7 @@ class ServingStack(LoopService):
             # saturated with requests cannot starve it (a queue drained by threads waits for the GIL, which
             # a busy loop hardly yields, and drops what overflows). A second `adapt serve` on the same
             # destination and state takes a spool of its own beside this one.
-            spool, lock = claim_spool(default_spool_root(self.capture_dest, cfg.state_dir), "router", alternatives=7)
-            self.writer = JournalWriter(self.capture_dest, cfg.serving.capture_endpoint, cfg.capture.variant,
-                                        spool=spool, lock_fd=lock, sampling_pct=cfg.serving.capture_sampling_pct,
-                                        s3_client_kwargs=cfg.s3.client_kwargs(),
-                                        **{k: v for k, v in self.writer_kwargs.items()
-                                           if k in ("batch_size", "flush_seconds")})
+            self.writer = capture_spec(cfg, self.capture_dest, **self.writer_kwargs).journal("router", alternatives=7)
         self.controller = SwapController(
             self.pool, target_dir=self.target_dir, num_speculative_tokens=cfg.head.num_speculative_tokens,
             served_model_name=self.model_name, smoke_prompts=cfg.serving.smoke_prompts or None,

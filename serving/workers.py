@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from serving.capture_journal import Publisher, default_spool_root, recover
+from serving.capture_journal import JournalWriter, Publisher, default_spool_root, recover
 from serving.pool import Pool
 from serving.poolview import PoolState, SharedPool, WorkerReport, apply, report
 
@@ -65,6 +65,14 @@ class CaptureSpec:
     s3_client_kwargs: dict[str, Any] | None = None
     batch_size: int = 256
     flush_seconds: float = 1.0
+
+    def journal(self, name: str, alternatives: int = 0) -> JournalWriter:
+        """A router process's writer of this capture: spool ``name`` under ``spool_root`` (or the first free of
+        ``alternatives`` more beside it)."""
+        return JournalWriter(self.destination, self.endpoint, self.variant, spool=Path(self.spool_root) / name,
+                             alternatives=alternatives, sampling_pct=self.sampling_pct,
+                             s3_client_kwargs=self.s3_client_kwargs, batch_size=self.batch_size,
+                             flush_seconds=self.flush_seconds)
 
 
 @dataclass(frozen=True)
@@ -542,7 +550,6 @@ async def run_worker(listen_fd: int, channel_fd: int) -> None:
     import uvicorn
 
     from serving.admin import tls_verify
-    from serving.capture_journal import JournalWriter
     from serving.router import create_app, server_config
 
     channel = await Channel.open(socket.socket(fileno=channel_fd))
@@ -553,10 +560,7 @@ async def run_worker(listen_fd: int, channel_fd: int) -> None:
     pool = Pool(verify=tls_verify(spec.agent_ca_file))
     state = PoolState.from_json(first["state"])
     apply(pool, state)
-    cap = spec.capture
-    writer = JournalWriter(cap.destination, cap.endpoint, cap.variant, spool=Path(cap.spool_root) / f"worker-{spec.slot}",
-                           sampling_pct=cap.sampling_pct, s3_client_kwargs=cap.s3_client_kwargs,
-                           batch_size=cap.batch_size, flush_seconds=cap.flush_seconds) if cap else None
+    writer = spec.capture.journal(f"worker-{spec.slot}") if spec.capture else None
     app = create_app(pool, writer=writer, admin_token="", swap_handler=None, no_replica_wait=spec.no_replica_wait,
                      max_body_bytes=spec.max_body_bytes, capture_token_ids=spec.capture_token_ids,
                      request_timeout=spec.request_timeout, connect_timeout=spec.connect_timeout,
