@@ -24,10 +24,13 @@ Which one is fastest depends on the device and the batch shape, so ``auto``
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -217,8 +220,35 @@ class Pick:
 _picks: dict[tuple, Pick] = {}
 
 
+def _stored_pick(store: Path | None, key: tuple) -> Pick | None:
+    try:
+        got = json.loads(store.read_text()).get(json.dumps(list(key))) if store is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(got, dict) or not isinstance(got.get("backend"), str):
+        return None
+    return Pick(got["backend"], got.get("measured") or {}, got.get("skipped") or {}, "cached")
+
+
+def _store_pick(store: Path, key: tuple, pick: Pick) -> None:
+    """Add ``pick`` to the JSON file of picks (written whole and renamed: a reader never sees half of it)."""
+    try:
+        picks = json.loads(store.read_text())
+        picks = picks if isinstance(picks, dict) else {}
+    except (OSError, ValueError):
+        picks = {}
+    picks[json.dumps(list(key))] = {"backend": pick.backend, "measured": pick.measured, "skipped": pick.skipped}
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(picks, indent=1))
+        os.replace(tmp, store)
+    except OSError:
+        pass  # a read-only cache only costs the next run its timing
+
+
 def pick_backend(names: Sequence[str], run: Callable[[str, int], None], sync: Callable[[], None],
-                 key: tuple | None = None, reps: int = 3, warmups: int = 1) -> Pick:
+                 key: tuple | None = None, reps: int = 3, warmups: int = 1, store: Path | None = None) -> Pick:
     """Time ``run(name, i)`` (one forward + backward on the run's ``i``-th batch) for each backend; the
     fastest median wins.
 
@@ -229,11 +259,16 @@ def pick_backend(names: Sequence[str], run: Callable[[str, int], None], sync: Ca
     that pays for every new batch shape (a plan built per shape) pays for it here too.
     A backend whose timed run already took over twice the best median so far cannot
     win and stops early. A tie goes to the earlier name. ``key`` caches the pick for
-    the process (same device and batch shape, same answer).
+    the process (same device and batch shape, same answer) and, with ``store`` (a JSON file), for later
+    processes too: each cycle's training is a process of its own, and timing the backends costs a
+    CPU trainer about as many seconds as a dozen steps.
     """
     if key is not None and key in _picks:
         cached = _picks[key]
         return Pick(cached.backend, cached.measured, cached.skipped, "cached")
+    if key is not None and (stored := _stored_pick(store, key)) is not None:
+        _picks[key] = stored
+        return stored
     times: dict[str, list[float]] = {n: [] for n in names}
     skipped: dict[str, str] = {}
     for n in names:
@@ -261,4 +296,6 @@ def pick_backend(names: Sequence[str], run: Callable[[str, int], None], sync: Ca
     pick = Pick(ranked[0][2], {n: [round(x, 3) for x in t] for n, t in times.items() if t}, skipped)
     if key is not None:
         _picks[key] = pick
+        if store is not None:
+            _store_pick(store, key, pick)
     return pick

@@ -51,6 +51,21 @@ def cpu_has_native_bf16() -> bool:
     return any(probe is not None and bool(probe()) for probe in probes)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), or the machine type where it has none: what a
+    timing measured on this CPU is keyed by."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "cpu"
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity), at least 1."""
     try:

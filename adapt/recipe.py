@@ -39,7 +39,7 @@ import torch
 from adapt.attention import SHAPES, Pick, candidates, pick_backend, unavailable_reason
 from adapt.checkpoint import save_head
 from adapt.data import StepBatches, TokenizeReport, mix_replay, snapshot_id, tokenize_rows
-from adapt.device import pick_device, target_device_map, use_bf16_autocast
+from adapt.device import cpu_model, pick_device, target_device_map, use_bf16_autocast
 from adapt.distributed import (barrier, broadcast_from_main, init_distributed, max_over_ranks, teardown_distributed,
                                wrap_data_parallel)
 from adapt.features import TargetFeatures
@@ -233,8 +233,8 @@ class TrainRecipe:
             # wall-time cap starts would only lengthen the run, so one batch is timed there.
             feats = [self._features(step + i) for i in range(warmups + reps if cuda else 1)]
             c = self.model.config
-            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-            key = (name, torch.get_num_threads(), c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else cpu_model()
+            key = (name, torch.__version__, torch.get_num_threads(), c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                    c.head_dim, c.num_layers, c.num_speculative_tokens, tc.batch_tokens, tc.max_seq_len,
                    tuple(tc.depth_keep), self.bf16)
 
@@ -245,7 +245,8 @@ class TrainRecipe:
                 self.opt.zero_grad(set_to_none=True)
 
             sync = torch.cuda.synchronize if cuda else (lambda: None)
-            pick = pick_backend(candidates(self.device), run, sync, key, reps=reps, warmups=warmups)
+            pick = pick_backend(candidates(self.device), run, sync, key, reps=reps, warmups=warmups,
+                                store=Path(self.cfg.cache_dir) / "attention-picks.json")
         pick = broadcast_from_main(pick, self.dist)
         self.state.attention = pick.backend
         return pick

@@ -350,6 +350,12 @@ def _stored_request(tokenizer: Any, exchange: Any) -> tuple[RequestTokens | None
     return RequestTokens(list(exchange.prompt_token_ids), list(exchange.output_token_ids), "token_ids"), None
 
 
+def served_request(tokenizer: Any, exchange: Any) -> RequestTokens | None:
+    """The exchange's last request as the target served it: its stored prompt and output ids, where the
+    capture holds usable ones (this tokenizer's, decoding to the stored text); else None."""
+    return _stored_request(tokenizer, exchange)[0]
+
+
 def _decoded(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 

@@ -130,25 +130,34 @@ class EvalSequence:
 
 
 def prepare_sequences(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int, k: int,
-                      batch_size: int = 1, progress: bool = False) -> list[EvalSequence]:
+                      batch_size: int = 1, progress: bool = False,
+                      answers: Sequence[Sequence[int] | None] | None = None) -> list[EvalSequence]:
     """The target's greedy continuations of ``prompts`` and their aux states, computed once for any number
     of heads (they do not depend on the head). ``batch_size`` > 1 generates that many prompts at a time
     (:meth:`TargetRunner.greedy_batch`: left-padded, so the continuations equal one-by-one greedy decoding
-    up to the kernels' rounding); 1 decodes each prompt alone."""
+    up to the kernels' rounding), prompts of similar length together; 1 decodes each prompt alone.
+
+    ``answers[i]``, where not None, is prompt i's greedy continuation as the target served it
+    (:func:`served_answer`): it is used as it is, and only the others are generated."""
     prompts = [list(p) for p in prompts]
-    conts: list[list[int]] = []
     # K extra tokens: the last verification may look that far past the budget.
     budget = max_new_tokens + k
+    conts: list[list[int] | None] = [list(a[:budget]) if a else None for a in (answers or [None] * len(prompts))]
+    todo = sorted((i for i, c in enumerate(conts) if c is None), key=lambda i: len(prompts[i]))
     bar = None
-    if progress:
+    if progress and todo:
         import sys
 
         from tqdm import tqdm
 
-        bar = tqdm(total=len(prompts), desc="offline acceptance", unit="prompt", file=sys.stderr, dynamic_ncols=True)
-    for i in range(0, len(prompts), max(1, batch_size)):
-        chunk = prompts[i:i + max(1, batch_size)]
-        conts += ([runner.greedy(chunk[0], budget)] if len(chunk) == 1 else runner.greedy_batch(chunk, budget))
+        bar = tqdm(total=len(todo), desc="offline acceptance", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+    # Left padding costs the longest prompt's length for every prompt of a batch: similar lengths together.
+    for i in range(0, len(todo), max(1, batch_size)):
+        idx = todo[i:i + max(1, batch_size)]
+        chunk = [prompts[j] for j in idx]
+        got = [runner.greedy(chunk[0], budget)] if len(chunk) == 1 else runner.greedy_batch(chunk, budget)
+        for j, c in zip(idx, got):
+            conts[j] = c
         if bar is not None:
             bar.update(len(chunk))
     if bar is not None:
@@ -169,9 +178,12 @@ def acceptance(model: PEagleDrafter, sequences: Sequence[EvalSequence], max_new_
     per_prompt = []  # [drafts, accepted] per prompt: the clusters of a paired comparison of two heads
     for s in sequences:
         n = s.prompt_len
-        end = min(n + max_new_tokens, len(s.seq) - 1)
+        # A served answer may be shorter than the budget (it stopped, or its request asked for fewer
+        # tokens): the walk ends with it, as the request did.
+        budget = min(max_new_tokens, len(s.seq) - n)
+        end = min(n + budget, len(s.seq) - 1)
         drafts = draft_all_positions(model, torch.tensor(s.seq), s.aux, n, end)
-        c = simulate(s.seq, drafts, n, max_new_tokens, stop_ids)
+        c = simulate(s.seq, drafts, n, budget, stop_ids)
         for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             total[key] += c[key]
         total["accepted_per_pos"] = [x + y for x, y in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
@@ -237,13 +249,36 @@ def target_placement(device: str = "auto", gpus: int | None = None) -> tuple[tor
     return torch.bfloat16, target_device_map(dev, world=1, gpus=gpus)
 
 
+def served_answer(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+    """The prompt ids and the answer ``row``'s request was served, where that answer is the target's greedy
+    continuation: a request at temperature 0 whose capture stored usable ids (:func:`adapt.render.served_request`).
+    None otherwise (sampled, no ids, ids redaction voided, an answer under two tokens): the target then
+    answers again."""
+    from adapt.render import served_request
+    from capture.sharegpt import to_exchange
+
+    t = row.get("temperature")
+    if t is None or float(t) != 0.0:
+        return None
+    try:
+        req = served_request(tokenizer, to_exchange(row))
+    except ValueError:
+        return None
+    if req is None or len(req.output_ids) < 2:
+        return None
+    return req.prompt_ids, req.output_ids
+
+
 def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversations: Sequence[dict[str, Any]],
                   max_new_tokens: int = 64, *, device: str = "auto", batch_size: int = 8) -> dict[str, dict[str, Any]]:
     """Offline acceptance of several heads (role → head dir) on the same held-out conversations.
 
     The target's greedy continuations and aux states do not depend on the head, so they are
     computed once (``batch_size`` prompts at a time) and every head drafts on the same
-    sequences: per-prompt counts then pair up across heads. The heads must share K and aux layers.
+    sequences: per-prompt counts then pair up across heads. A greedy request whose answer the
+    capture holds as token ids is not answered again: its served answer is the continuation
+    (:func:`served_answer`), exactly what the target produced for it; each role's figures say
+    how many were (``answers``). The heads must share K and aux layers.
     """
     if not heads:
         raise ValueError("no heads to compare")
@@ -255,10 +290,13 @@ def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversa
             raise ValueError(f"head {role!r} differs from the others in K or aux layers: no shared sequences")
     dtype, device_map = target_placement(device)
     runner = TargetRunner(target_dir, first.aux_layer_ids, device=device, dtype=dtype, device_map=device_map)
-    sequences = prepare_sequences(runner, [runner.prompt_ids(r) for r in conversations], max_new_tokens,
-                                  first.num_speculative_tokens, batch_size)
-    return {role: estimate_acceptance(heads[role], target_dir, max_new_tokens=max_new_tokens, runner=runner,
-                                      sequences=sequences) for role in heads}
+    served = [served_answer(runner.tokenizer, r) for r in conversations]
+    sequences = prepare_sequences(runner, [s[0] if s else runner.prompt_ids(r) for s, r in zip(served, conversations)],
+                                  max_new_tokens, first.num_speculative_tokens, batch_size,
+                                  answers=[s[1] if s else None for s in served])
+    answers = {"served": sum(s is not None for s in served), "generated": sum(s is None for s in served)}
+    return {role: {**estimate_acceptance(heads[role], target_dir, max_new_tokens=max_new_tokens, runner=runner,
+                                         sequences=sequences), "answers": answers} for role in heads}
 
 
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -414,6 +414,9 @@ class DemoConfig(_Section):
     # concurrency c needs [gate] min_clusters * c held-out prompts; every one adds minutes on 2 cores.
     bench_concurrencies: list[int] = Field(default_factory=lambda: [1], min_length=1)
     bench_max_tokens: int = Field(32, ge=8)
+    # Held-out prompts each benchmark attempt replays ([bench] max_prompts for the demo): a turn of
+    # every held-out request would be 32 prompts in the bootstrap, over half of the demo's minutes.
+    bench_max_prompts: int = Field(16, ge=1)
     # The bench replica and the no-speculation reference stop while a cycle trains (their memory and
     # cores go to the trainer) and start again for each benchmark. True keeps them up from setup to
     # the end: one start each instead of one per benchmark, on a machine with room for two more engines.

@@ -138,6 +138,32 @@ def test_auto_picks_the_fastest_by_measurement_and_caches_it():
     assert again.backend == "sdpa" and again.how == "cached" and len(runs) == before
 
 
+def test_a_stored_pick_spares_a_later_process_the_timing(tmp_path, monkeypatch):
+    """Each cycle trains in a process of its own: the pick is kept in a JSON file by its key, and a process
+    that finds it there times nothing; another key, or a damaged file, is timed again."""
+    import adapt.attention as attention
+
+    runs: list[str] = []
+
+    def run(name, i):
+        runs.append(name)
+        time.sleep({"sdpa": 0.004, "segment": 0.012}[name])
+
+    store = tmp_path / "cache" / "attention-picks.json"
+    first = pick_backend(["sdpa", "segment"], run, lambda: None, key=("cpu-x", 2, 576), store=store)
+    assert first.how == "measured" and first.backend == "sdpa" and store.is_file()
+    monkeypatch.setattr(attention, "_picks", {})  # a new process
+    before = len(runs)
+    again = pick_backend(["sdpa", "segment"], run, lambda: None, key=("cpu-x", 2, 576), store=store)
+    assert (again.backend, again.how, len(runs)) == ("sdpa", "cached", before)
+    assert again.measured == first.measured
+    other = pick_backend(["sdpa", "segment"], run, lambda: None, key=("cpu-x", 2, 960), store=store)
+    assert other.how == "measured" and len(runs) > before
+    monkeypatch.setattr(attention, "_picks", {})
+    store.write_text("{not json")
+    assert pick_backend(["sdpa", "segment"], run, lambda: None, key=("cpu-x", 2, 576), store=store).how == "measured"
+
+
 def test_auto_times_distinct_batches_after_warming_up_on_several():
     """Training's batches differ in shape: a backend fast on a batch it has seen but paying for every new
     shape (a kernel plan built per shape) loses to one that compiles for the first two shapes and then

@@ -25,6 +25,8 @@ def test_demo_has_its_own_state_and_an_admin_token(tmp_path, monkeypatch):
     assert demo_config(chosen).bench.vllm_args == ["--max-num-batched-tokens", "4096"]
     # Its benches keep the default size: no attempt grown for power (the sizing's cap is the default's replays).
     assert cfg.gate.most_budget == 1.0 and base.gate.most_budget == 2.0
+    # ... and replay at most [demo] bench_max_prompts held-out prompts per attempt.
+    assert cfg.bench.max_prompts == base.demo.bench_max_prompts == 16 and base.bench.max_prompts == 32
 
 
 def test_with_overrides_validates(tmp_path, monkeypatch):

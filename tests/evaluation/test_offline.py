@@ -138,3 +138,63 @@ def test_the_evaluate_step_loads_the_target_in_bf16_across_every_gpu_and_in_fp32
     assert target_placement("cpu") == (torch.float32, None)
     assert target_placement("cuda", gpus=4) == (torch.bfloat16, "auto")
     assert target_placement("cuda", gpus=1) == (torch.bfloat16, None)
+
+
+def _served_rows(tiny_model, n: int, answer_tokens: int) -> list[dict]:
+    """Greedy requests as the router captures them: messages, temperature 0, the prompt and answer ids."""
+    from adapt.hidden_states import TargetRunner
+
+    runner = TargetRunner(tiny_model, [1], device="cpu", dtype=torch.float32)
+    rows = []
+    for i in range(n):
+        conv = [{"from": "human", "value": f"tell me about the number {i}"}]
+        prompt = runner.prompt_ids({"conversations": conv})
+        answer = runner.greedy(prompt, answer_tokens)
+        text = runner.tokenizer.decode(answer, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        rows.append({"id": f"c{i}", "conversations": conv + [{"from": "gpt", "value": text}], "temperature": 0.0,
+                     "prompt_token_ids": prompt, "output_token_ids": answer, "finish_reason": "length"})
+    return rows
+
+
+def test_a_greedy_request_s_served_answer_is_the_continuation_and_is_not_generated_again(tiny_model, tmp_path,
+                                                                                        monkeypatch):
+    """Where the capture holds a greedy request's ids, the evaluation drafts on the served answer (the target's
+    own greedy continuation) and counts as if the target had answered again; a sampled request, or one
+    without ids, is answered again."""
+    from adapt.checkpoint import init_random_head
+    from adapt.hidden_states import TargetRunner
+    from evaluation.offline import compare_heads
+
+    heads = {role: init_random_head(tiny_model, tmp_path / role, k=3, seed=i, draft_vocab_size=256)
+             for i, role in enumerate(("candidate", "live"))}
+    rows = _served_rows(tiny_model, 4, 15)
+    without_ids = [{k: v for k, v in r.items() if not k.endswith("token_ids")} for r in rows]
+    plain = compare_heads(heads, tiny_model, without_ids, max_new_tokens=12, device="cpu", batch_size=2)
+    calls = []
+    real = TargetRunner.greedy_batch
+    monkeypatch.setattr(TargetRunner, "greedy_batch", lambda self, *a: calls.append(a) or real(self, *a))
+    served = compare_heads(heads, tiny_model, rows, max_new_tokens=12, device="cpu", batch_size=2)
+    assert calls == []
+    for role in heads:
+        assert served[role]["answers"] == {"served": 4, "generated": 0}
+        assert plain[role]["answers"] == {"served": 0, "generated": 4}
+        assert served[role]["per_prompt"] == plain[role]["per_prompt"]
+        assert served[role]["num_drafts"] > 0
+    sampled = compare_heads(heads, tiny_model, [{**r, "temperature": 0.7} for r in rows], max_new_tokens=12,
+                            device="cpu", batch_size=2)
+    assert sampled["live"]["answers"] == {"served": 0, "generated": 4} and len(calls) == 2
+
+
+def test_a_served_answer_shorter_than_the_budget_ends_the_walk(tiny_model, tmp_path):
+    """An answer that stopped before the budget is walked to its end, never past it (no crash, no drafts
+    counted beyond what the request produced)."""
+    from adapt.checkpoint import init_random_head
+    from evaluation.offline import compare_heads
+
+    head = init_random_head(tiny_model, tmp_path / "h", k=3, draft_vocab_size=256)
+    rows = [{**r, "finish_reason": "stop"} for r in _served_rows(tiny_model, 3, 5)]
+    out = compare_heads({"candidate": head, "live": head}, tiny_model, rows, max_new_tokens=12, device="cpu")
+    assert out["live"]["answers"]["served"] == 3
+    for drafts, accepted in out["live"]["per_prompt"]:
+        assert 1 <= drafts <= 4 and accepted <= 3 * drafts
+    assert out["live"]["num_generated_tokens"] == 15
