@@ -25,6 +25,7 @@ from adapt.checkpoint import load_head
 from adapt.device import pick_device, target_device_map
 from adapt.drafter import PEagleDrafter
 from adapt.hidden_states import TargetRunner
+from evaluation.batching import plan_batches
 
 
 def all_step_inputs(cfg, seq: torch.Tensor, aux: torch.Tensor, start: int, end: int,
@@ -131,11 +132,14 @@ class EvalSequence:
 
 def prepare_sequences(runner: TargetRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int, k: int,
                       batch_size: int = 1, progress: bool = False,
-                      answers: Sequence[Sequence[int] | None] | None = None) -> list[EvalSequence]:
+                      answers: Sequence[Sequence[int] | None] | None = None,
+                      batch_tokens: int | None = None) -> list[EvalSequence]:
     """The target's greedy continuations of ``prompts`` and their aux states, computed once for any number
-    of heads (they do not depend on the head). ``batch_size`` > 1 generates that many prompts at a time
-    (:meth:`TargetRunner.greedy_batch`: left-padded, so the continuations equal one-by-one greedy decoding
-    up to the kernels' rounding), prompts of similar length together; 1 decodes each prompt alone.
+    of heads (they do not depend on the head). ``batch_size`` > 1 generates up to that many prompts at a
+    time (:meth:`TargetRunner.greedy_batch`: left-padded, so the continuations equal one-by-one greedy
+    decoding up to the kernels' rounding), prompts of similar length together, and with ``batch_tokens``
+    at most that many padded prompt-plus-answer tokens in a batch (:func:`evaluation.batching.plan_batches`);
+    1 decodes each prompt alone.
 
     ``answers[i]``, where not None, is prompt i's greedy continuation as the target served it
     (:func:`served_answer`): it is used as it is, and only the others are generated."""
@@ -152,8 +156,13 @@ def prepare_sequences(runner: TargetRunner, prompts: Sequence[Sequence[int]], ma
 
         bar = tqdm(total=len(todo), desc="offline acceptance", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     # Left padding costs the longest prompt's length for every prompt of a batch: similar lengths together.
-    for i in range(0, len(todo), max(1, batch_size)):
-        idx = todo[i:i + max(1, batch_size)]
+    lengths = [len(prompts[j]) for j in todo]
+    sizes = (plan_batches(lengths, max(1, batch_size), batch_tokens, budget) if batch_tokens
+             else [max(1, batch_size)] * -(-len(todo) // max(1, batch_size)))
+    at = 0
+    for n in sizes:
+        idx = todo[at:at + n]
+        at += n
         chunk = [prompts[j] for j in idx]
         got = [runner.greedy(chunk[0], budget)] if len(chunk) == 1 else runner.greedy_batch(chunk, budget)
         for j, c in zip(idx, got):
@@ -269,12 +278,20 @@ def served_answer(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[
     return req.prompt_ids, req.output_ids
 
 
+# Greedy generation batches (prompts, padded prompt-plus-answer tokens) per device type. A GPU answers 64
+# prompts in the time of a few (benchmarks/offline_eval.py: 3.3x over batches of 8 on an H200); the token
+# cap keeps a long-prompt batch's KV cache to a few GB for a small target, tens for a 70B one.
+GENERATION_BATCH: dict[str, tuple[int, int | None]] = {"cuda": (64, 131_072), "cpu": (8, None)}
+
+
 def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversations: Sequence[dict[str, Any]],
-                  max_new_tokens: int = 64, *, device: str = "auto", batch_size: int = 8) -> dict[str, dict[str, Any]]:
+                  max_new_tokens: int = 64, *, device: str = "auto",
+                  batch_size: int | None = None) -> dict[str, dict[str, Any]]:
     """Offline acceptance of several heads (role → head dir) on the same held-out conversations.
 
     The target's greedy continuations and aux states do not depend on the head, so they are
-    computed once (``batch_size`` prompts at a time) and every head drafts on the same
+    computed once (``batch_size`` prompts at a time; default :data:`GENERATION_BATCH` of the device,
+    with its token cap) and every head drafts on the same
     sequences: per-prompt counts then pair up across heads. A greedy request whose answer the
     capture holds as token ids is not answered again: its served answer is the continuation
     (:func:`served_answer`), exactly what the target produced for it; each role's figures say
@@ -291,9 +308,11 @@ def compare_heads(heads: dict[str, str | Path], target_dir: str | Path, conversa
     dtype, device_map = target_placement(device)
     runner = TargetRunner(target_dir, first.aux_layer_ids, device=device, dtype=dtype, device_map=device_map)
     served = [served_answer(runner.tokenizer, r) for r in conversations]
+    size, tokens = GENERATION_BATCH.get(runner.device.type, GENERATION_BATCH["cpu"])
     sequences = prepare_sequences(runner, [s[0] if s else runner.prompt_ids(r) for s, r in zip(served, conversations)],
-                                  max_new_tokens, first.num_speculative_tokens, batch_size,
-                                  answers=[s[1] if s else None for s in served])
+                                  max_new_tokens, first.num_speculative_tokens, batch_size or size,
+                                  answers=[s[1] if s else None for s in served],
+                                  batch_tokens=None if batch_size else tokens)
     answers = {"served": sum(s is not None for s in served), "generated": sum(s is None for s in served)}
     return {role: {**estimate_acceptance(heads[role], target_dir, max_new_tokens=max_new_tokens, runner=runner,
                                          sequences=sequences), "answers": answers} for role in heads}

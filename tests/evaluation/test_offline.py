@@ -198,3 +198,24 @@ def test_a_served_answer_shorter_than_the_budget_ends_the_walk(tiny_model, tmp_p
     for drafts, accepted in out["live"]["per_prompt"]:
         assert 1 <= drafts <= 4 and accepted <= 3 * drafts
     assert out["live"]["num_generated_tokens"] == 15
+
+
+def test_prompts_are_answered_in_length_sorted_batches_within_a_token_cap(tiny_model, monkeypatch):
+    """Left padding costs every prompt of a batch the longest one's length: batches hold prompts of similar
+    length, at most ``batch_tokens`` padded tokens each, and the sequences come back in the prompts' order,
+    the same as answered one by one."""
+    from adapt.hidden_states import TargetRunner
+    from evaluation.offline import prepare_sequences
+
+    runner = TargetRunner(tiny_model, [1], device="cpu", dtype=torch.float32)
+    torch.manual_seed(0)
+    prompts = [torch.randint(10, 200, (n,)).tolist() for n in (40, 5, 33, 6, 38, 7, 4, 35)]
+    seen = []
+    real = TargetRunner.greedy_batch
+    monkeypatch.setattr(TargetRunner, "greedy_batch", lambda self, ps, *a: seen.append([len(p) for p in ps])
+                        or real(self, ps, *a))
+    alone = prepare_sequences(runner, prompts, 6, 2, batch_size=1)
+    batched = prepare_sequences(runner, prompts, 6, 2, batch_size=4, batch_tokens=100)
+    assert [s.seq for s in batched] == [s.seq for s in alone]
+    assert [s.prompt_len for s in batched] == [len(p) for p in prompts]
+    assert seen == [[4, 5, 6, 7], [33, 35], [38, 40]]  # 4 x (7 + 8) <= 100; 2 x (40 + 8) <= 100 < 3 x 48
