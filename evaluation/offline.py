@@ -266,12 +266,11 @@ def served_answer(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[
     from adapt.render import served_request
     from capture.sharegpt import to_exchange
 
-    t = row.get("temperature")
-    if t is None or float(t) != 0.0:
-        return None
     try:
+        if row.get("temperature") is None or float(row["temperature"]) != 0.0:
+            return None
         req = served_request(tokenizer, to_exchange(row))
-    except ValueError:
+    except (TypeError, ValueError):  # a row the capture's own checks would have quarantined
         return None
     if req is None or len(req.output_ids) < 2:
         return None
