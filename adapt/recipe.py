@@ -234,9 +234,9 @@ class TrainRecipe:
             feats = [self._features(step + i) for i in range(warmups + reps if cuda else 1)]
             c = self.model.config
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else cpu_model()
-            key = (name, torch.__version__, torch.get_num_threads(), c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                   c.head_dim, c.num_layers, c.num_speculative_tokens, tc.batch_tokens, tc.max_seq_len,
-                   tuple(tc.depth_keep), self.bf16)
+            key = (name, torch.__version__, torch.get_num_threads(), c.hidden_size, c.num_attention_heads,
+                   c.num_key_value_heads, c.head_dim, c.num_layers, c.num_speculative_tokens, tc.batch_tokens,
+                   tc.max_seq_len, tuple(tc.depth_keep), self.bf16)
 
             def run(backend: str, i: int) -> None:
                 # The bare model, not DDP's: no gradient exchange while the ranks are not in step.
