@@ -177,8 +177,9 @@ def main() -> None:
           f"tokens each, batches of {batch}; {result['device']}, {result['dtype']}"
           + (", random weights" if args.random_weights else ""))
     for a, ts in times.items():
-        print(f"  {a:28s} {statistics.median(ts):7.2f} s (rounds {', '.join(f'{t:.2f}' for t in ts)})  "
-              f"{result['speedup_vs_heldout_order'][a]:.2f}x  per-prompt counts as by length: {result['same_counts'][a]}")
+        rounds = ", ".join(f"{t:.2f}" for t in ts)
+        print(f"  {a:28s} {statistics.median(ts):7.2f} s (rounds {rounds})  {result['speedup_vs_heldout_order'][a]:.2f}x"
+              f"  per-prompt counts as by length: {result['same_counts'][a]}")
 
 
 if __name__ == "__main__":
