@@ -44,19 +44,17 @@ BATCH = 8  # compare_heads' default (--batch)
 
 
 def demo_rows(n: int, conversations: int = 12) -> list[dict]:
-    """The demo's general held-out conversations (its last 12 general ones, then the general ones after
-    them) as one request per turn (the prompt up to that turn)."""
+    """The demo's general held-out conversations (its held-out general ones, then the general ones after
+    them, as the demo picks them) as one request per turn (the prompt up to that turn)."""
+    from app.demo import demo_traffic, split_heldout
     from settings.config import load_config
-    from traffic import sharegpt
 
     cfg = load_config()
     d = cfg.demo
-    convs = [c for c in sharegpt.stable_order(sharegpt.load(cfg.cache_dir).conversations, "demo")
-             if len(c.user_turns[0]) <= d.max_turn_chars]
-    general, _ = sharegpt.general_and_code(convs)
-    first = d.general_conversations - round(d.general_conversations * d.heldout_fraction)
+    first = d.general_conversations - len(split_heldout([None] * d.general_conversations, d.heldout_fraction)[1])
+    more = d.model_copy(update={"general_conversations": first + conversations})
     rows = []
-    for conv in (c.to_row() for c in general[first:first + conversations]):
+    for conv in demo_traffic(cfg.cache_dir, more)["general"][first:]:
         turns = conv["conversations"]
         for g in [i for i, t in enumerate(turns) if t["from"] == "gpt"][:3]:
             req = [dict(t, value=t["value"][:300]) if t["from"] == "gpt" else dict(t) for t in turns[:g + 1]]
