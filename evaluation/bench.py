@@ -418,13 +418,18 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
     return result
 
 
+def heldout_batches(n: int, size: int) -> int:
+    """How many different batches of ``size`` prompts a held-out set of ``n`` gives (at least 1)."""
+    return max(1, n // size if size > 0 else 0)
+
+
 def heldout_batch(reqs: list[BenchRequest], size: int, batch: int) -> tuple[list[BenchRequest], int]:
     """Batch ``batch`` of ``size`` prompts and the number of its first prompt.
 
     A held-out set of k full batches gives k different ones (batch ``batch mod k``); one
     smaller than ``size`` is a single batch, replayed by every attempt.
     """
-    full = len(reqs) // size if size > 0 else 0
+    full = heldout_batches(len(reqs), size)
     if full <= 1:
         return reqs[:size], 0
     first = (batch % full) * size

@@ -421,7 +421,7 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     only: the gate does not read it, so a repeat, which exists to narrow the gate's
     intervals, would spend a quarter of its slots on a figure already measured.
     """
-    from evaluation.bench import BenchPlan, bench_heads
+    from evaluation.bench import BenchPlan, bench_heads, heldout_batches
     from evaluation.result import BenchResult
 
     cfg = cx.cfg
@@ -434,8 +434,9 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     d = cx.dir(state["cycle_id"])
     results: list[BenchResult] = []
     attempts = []
-    size = gate_mod.size_attempts(_recent_benches(cx, state), cfg.gate, cfg.bench,
-                                  int(snap["heldout"].get("measured_rows") or cfg.bench.max_prompts))
+    measured = snap["heldout"].get("measured_rows")
+    available = int(measured or cfg.bench.max_prompts)
+    size = gate_mod.size_attempts(_recent_benches(cx, state), cfg.gate, cfg.bench, available)
     for n in range(1, cfg.gate.max_attempts + 1):
         try:  # an attempt already written (here or by another worker) is not measured again
             res = BenchResult.load(cx.local(state, f"bench-{n}/bench.json"))
@@ -451,7 +452,9 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
                 prompts_at=size.prompts_at or None,
                 heldout_overlap=snap.get("heldout_overlap")), progress=opts.progress)
         results.append(res)
-        verdict = gate_mod.decide(results, cfg.gate)
+        # attempt n + 1 replays batch n: new prompt groups only while the held-out set has more batches
+        more = measured is None or n < heldout_batches(int(measured), size.prompts)
+        verdict = gate_mod.decide(results, cfg.gate, more_prompts=more)
         attempts.append({"attempt": n, "json_path": f"bench-{n}/bench.json", "verdict": verdict.status,
                          "voided": n in verdict.voided, "summary": res.headline()})
         if verdict.status != gate_mod.INCONCLUSIVE or verdict.final:

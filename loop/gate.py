@@ -163,8 +163,35 @@ def aa_void(result: BenchResult, gate: Any) -> str | None:
     return None
 
 
-def decide(results: BenchResult | list[BenchResult], gate: Any) -> Verdict:
-    """The verdict after ``len(results)`` benchmarks of one candidate (a cycle's attempts, in order)."""
+def acceptance_repeats(results: Sequence[BenchResult]) -> bool:
+    """Whether every prompt replayed more than once by an arm drafted and accepted the same each time.
+
+    Acceptance is read at the lowest concurrency, one request at a time, and greedy decoding
+    repeats it exactly on a replay, so the per-group acceptance of prompts already measured
+    is fixed: replaying them again cannot move its interval. Read from the requests' own
+    records; False where none was replayed yet, or where the records are missing or differ
+    (sampled traffic, or an engine whose batches change its numerics).
+    """
+    seen: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in results:
+        if not r.concurrencies:
+            continue
+        c1 = min(r.concurrencies)
+        for rec in r.request_records:
+            if rec.ok and rec.concurrency == c1 and rec.drafts is not None:
+                seen.setdefault((rec.arm, rec.prompt), []).append((rec.drafts, rec.accepted or 0.0))
+    return any(len(v) > 1 for v in seen.values()) and all(len(set(v)) == 1 for v in seen.values())
+
+
+def decide(results: BenchResult | list[BenchResult], gate: Any, more_prompts: bool = True) -> Verdict:
+    """The verdict after ``len(results)`` benchmarks of one candidate (a cycle's attempts, in order).
+
+    ``more_prompts``: whether a further attempt would replay prompt groups not measured yet
+    (False: the held-out set has no more, so it would replay the same groups). Without them,
+    an acceptance check that cannot tell stays so at every later look when the replays so far
+    repeated it exactly (:func:`acceptance_repeats`): the verdict cannot pass any more and
+    is final, and the attempts that could not change it are not spent.
+    """
     results = [results] if isinstance(results, BenchResult) else list(results)
     look = len(results)
     looks = max(gate.max_attempts, look)
@@ -210,6 +237,12 @@ def decide(results: BenchResult | list[BenchResult], gate: Any) -> Verdict:
     # Re-measuring replays the same prompt groups: it cannot add groups to a check that has too few.
     final = status != INCONCLUSIVE or look >= looks or any(
         c.status == INCONCLUSIVE and 0 < c.clusters < gate.min_clusters for c in checks)
+    if status == INCONCLUSIVE and not final and not more_prompts and look not in voids and any(
+            c.name == "mean_acceptance_length" and c.status == INCONCLUSIVE for c in checks) \
+            and acceptance_repeats(kept):
+        final = True
+        reason = (f"{reason} (a further attempt would replay the same prompt groups, whose acceptance repeated "
+                  "exactly on every replay: it cannot pass)")
     if status == INCONCLUSIVE and final:
         reason = f"inconclusive after {look} benchmark(s): {reason}"
     return Verdict(status, reason, checks, look, level, sorted(voids), final)

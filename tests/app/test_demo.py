@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.demo import demo_config, with_overrides
+from app.demo import demo_config, pool_eager_args, with_overrides
 from settings.config import load_config
 
 
@@ -81,7 +81,8 @@ def test_demo_shows_promotion_refusal_and_rollback_on_the_tiny_target(model_cach
     from targets.model_zoo import build_tiny_predictable
     from tests.services import free_ports
 
-    monkeypatch.setattr(gate, "decide", lambda bench, g: gate.Verdict(gate.PASSED, "forced to pass by the test", []))
+    monkeypatch.setattr(gate, "decide", lambda bench, g, more_prompts=True: gate.Verdict(
+        gate.PASSED, "forced to pass by the test", []))
     monkeypatch.delenv("ADAPT_CONFIG", raising=False)
     target = build_tiny_predictable(model_cache / "tiny-predictable")
     base, router = free_ports(2)
@@ -342,3 +343,17 @@ def test_the_demo_waits_for_captured_records_an_ingest_can_read():
         wait_captured(stack, 5, timeout=0.6)
     stack.capture.counts["published"] = 5
     assert wait_captured(stack, 5, timeout=0.6)["published"] == 5
+
+
+def test_the_pool_runs_eager_on_vllm_cpu_unless_its_mode_was_chosen(tmp_path, monkeypatch):
+    import serving.replica
+
+    monkeypatch.setenv("ADAPT_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(serving.replica, "is_cpu_build", lambda: True)
+    assert pool_eager_args(load_config()) == ["--enforce-eager"]
+    for chosen in (["--enforce-eager"], ["-O3"], ["--compilation-config", "{}"], ["-cc={}"]):
+        assert pool_eager_args(load_config(overrides={"serving": {"vllm_args": chosen}})) == []
+    assert pool_eager_args(load_config(overrides={"serving": {"vllm_args": ["--max-num-seqs", "8"]}})) == [
+        "--enforce-eager"]
+    monkeypatch.setattr(serving.replica, "is_cpu_build", lambda: False)  # GPUs keep compiled mode, CUDA graphs
+    assert pool_eager_args(load_config()) == []

@@ -105,7 +105,8 @@ def test_an_inconclusive_bench_is_measured_again_pooled_and_decided_once(cfg, mo
     calls: list = []
     decided: list = []
     real_decide = gate_mod.decide
-    monkeypatch.setattr(gate_mod, "decide", lambda rs, g: decided.append(len(rs)) or real_decide(rs, g))
+    monkeypatch.setattr(gate_mod, "decide", lambda rs, g, more_prompts: decided.append(len(rs)) or real_decide(
+        rs, g, more_prompts))
     # loaded: cannot tell; then quiet: clearly better
     monkeypatch.setattr(evaluation.bench, "bench_heads", simulated_bench([(0.4, 1.0), (0.0, 1.5)], calls))
     cx = cycle.Cycle(cfg)
@@ -120,6 +121,27 @@ def test_an_inconclusive_bench_is_measured_again_pooled_and_decided_once(cfg, mo
     # A re-run of the step reuses the attempts already written (no new measurement).
     again = cycle.step_bench(cx, state, cycle.CycleOptions())
     assert [a["verdict"] for a in again["attempts"]] == ["inconclusive", "passed"] and calls == [0, 1]
+
+
+def test_the_gate_is_told_whether_another_attempt_brings_new_prompt_groups(cfg, monkeypatch):
+    """A held-out set of one batch replays the same groups in every attempt; one of two batches brings new
+    ones to attempt 2 only (loop.gate.decide's ``more_prompts``)."""
+    import evaluation.bench
+
+    from loop import gate as gate_mod
+
+    real_decide = gate_mod.decide
+    told: list = []
+    monkeypatch.setattr(gate_mod, "decide", lambda rs, g, more_prompts: told.append(more_prompts) or real_decide(
+        rs, g, more_prompts))
+    for rows, cid in ((cfg.bench.max_prompts + 2, "one"), (2 * cfg.bench.max_prompts, "two"), (None, "unknown")):
+        told.clear()
+        monkeypatch.setattr(evaluation.bench, "bench_heads", simulated_bench([(0.4, 1.0), (0.4, 1.0)], []))
+        state = bench_state(cid)
+        if rows is not None:
+            state["steps"]["snapshot"]["heldout"]["measured_rows"] = rows
+        cycle.step_bench(cycle.Cycle(cfg), state, cycle.CycleOptions())
+        assert told == {"one": [False, False], "two": [True, False], "unknown": [True, True]}[cid]
 
 
 def test_no_speculation_is_measured_in_the_first_attempt_only(cfg, monkeypatch):

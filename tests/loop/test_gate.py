@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from evaluation.result import Arm, ArmFigures, BenchResult, compare_all
+from evaluation.result import Arm, ArmFigures, BenchResult, RequestRecord, compare_all
 from evaluation.stats import CANDIDATE, CONTROL, LIVE, Cluster, ClusterSums, look_level
-from loop.gate import (INCONCLUSIVE, PASSED, REJECTED, Verdict, bootstrap_verdict, decide, offline_check, power_plan,
-                       prescreen, size_attempts)
+from loop.gate import (INCONCLUSIVE, PASSED, REJECTED, Verdict, acceptance_repeats, bootstrap_verdict, decide,
+                       offline_check, power_plan, prescreen, size_attempts)
 from settings.config import GateConfig
 
 BASE = [30.0, 28.0, 33.0, 31.0, 29.0, 35.0, 27.0, 32.0]  # the live head's tok/s per prompt group
@@ -143,6 +143,48 @@ def test_a_voided_attempt_joins_no_pool():
     assert third.voided == [2] and third.status == INCONCLUSIVE and "inconclusive after 3 benchmark(s)" in third.reason
     c = next(c for c in third.checks if c.name == "output_tok_per_s@c1")
     assert c.estimate == pytest.approx(sum((3.0, -1.0, 4.0, 0.0, 2.5, -0.5, 4.0, 1.0)) / 8, abs=0.02)  # not +30
+
+
+NEAR_MARGIN = (0.05, -0.02, 0.06, 0.0, 0.04, -0.01, 0.05, 0.02)  # acceptance gain per group: mean 0.024
+
+
+def replayed(res: BenchResult, rounds: int = 2, vary: bool = False) -> BenchResult:
+    """``res`` with the request records of ``rounds`` replays of each group's prompt by each arm, drafting and
+    accepting the same every time unless ``vary``."""
+    res.request_records = [RequestRecord(arm, rnd, 0, 1, cl.prompts[0], True, 32, drafts=24.0,
+                                         accepted=7.0 + (rnd if vary and arm == CANDIDATE else 0))
+                           for rnd in range(rounds) for cl in res.clusters for arm in cl.arms]
+    return res
+
+
+def test_an_acceptance_check_that_replays_cannot_change_ends_the_attempts():
+    """Greedy acceptance repeats exactly on a replay: when the next attempt would replay the same prompt groups,
+    an acceptance check that cannot tell now cannot tell then either, and the candidate cannot pass."""
+    gate = GateConfig(max_attempts=2)
+    first = replayed(bench(al=NEAR_MARGIN))
+    assert acceptance_repeats([first])
+    open_ = decide([first], gate)  # new prompt groups still to come: measure again
+    assert open_.status == INCONCLUSIVE and not open_.final
+    assert next(c for c in open_.checks if c.name == "mean_acceptance_length").status == INCONCLUSIVE
+    v = decide([first], gate, more_prompts=False)
+    assert v.status == INCONCLUSIVE and v.final and v.reason.startswith("inconclusive after 1 benchmark(s)")
+    assert "replay the same prompt groups" in v.reason and "cannot pass" in v.reason
+    # a second attempt on the same groups would have given the same interval (same level at every look)
+    again = decide([first, replayed(bench(al=NEAR_MARGIN))], gate)
+    acc = [next(c for c in x.checks if c.name == "mean_acceptance_length") for x in (open_, again)]
+    assert acc[0].ci == pytest.approx(acc[1].ci) and acc[1].status == INCONCLUSIVE
+
+
+def test_replays_that_differ_or_were_not_recorded_keep_the_attempts_going():
+    gate = GateConfig(max_attempts=2)
+    for res in (replayed(bench(al=NEAR_MARGIN), vary=True), bench(al=NEAR_MARGIN),
+                replayed(bench(al=NEAR_MARGIN), rounds=1)):  # sampled, no records, nothing replayed yet
+        assert not acceptance_repeats([res])
+        assert not decide([res], gate, more_prompts=False).final
+    # an acceptance check that passes leaves throughput, which replays do change, to more attempts
+    noisy_tps = replayed(bench(gain=(3.5, -1.5, 4.0, -0.5, 2.5, -1.0, 4.0, 1.0)))
+    v = decide([noisy_tps], gate, more_prompts=False)
+    assert v.status == INCONCLUSIVE and not v.final
 
 
 def test_a_candidate_that_fails_requests_is_rejected():
