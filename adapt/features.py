@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from adapt.data import Example
+from adapt.feature_store import FeatureStore
 from adapt.hidden_states import TargetRunner
 from adapt.loss import Features, label_rows, project_hidden
 from adapt.memory import available_bytes, process_rss_bytes, trim_heap
@@ -84,8 +85,9 @@ class TargetFeatures:
     def __init__(self, target_dir: Path, aux_layer_ids: Sequence[int], draft_ids: torch.Tensor,
                  device: torch.device, cache_bytes: int | None = None, compact: bool = True,
                  dtype: torch.dtype = torch.bfloat16, batch_tokens: int | None = None,
-                 device_map: str | dict | None = None) -> None:
+                 device_map: str | dict | None = None, store: FeatureStore | None = None) -> None:
         self.runner = TargetRunner(target_dir, aux_layer_ids, device=str(device), dtype=dtype, device_map=device_map)
+        self.store = store  # features of earlier runs, on disk (adapt.feature_store)
         self.on_device = self.runner.device.type == "cuda"
         self.batch_tokens = batch_tokens or FEATURIZE_TOKENS.get(self.runner.device.type, FEATURIZE_TOKENS["cpu"])
         self.draft_ids = draft_ids.to(self.runner.device)
@@ -207,18 +209,48 @@ class TargetFeatures:
             self.cache[index] = f
             self.used_bytes += size
 
+    def _stored(self, ex: Example) -> Features | None:
+        """``ex``'s features from the store (compact ones only: the store keeps no logits)."""
+        if self.store is None or not self.compact:
+            return None
+        f = self.store.load(ex)
+        if f is None:
+            return None
+        return Features(input_ids=f.input_ids.to(self._store), loss_mask=f.loss_mask,
+                        aux_hidden=f.aux_hidden.to(self._store), target_logits=None,
+                        target_argmax=f.target_argmax.to(self._store), logit_rows=f.logit_rows,
+                        target_hidden=f.target_hidden.to(self._store))
+
+    def _stash(self, ex: Example, f: Features) -> None:
+        if self.store is not None and self.compact:
+            self.store.save(ex, f)
+
     def get(self, index: int, ex: Example) -> Features:
         """``ex``'s features (``index`` is its key), kept while both their bytes and the process's growth fit."""
         if index in self.cache:
             return self.cache[index]
-        f = self.compute(ex)
+        f = self._stored(ex)
+        if f is None:
+            f = self.compute(ex)
+            self._stash(ex, f)
         self._keep(index, f)
         return f
 
     def get_many(self, indices: Sequence[int], examples: Sequence[Example]) -> list[Features]:
-        """:meth:`get` for many examples: the ones not cached are featurized together (:meth:`compute_many`)."""
-        missing = [j for j, i in enumerate(indices) if i not in self.cache]
-        fresh = dict(zip(missing, self.compute_many([examples[j] for j in missing])))
+        """:meth:`get` for many examples: the ones neither cached nor stored are featurized together
+        (:meth:`compute_many`)."""
+        fresh: dict[int, Features] = {}
+        missing = []
+        for j, i in enumerate(indices):
+            if i not in self.cache:
+                f = self._stored(examples[j])
+                if f is None:
+                    missing.append(j)
+                else:
+                    fresh[j] = f
+        for j, f in zip(missing, self.compute_many([examples[j] for j in missing])):
+            fresh[j] = f
+            self._stash(examples[j], f)
         out = []
         for j, i in enumerate(indices):
             if j in fresh:

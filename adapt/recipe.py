@@ -42,6 +42,7 @@ from adapt.data import StepBatches, TokenizeReport, mix_replay, snapshot_id, tok
 from adapt.device import cpu_model, pick_device, target_device_map, use_bf16_autocast
 from adapt.distributed import (barrier, broadcast_from_main, init_distributed, max_over_ranks, teardown_distributed,
                                wrap_data_parallel)
+from adapt.feature_store import FeatureStore
 from adapt.features import TargetFeatures
 from adapt.hidden_states import TargetRunner
 from adapt.initial_head import initial_head
@@ -125,12 +126,23 @@ class TrainRecipe:
         # Features are computed lazily, only for the examples this rank trains on, by the
         # target in the step's precision (emulated bf16 would run it several times slower).
         draft_ids = torch.arange(self.model.config.draft_vocab_size, device=self.model.d2t.device) + self.model.d2t
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.features = TargetFeatures(self.target_dir, self.model.config.aux_layer_ids, draft_ids.cpu(), self.device,
-                                       dtype=torch.bfloat16 if self.bf16 else torch.float32,
-                                       device_map=target_device_map(self.device, self.dist.world))
+                                       dtype=dtype, device_map=target_device_map(self.device, self.dist.world),
+                                       store=self._feature_store(dtype))
         self._setup_optimizer()
         self.batches = StepBatches([len(e) for e in self.examples], tc.batch_tokens, tc.max_seq_len, tc.seed,
                                    self.dist.rank, self.dist.world)
+
+    def _feature_store(self, dtype: torch.dtype) -> FeatureStore | None:
+        """The deployment's store of the target's features, where training runs on a CPU (``[training]
+        feature_store_gb``): the examples earlier runs featurized are read back instead of run again."""
+        gb = self.tc.feature_store_gb
+        if gb <= 0 or self.device.type != "cpu":
+            return None
+        identity = {"target": target_identity(self.target_dir)["weights_sha256"],
+                    "aux_layer_ids": list(self.model.config.aux_layer_ids), "dtype": str(dtype)}
+        return FeatureStore(Path(self.cfg.state_dir) / "features", identity, int(gb * 1e9))
 
     def _setup_data(self, conversations: Sequence[dict[str, Any]],
                     replay: Sequence[dict[str, Any]] | None) -> int | None:
@@ -350,5 +362,6 @@ class TrainRecipe:
             featurize_seconds=round(self.features.seconds, 3), acceptance=self.acceptance,
             extra={"tokenize": self.tokenize_report.to_dict(),
                    **({"draft_vocab_refresh": self.vocab_refresh} if self.vocab_refresh else {}),
-                   **({"attention": self.attention.to_json()} if self.attention is not None else {})},
+                   **({"attention": self.attention.to_json()} if self.attention is not None else {}),
+                   **({"feature_store": self.features.store.report()} if self.features.store is not None else {})},
         )

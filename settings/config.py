@@ -143,6 +143,10 @@ class TrainingConfig(_Section):
     # Warm start re-picks which tokens the draft vocabulary holds (its size never
     # changes, so the head still hot-swaps): tokens of the new traffic replace ones it no longer uses.
     refresh_draft_vocab: bool = True
+    # GB of the target's features kept on disk under <state_dir>/features for later runs on a CPU (a
+    # nightly window repeats most of the last one's examples; adapt/feature_store.py). 0 = off. On CUDA
+    # the target featurizes fast and the features stay in GPU memory: nothing is stored.
+    feature_store_gb: float = Field(4.0, ge=0)
 
 
 class ServingConfig(_Section):

@@ -75,6 +75,13 @@ def test_same_seed_same_curve_and_resume_equals_uninterrupted(tiny_model, tmp_pa
     a = train(cfg, rows, None, tmp_path / "a", progress=False)
     b = train(cfg, rows, None, tmp_path / "b", progress=False)
     assert a.loss_curve == b.loss_curve and len(a.loss_curve) == 6
+    # The second run read the target's features the first stored (adapt.feature_store) and trained the same.
+    sa, sb = a.extra["feature_store"], b.extra["feature_store"]
+    assert sa["writes"] > 0 and sa["hits"] == 0 and sb["hits"] == sa["writes"] and sb["writes"] == 0
+    assert b.featurize_seconds < a.featurize_seconds
+    off = train(make_cfg(tmp_path, **tiny_training(tiny_model, depth_keep=[0.7, 0.5], feature_store_gb=0)), rows,
+                None, tmp_path / "off", progress=False)
+    assert "feature_store" not in off.extra and off.loss_curve == a.loss_curve
     # Interrupt after 4 steps (checkpoint at 3 plus the final save), then resume.
     part = train(cfg, rows, None, tmp_path / "c", progress=False, stop_after_steps=4)
     assert part.steps == 4
