@@ -30,8 +30,11 @@ set has them (else the same groups in another order) and is pooled with the earl
 group by group. Each look is tested at ``α / max_attempts``
 (``evaluation.stats.look_level``), so all the looks together keep the false-promotion
 rate at or below ``α`` however the looks correlate. Rejection is non-binding (stopping
-early for it never adds promotions). :func:`size_attempts` sizes a cycle's attempts
-from the noise of the last cycles' benches, within twice the default bench budget.
+early for it never adds promotions), and so is stopping when no later look can pass:
+when the held-out set has no new prompt groups for another attempt and acceptance, which
+greedy replays repeat exactly, cannot tell yet, the same groups replayed again give the
+same acceptance interval at every later look. :func:`size_attempts` sizes a cycle's
+attempts from the noise of the last cycles' benches, within twice the default bench budget.
 
 **The A/A control is a diagnostic.** Control − live compares a head with itself: when its
 own interval (at ``aa_confidence``) leaves out 0 for any figure, load changed under that
