@@ -10,7 +10,7 @@ from adapt.data import Example
 from adapt.feature_store import FeatureStore, example_key
 from adapt.features import TargetFeatures
 from headspec.config import default_aux_layer_ids
-from tests.adapt.test_features import examples
+from tests.example_support import examples
 
 IDENTITY = {"target": "t" * 64, "aux_layer_ids": [1, 2, 3], "dtype": "torch.float32"}
 
