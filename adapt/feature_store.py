@@ -58,7 +58,7 @@ class FeatureStore:
         self.hits = self.misses = self.writes = self.evicted = 0
 
     def _files(self) -> list[Path]:
-        return [p for p in self.root.glob("*/*/*.safetensors")]
+        return list(self.root.glob("*/*/*.safetensors"))
 
     def _path(self, key: str) -> Path:
         return self.dir / key[:2] / f"{key}.safetensors"

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from adapt.checkpoint import load_head
-from adapt.device import cpu_has_native_bf16, pick_device, target_device_map
+from adapt.device import pick_device, target_device_map, use_bf16_autocast
 from adapt.drafter import PEagleDrafter
 from adapt.hidden_states import TargetRunner
 from evaluation.batching import plan_batches
@@ -255,9 +255,8 @@ def target_placement(device: str = "auto", gpus: int | None = None) -> tuple[tor
     featurizes in bf16), else in fp32 (bf16 matmuls are emulated there, and the replicas run fp32:
     ``serving.replica.host_dtype_args``). ``gpus``: the visible GPU count (default: torch's)."""
     dev = pick_device(device)
-    if dev.type != "cuda":
-        return (torch.bfloat16 if cpu_has_native_bf16() else torch.float32), None
-    return torch.bfloat16, target_device_map(dev, world=1, gpus=gpus)
+    dtype = torch.bfloat16 if use_bf16_autocast("auto", dev) else torch.float32  # the trainer's rule
+    return dtype, (target_device_map(dev, world=1, gpus=gpus) if dev.type == "cuda" else None)
 
 
 def served_answer(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int]] | None:

@@ -134,12 +134,12 @@ def test_the_evaluate_step_loads_the_target_in_bf16_across_every_gpu_and_in_fp32
     multiplies bf16 natively (where its replicas serve bf16)."""
     import torch
 
-    from evaluation import offline
+    from adapt import device
     from evaluation.offline import target_placement
 
-    monkeypatch.setattr(offline, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
     assert target_placement("cpu") == (torch.float32, None)
-    monkeypatch.setattr(offline, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
     assert target_placement("cpu") == (torch.bfloat16, None)
     assert target_placement("cuda", gpus=4) == (torch.bfloat16, "auto")
     assert target_placement("cuda", gpus=1) == (torch.bfloat16, None)
