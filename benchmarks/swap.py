@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.replica import free_ports  # noqa: E402
+from serving.pool import free_pool_ports  # noqa: E402
 from traffic.loadgen import SteadyLoad  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main() -> int:
     from targets.model_zoo import ensure_target
 
     work = Path(tempfile.mkdtemp(prefix="swap-bench-"))
-    base, router_port = free_ports(2)
+    base, router_port = free_pool_ports(args.replicas)
     cfg = load_config(overrides={
         "state_dir": str(work), "target": {"model": args.target},
         "serving": {"replicas": args.replicas, "base_port": base, "router_port": router_port,

@@ -21,7 +21,7 @@ import httpx
 
 from serving.admin import AgentAdmin, RpcError
 from serving.metrics import SpecSnapshot, afetch_snapshot
-from serving.replica import ReplicaProcess, ReplicaSpec, cpu_build, has_flag
+from serving.replica import ReplicaProcess, ReplicaSpec, cpu_build, free_port_block, has_flag
 from settings.config import BenchConfig, ServingConfig
 
 log = logging.getLogger(__name__)
@@ -403,6 +403,14 @@ def bench_devices(s: ServingConfig, b: BenchConfig, cpu: bool | None = None) -> 
 # The bench replica sits beside the pool's ports, on the same [serving] settings.
 BENCH_PORT_OFFSET = 50
 NO_PREFIX_CACHE = "--no-enable-prefix-caching"
+
+
+def free_pool_ports(replicas: int = 1, host: str = "127.0.0.1") -> tuple[int, int]:
+    """``(base_port, router_port)`` for a pool of ``replicas`` on this host whose every port is free now:
+    the replicas', the bench replicas' (:data:`BENCH_PORT_OFFSET` above the base) and the router's."""
+    offsets = sorted({*range(replicas), BENCH_PORT_OFFSET, BENCH_PORT_OFFSET + 1})
+    base, (router,) = free_port_block(offsets, n_free=1, host=host)
+    return base, router
 
 
 def bench_replica_spec(s: ServingConfig, k: int, target_dir: str | Path, head_dir: str | Path | None,

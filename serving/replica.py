@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import secrets
 import signal
 import socket
@@ -121,6 +122,63 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# Where the kernel takes the ports of outgoing connections when /proc does not say (Linux's default).
+EPHEMERAL_PORTS = (32768, 60999)
+LOWEST_PORT_BLOCK = 10000
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The range the kernel hands outgoing connections their local ports from."""
+    try:
+        lo, hi = (int(x) for x in Path(path).read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return EPHEMERAL_PORTS
+
+
+def free_port_block(offsets: list[int], n_free: int = 0, host: str = "127.0.0.1", tries: int = 500,
+                    rng=None) -> tuple[int, list[int]]:
+    """A base port with ``base + o`` free for every offset, and ``n_free`` more free ports, all free right now.
+
+    Servers started at fixed offsets from a base (a pool's replicas at ``base_port + i``, its bench
+    replicas 50 above) need every one of those ports, not only the base: a base from ``bind(0)``
+    says nothing of ``base + 50``. The ports are taken below the kernel's ephemeral range, so no
+    outgoing connection (an HTTP client's, a database's) takes one in the seconds before its
+    server binds it, and at random, so concurrent runs on one machine seldom propose the same.
+    """
+    import random
+
+    rng = rng or random.Random(time.time_ns() ^ os.getpid())
+    top = ephemeral_ports()[0] - 1
+    span = max(offsets, default=0)
+    if top - span - LOWEST_PORT_BLOCK < 100:
+        raise RuntimeError(f"no room for a port block below the ephemeral ports ({top + 1}): widen "
+                           "net.ipv4.ip_local_port_range's lower end or give the ports in the config")
+    for _ in range(tries):
+        base = rng.randrange(LOWEST_PORT_BLOCK, top - span)
+        extra = [rng.randrange(LOWEST_PORT_BLOCK, top) for _ in range(n_free)]
+        want = [base + o for o in offsets] + extra
+        if len(set(want)) == len(want) and ports_bindable(want, host):
+            return base, extra
+    raise RuntimeError(f"no free block of ports at offsets {offsets} after {tries} tries")
+
+
+def ports_bindable(ports: list[int], host: str = "127.0.0.1") -> bool:
+    """Whether every port of ``ports`` can be bound on ``host`` right now (all held at once)."""
+    socks = []
+    try:
+        for port in ports:
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
     finally:
         for s in socks:
             s.close()
@@ -370,7 +428,7 @@ class ReplicaProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"replica {self.url} exited with {self.exit_code()} (log: {self.log_path}):\n"
-                                   + tail(self.log_path))
+                                   + error_excerpt(self.log_path))
             if self.healthy():
                 return
             time.sleep(1.0)
@@ -416,3 +474,23 @@ def tail(path: Path, n: int = 30) -> str:
     except OSError:
         return ""
     return "\n".join(lines[-n:])
+
+
+# What a failed start writes before it exits: vLLM's ERROR lines, a Python exception's last line, an errno.
+ERROR_LINE = re.compile(r"\bERROR\b|^\w*(Error|Exception)\b|\w+Error: |\[Errno \d+\]")
+
+
+def error_excerpt(path: Path, n_errors: int = 12, n_tail: int = 15) -> str:
+    """The lines of a log that say why its process failed, then its last lines.
+
+    A replica that fails to start often writes its reason well before it exits (a port in use,
+    an engine error) and then pages of warnings from its libraries' shutdown, so its tail alone
+    can hide the reason.
+    """
+    try:
+        lines = Path(path).read_bytes().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    errors = [ln for ln in lines[:-n_tail] if ERROR_LINE.search(ln)][-n_errors:]
+    head = ["errors logged:", *errors, "last lines:"] if errors else []
+    return "\n".join(head + lines[-n_tail:])

@@ -79,13 +79,13 @@ def test_demo_shows_promotion_refusal_and_rollback_on_the_tiny_target(model_cach
     from loop import gate
     from settings.config import dump_toml
     from targets.model_zoo import build_tiny_predictable
-    from tests.services import free_ports
+    from serving.pool import free_pool_ports
 
     monkeypatch.setattr(gate, "decide", lambda bench, g, more_prompts=True: gate.Verdict(
         gate.PASSED, "forced to pass by the test", []))
     monkeypatch.delenv("ADAPT_CONFIG", raising=False)
     target = build_tiny_predictable(model_cache / "tiny-predictable")
-    base, router = free_ports(2)
+    base, router = free_pool_ports()
     cfg = load_config(overrides={
         "state_dir": str(tmp_path / "state"), "target": {"model": str(target)},
         "capture": {"redact": False},

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from settings.config import load_config
-from tests.services import free_ports
+from serving.pool import free_pool_ports
 
 pytestmark = pytest.mark.services
 TOKEN = "gate-e2e-admin-token"
@@ -52,7 +52,7 @@ def gated(tmp_path_factory, model_cache):
 
     d = tmp_path_factory.mktemp("gate-e2e")
     target = build_tiny_predictable(model_cache / "tiny-predictable")
-    base, router = free_ports(2)
+    base, router = free_pool_ports()
     cfg = load_config(overrides={
         "state_dir": str(d), "target": {"model": str(target)},
         "capture": {"source": str(d / "capture"), "redact": False},

@@ -21,7 +21,8 @@ import pytest
 from settings.config import dump_toml, load_config
 from tests.config_support import config_overrides, merged
 from tests.paths import REPO_ROOT
-from tests.services import ManagedProcess, MlflowServer, free_ports
+from serving.pool import free_pool_ports
+from tests.services import ManagedProcess, MlflowServer
 
 pytestmark = pytest.mark.services
 TOKEN = "loop-admin-token"
@@ -58,7 +59,7 @@ def loop(tiny_model: Path, mlflow_server, tmp_path_factory):
     write_layout(d / "capture", 12, endpoint="ep", seed=2, start=t0 + timedelta(hours=3))
     raw = init_random_head(tiny_model, d / "heads" / "random", k=3, seed=0, draft_vocab_size=256)
     live = trained_like(raw, d / "heads" / "live", 0.01)
-    base, router = free_ports(2)
+    base, router = free_pool_ports()
     over = config_overrides(
         d, state_dir=d, target={"model": str(tiny_model)},
         capture={"source": str(d / "capture"), "endpoint": "ep", "redact": False, "heldout_hours": 1},

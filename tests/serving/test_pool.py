@@ -20,7 +20,7 @@ import pytest
 
 from settings.config import dump_toml, load_config
 from tests.paths import REPO_ROOT
-from tests.services import free_ports
+from serving.pool import free_pool_ports
 from traffic.loadgen import SteadyLoad
 
 pytestmark = pytest.mark.services
@@ -33,7 +33,7 @@ def stack(tiny_model: Path, heads, tmp_path_factory):
     from serving.serve import ServingStack
 
     d = tmp_path_factory.mktemp("serving-state")
-    base, router = free_ports(2)
+    base, router = free_pool_ports(replicas=2)
     cfg = load_config(overrides={
         "state_dir": str(d), "target": {"model": str(tiny_model)},
         "capture": {"source": str(d / "capture"), "endpoint": "", "redact": False},
@@ -48,7 +48,6 @@ def stack(tiny_model: Path, heads, tmp_path_factory):
     })
     cfg_file = d / "adapt.toml"
     cfg_file.write_text(dump_toml(cfg))
-    # base_port and base_port+1 are the replicas; make sure base_port+1 is free too.
     st = ServingStack(cfg, head_dir=heads["e0"], target_dir=tiny_model, base_port=base,
                       writer_kwargs={"flush_seconds": 0.2},
                       # Eager mode: engine (re)starts skip torch.compile, which dominates start-up
