@@ -23,7 +23,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -307,7 +307,7 @@ def _no_repeats(segment: list[Slot], prev: str | None) -> list[Slot]:
 
 def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int, group_size: int,
          seed: int, min_groups: int = 6, first_prompt: int = 0,
-         prompts_at: Mapping[int, int] | None = None) -> list[Slot]:
+         prompts_at: Mapping[int, int] | None = None, first_round_only: Sequence[str] = ()) -> list[Slot]:
     """The whole run as slots, in time order: round by round, concurrency by concurrency.
 
     Every arm is measured on the same few prompts within seconds of the others, so load
@@ -322,6 +322,7 @@ def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int
 
     ``prompts_at``: how many of the ``n_requests`` prompts (the first ones) a concurrency replays,
     where that is fewer than all (a sizing that spends more of its replays where a check is weak).
+    ``first_round_only``: arms left out of the later rounds (the others keep their orders).
     """
     pairs = mirrored_pairs(arms, seed)
     at = prompts_at or {}
@@ -334,7 +335,8 @@ def plan(arms: list[str], n_requests: int, concurrencies: list[int], rounds: int
             seg = []
             for g, prompts in enumerate(groups[c]):
                 row, mirror = pairs[(g + ci) % len(pairs)]
-                seg.append(Slot(r, c, prompts, list(row if r % 2 == 0 else mirror), g))
+                order = [a for a in (row if r % 2 == 0 else mirror) if r == 0 or a not in first_round_only]
+                seg.append(Slot(r, c, prompts, order, g))
             if r % 2:
                 seg.reverse()
             slots += _no_repeats(seg, slots[-1].order[-1] if slots else None)
@@ -347,12 +349,14 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                     concurrencies: list[int], rounds: int, confidence: float = 0.9,
                     restart=None, nospec_url: str | None = None, seed: int = 0, group_size: int = 4,
                     min_groups: int = 6, first_prompt: int = 0, prompts_at: Mapping[int, int] | None = None,
-                    progress=None, token: str = "") -> BenchResult:
+                    progress=None, token: str = "",
+                    stop_after_round: Callable[[BenchResult], str | None] | None = None) -> BenchResult:
     """Measure ``heads`` (``{"candidate": {...}, "live": {...}}`` with path/sha256/version) on ``url``.
 
     Arms: the candidate, the live head, the live head again as an A/A control and,
-    with ``nospec_url`` (a replica without a drafter), no speculation. The :func:`plan`
-    runs them slot by slot. Every arm's turn starts the same way: its head is loaded on
+    with ``nospec_url`` (a replica without a drafter), no speculation, in the first round
+    only (no check of the gate reads it: its speed-up is a figure shown beside the heads, and
+    a second replay would cost a quarter of the round). The :func:`plan` runs them slot by slot. Every arm's turn starts the same way: its head is loaded on
     the bench replica (in place, or, when the heads' shapes differ, by ``restart(head_path)``
     for *every* arm, the live head's turns too) and a warm-up of one wave of short requests
     at the slot's concurrency; without ``restart`` heads of different shapes are an error.
@@ -360,12 +364,16 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
     prompts, numbered on); ``prompts_at`` (:func:`plan`) replays fewer of them at some concurrencies.
     ``progress(msg)`` hears about each round. ``token``: the bench
     replica's admin token (heads go in through its agent's ``/agent/*`` routes, never dev routes).
+    ``stop_after_round(result so far)``, asked after every round but the last, gives a reason to
+    run no more rounds (the gate's :func:`loop.gate.round_futility`), recorded as ``stopped``.
     """
     admin = AgentAdmin(url, token, local=True)
     blocks: list[dict] = []
     swaps: list[dict] = []
     arms = [CANDIDATE, LIVE, CONTROL] + ([NOSPEC] if nospec_url else [])
-    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed, min_groups, first_prompt, prompts_at)
+    slots = plan(arms, len(reqs), concurrencies, rounds, group_size, seed, min_groups, first_prompt, prompts_at,
+                 first_round_only=[NOSPEC])
+    stopped: str | None = None
     original = await admin.head_info()
     t_run = time.perf_counter()
     try:
@@ -393,8 +401,15 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                              != (slot.round, slot.concurrency)):
                 done = [b for b in blocks if (b["round"], b["concurrency"]) == (slot.round, slot.concurrency)]
                 progress(f"round {slot.round + 1}/{rounds}, concurrency {slot.concurrency}: "
-                         + ", ".join(f"{a} {_block_tps([b for b in done if b['role'] == a]):.1f}" for a in arms)
+                         + ", ".join(f"{a} {_block_tps([b for b in done if b['role'] == a]):.1f}" for a in arms
+                                     if any(b["role"] == a for b in done))
                          + f" tok/s ({time.perf_counter() - t_run:.0f}s so far)")
+            if stop_after_round and i + 1 < len(slots) and slots[i + 1].round != slot.round:
+                stopped = stop_after_round(analyze(blocks, arms, concurrencies, confidence))
+                if stopped:
+                    if progress:
+                        progress(f"no more rounds after round {slot.round + 1}: {stopped}")
+                    break
     finally:
         # Leave an attached replica on the head it had (in place when shapes allow).
         if original.get("path"):
@@ -405,6 +420,7 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                     await asyncio.to_thread(restart, original["path"])
     result = analyze(blocks, arms, concurrencies, confidence)
     result.seed, result.group_size, result.slots, result.swaps = seed, group_size, len(slots), swaps
+    result.stopped = stopped
     result.first_prompt = first_prompt
     result.prompts_at = {c: sum(len(s.prompts) for s in slots if s.concurrency == c and s.round == 0)
                          for c in concurrencies}
@@ -493,6 +509,8 @@ class BenchPlan:
     prompt_batch: int = 0
     train: str | None = None  # training conversations (JSONL) to check held-out repeats against
     heldout_overlap: dict | None = None  # such a check made by the caller (the cycle's snapshot)
+    # Asked after each round but the last: a reason to stop there (:func:`run_bench`), else None.
+    stop_after_round: Callable[[BenchResult], str | None] | None = None
 
 
 def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
@@ -584,7 +602,7 @@ def bench_heads(cfg: Config, bp: BenchPlan, progress=None) -> BenchResult:
                                        group_size=bp.group_size or cfg.bench.group_size,
                                        min_groups=cfg.gate.min_clusters,
                                        first_prompt=first, prompts_at=bp.prompts_at, progress=progress,
-                                       token=token))
+                                       token=token, stop_after_round=bp.stop_after_round))
     finally:
         for p in procs.values():
             p.stop()

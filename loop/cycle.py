@@ -418,8 +418,10 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     reuses attempts already written.
 
     The no-speculation reference arm (with ``opts.nospec_url``) runs in the first attempt
-    only: the gate does not read it, so a repeat, which exists to narrow the gate's
-    intervals, would spend a quarter of its slots on a figure already measured.
+    only (and in its first round): the gate does not read it, so a repeat, which exists to
+    narrow the gate's intervals, would spend a quarter of its slots on a figure already measured.
+    An attempt runs no more rounds once acceptance cannot pass at its look
+    (:func:`loop.gate.round_futility`).
     """
     from evaluation.bench import BenchPlan, bench_heads, heldout_batches
     from evaluation.result import BenchResult
@@ -449,8 +451,9 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
                 nospec=(bool(opts.nospec_url) or None) if n == 1 else False, nospec_url=opts.nospec_url,
                 seed=cfg.bench.seed + n - 1, cycle=state["cycle_id"], prompt_batch=n - 1,
                 max_prompts=size.prompts, rounds=size.rounds, group_size=size.group_size,
-                prompts_at=size.prompts_at or None,
-                heldout_overlap=snap.get("heldout_overlap")), progress=opts.progress)
+                prompts_at=size.prompts_at or None, heldout_overlap=snap.get("heldout_overlap"),
+                stop_after_round=lambda partial: gate_mod.round_futility(results + [partial], cfg.gate)),
+                progress=opts.progress)
         results.append(res)
         # attempt n + 1 replays batch n: new prompt groups only while the held-out set has more batches
         more = measured is None or n < heldout_batches(int(measured), size.prompts)

@@ -173,7 +173,9 @@ def acceptance_repeats(results: Sequence[BenchResult]) -> bool:
     repeats it exactly on a replay, so the per-group acceptance of prompts already measured
     is fixed: replaying them again cannot move its interval. Read from the requests' own
     records; False where none was replayed yet, or where the records are missing or differ
-    (sampled traffic, or an engine whose batches change its numerics).
+    (sampled traffic, or an engine whose batches change its numerics). The A/A control is the
+    live head: its turn replays the live head's prompts, so one round already shows whether
+    replays repeat.
     """
     seen: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for r in results:
@@ -182,8 +184,42 @@ def acceptance_repeats(results: Sequence[BenchResult]) -> bool:
         c1 = min(r.concurrencies)
         for rec in r.request_records:
             if rec.ok and rec.concurrency == c1 and rec.drafts is not None:
-                seen.setdefault((rec.arm, rec.prompt), []).append((rec.drafts, rec.accepted or 0.0))
+                head = LIVE if rec.arm == CONTROL else rec.arm
+                seen.setdefault((head, rec.prompt), []).append((rec.drafts, rec.accepted or 0.0))
     return any(len(v) > 1 for v in seen.values()) and all(len(set(v)) == 1 for v in seen.values())
+
+
+def acceptance_check(clusters: list, c1: int, refs: list[str], gate: Any, level: float, aa=None) -> Check:
+    """The gate's acceptance check on pooled prompt-group ``clusters`` (read at concurrency ``c1``)."""
+    iv = contrast(clusters, "mean_acceptance_length", c1, CANDIDATE, refs, 1.0 - 2.0 * level)
+    return check("mean_acceptance_length", iv, max(gate.min_acceptance_gain, 0.0), "tokens", level,
+                 gate.min_clusters, aa.mean_acceptance_length if aa else None)
+
+
+def round_futility(results: Sequence[BenchResult], gate: Any) -> str | None:
+    """Why the newest attempt's remaining rounds cannot let the candidate pass at this look (None: they might).
+
+    ``results``: the cycle's attempts so far, the newest one measured up to the end of a round.
+    Its later rounds replay the same prompts, so where replays repeat acceptance exactly
+    (:func:`acceptance_repeats`; one round shows it, the live head and its A/A control answer
+    the same prompts), they leave the pooled acceptance interval where it is now. When that
+    interval cannot pass, neither can this look's verdict, whatever throughput does, and the
+    rounds are not spent. Stopping only for a check that cannot pass takes no chance of a
+    false promotion: a promotion still needs every check to pass at its look.
+    """
+    results = list(results)
+    if not results or not results[-1].concurrencies:
+        return None
+    level = look_level(gate.level, max(gate.max_attempts, len(results)))
+    earlier = [r for r in results[:-1] if aa_void(r, gate) is None]
+    pooled = earlier + results[-1:]
+    refs = _refs(set().union(*(r.arms for r in pooled)))
+    c = acceptance_check(pool_clusters([r.clusters for r in pooled]), min(results[-1].concurrencies), refs, gate,
+                         level)
+    if c.status == PASSED or not acceptance_repeats(pooled):
+        return None
+    return (f"{c.why} (the rounds left replay the same prompts, whose acceptance repeats exactly: "
+            "they cannot move it)")
 
 
 def decide(results: BenchResult | list[BenchResult], gate: Any, more_prompts: bool = True) -> Verdict:
@@ -217,9 +253,7 @@ def decide(results: BenchResult | list[BenchResult], gate: Any, more_prompts: bo
         conf = 1.0 - 2.0 * level  # each bound of this two-sided interval is a one-sided bound at `level`
         aa = last.aa_control
         if concs:
-            iv = contrast(clusters, "mean_acceptance_length", concs[0], CANDIDATE, refs, conf)
-            checks.append(check("mean_acceptance_length", iv, max(gate.min_acceptance_gain, 0.0), "tokens", level,
-                                gate.min_clusters, aa.mean_acceptance_length if aa else None))
+            checks.append(acceptance_check(clusters, concs[0], refs, gate, level, aa))
         else:
             checks.append(Check("output_tok_per_s", INCONCLUSIVE, "benchmark has no throughput results"))
         if gate.throughput_test == "non_inferiority":

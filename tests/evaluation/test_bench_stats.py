@@ -13,6 +13,7 @@ import pytest
 import evaluation.bench as bench_mod
 from evaluation.bench import (CANDIDATE, CONTROL, LIVE, NOSPEC, RequestResult, Slot, analyze, arm_orders,
                               cycle_seed, mirrored_pairs, plan, prompt_groups)
+from evaluation.result import BenchResult
 from loop.gate import PASSED, REJECTED, decide
 from settings.config import GateConfig
 from tests.bench_sim import ARMS, CONCS, N, simulate, slots_for
@@ -291,7 +292,9 @@ def test_every_arm_goes_through_the_same_load_path(monkeypatch):
         assert {s["how"] for s in res.swaps} == {how} and len(turns) == 3 * res.slots  # every spec arm's turn
         assert sum(e[0] == how and e[1] == "/h/live" for e in events) >= 2 * res.slots  # live and control alike
         blocks = [i for i, e in enumerate(events) if e[0] == "block"]
-        assert len(blocks) == 4 * res.slots
+        # no speculation runs in the first round only: its figure is a ratio shown beside the heads
+        assert len(blocks) == 3 * res.slots + res.slots // 2
+        assert {b["round"] for b in res.blocks if b["role"] == "nospec"} == {0}
         for i in blocks:
             c = events[i][2]
             assert [e[0] for e in events[i - c:i]] == ["warm"] * c and events[i - c - 1][0] != "warm", (i, c)
@@ -302,3 +305,64 @@ def test_every_arm_goes_through_the_same_load_path(monkeypatch):
     assert {p for b in res.blocks if b["concurrency"] == 1 for p in b["prompts"]} == {6, 7, 8, 9}
     assert {p for b in res.blocks if b["concurrency"] == 2 for p in b["prompts"]} == set(range(6, 12))
     assert res.prompts_at == {1: 4, 2: 6}
+
+
+def test_a_bench_runs_no_more_rounds_once_told_they_cannot_change_the_verdict(monkeypatch):
+    """``stop_after_round`` is asked after every round but the last, with the result so far."""
+    import asyncio
+
+    import evaluation.bench as bench
+
+    class Admin:
+        def __init__(self, url, token, local=False):
+            pass
+
+        async def head_info(self):
+            return {}
+
+        async def load_head(self, path, version, sha):
+            return {"sha256": sha, "path": path}
+
+    async def warm(client, url, req):
+        return RequestResult(ok=True, output_tokens=1, latency=0.01, ttft=0.01)
+
+    async def block(url, reqs, c):
+        return {"results": [RequestResult(ok=True, output_tokens=8, latency=0.1, ttft=0.01, drafts=6.0, accepted=2.0)
+                            for _ in reqs], "wall": 0.1 * len(reqs) / c, "spec": None}
+
+    monkeypatch.setattr(bench, "AgentAdmin", Admin)
+    monkeypatch.setattr(bench, "stream_one", warm)
+    monkeypatch.setattr(bench, "run_block", block)
+    heads = {"candidate": {"path": "/h/cand", "sha256": "c" * 64}, "live": {"path": "/h/live", "sha256": "l" * 64}}
+    reqs = [bench.BenchRequest("/v1/completions", {"prompt": str(i)}) for i in range(6)]
+    asked: list[tuple[int, int]] = []
+    said: list[str] = []
+
+    def run(stop_at: int | None):
+        asked.clear()
+
+        def stop(partial):
+            asked.append((partial.rounds, len(partial.request_records)))
+            return "cannot pass" if partial.rounds == stop_at else None
+
+        return asyncio.run(bench.run_bench("http://spec", heads, reqs, concurrencies=[1], rounds=3, min_groups=3,
+                                           nospec_url="http://nospec", stop_after_round=stop, progress=said.append))
+
+    res = run(stop_at=1)
+    assert asked == [(1, 4 * 6)] and res.rounds == 1 and res.stopped == "cannot pass"
+    assert {b["round"] for b in res.blocks} == {0} and any("no more rounds after round 1" in m for m in said)
+    res = run(stop_at=None)
+    assert asked == [(1, 4 * 6), (2, 4 * 6 + 3 * 6)] and res.rounds == 3 and res.stopped is None
+    assert BenchResult.from_json(res.to_json()).stopped is None
+    res.stopped = "cannot pass"
+    assert BenchResult.from_json(res.to_json()).stopped == "cannot pass"
+
+
+def test_arms_of_the_first_round_only_leave_the_others_orders_as_they_were():
+    full = plan(["candidate", "live", "control", "nospec"], 12, [1, 2], 2, 2, seed=5, min_groups=3)
+    short = plan(["candidate", "live", "control", "nospec"], 12, [1, 2], 2, 2, seed=5, min_groups=3,
+                 first_round_only=["nospec"])
+    assert [s.order for s in short if s.round == 0] == [s.order for s in full if s.round == 0]
+    later = [s for s in short if s.round > 0]
+    assert later and all("nospec" not in s.order and len(s.order) == 3 for s in later)
+    assert all(sorted(s.order) == ["candidate", "control", "live"] for s in later)

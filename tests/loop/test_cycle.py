@@ -144,6 +144,27 @@ def test_the_gate_is_told_whether_another_attempt_brings_new_prompt_groups(cfg, 
         assert told == {"one": [False, False], "two": [True, False], "unknown": [True, True]}[cid]
 
 
+def test_each_attempt_asks_the_gate_after_every_round_whether_the_rounds_left_can_change_its_look(cfg, monkeypatch):
+    """The bench's ``stop_after_round`` is the gate's :func:`loop.gate.round_futility` on the cycle's attempts so
+    far and the newest one's result up to that round."""
+    import evaluation.bench
+
+    from loop import gate as gate_mod
+
+    seen: list = []
+    monkeypatch.setattr(gate_mod, "round_futility", lambda rs, g: seen.append([r.seed for r in rs]) or None)
+    sim = simulated_bench([(0.4, 1.0), (0.4, 1.0)], [])
+
+    def bench(c, bp, progress=None):
+        res = sim(c, bp, progress)
+        assert bp.stop_after_round(res) is None  # the simulated result stands in for the attempt's first round
+        return res
+
+    monkeypatch.setattr(evaluation.bench, "bench_heads", bench)
+    out = cycle.step_bench(cycle.Cycle(cfg), bench_state("rounds"), cycle.CycleOptions())
+    assert len(out["attempts"]) == 2 and seen == [[cfg.bench.seed], [cfg.bench.seed, cfg.bench.seed + 1]]
+
+
 def test_no_speculation_is_measured_in_the_first_attempt_only(cfg, monkeypatch):
     """A repeat attempt narrows the gate's intervals, which never read the no-speculation arm: that arm runs
     in the first attempt, and the speed-up the cycle records and registers comes from it."""

@@ -14,7 +14,7 @@ import pytest
 from evaluation.result import Arm, ArmFigures, BenchResult, RequestRecord, compare_all
 from evaluation.stats import CANDIDATE, CONTROL, LIVE, Cluster, ClusterSums, look_level
 from loop.gate import (INCONCLUSIVE, PASSED, REJECTED, Verdict, acceptance_repeats, bootstrap_verdict, decide,
-                       offline_check, power_plan, prescreen, size_attempts)
+                       offline_check, power_plan, prescreen, round_futility, size_attempts)
 from settings.config import GateConfig
 
 BASE = [30.0, 28.0, 33.0, 31.0, 29.0, 35.0, 27.0, 32.0]  # the live head's tok/s per prompt group
@@ -148,12 +148,15 @@ def test_a_voided_attempt_joins_no_pool():
 NEAR_MARGIN = (0.05, -0.02, 0.06, 0.0, 0.04, -0.01, 0.05, 0.02)  # acceptance gain per group: mean 0.024
 
 
-def replayed(res: BenchResult, rounds: int = 2, vary: bool = False) -> BenchResult:
-    """``res`` with the request records of ``rounds`` replays of each group's prompt by each arm, drafting and
-    accepting the same every time unless ``vary``."""
+def replayed(res: BenchResult, rounds: int = 2, vary: bool = False, arms: tuple[str, ...] | None = None,
+             control_differs: bool = False) -> BenchResult:
+    """``res`` with the request records of ``rounds`` replays of each group's prompt by each arm (or ``arms``),
+    drafting and accepting the same every time unless ``vary`` (the candidate) or ``control_differs``."""
     res.request_records = [RequestRecord(arm, rnd, 0, 1, cl.prompts[0], True, 32, drafts=24.0,
-                                         accepted=7.0 + (rnd if vary and arm == CANDIDATE else 0))
-                           for rnd in range(rounds) for cl in res.clusters for arm in cl.arms]
+                                         accepted=7.0 + (rnd if vary and arm == CANDIDATE else 0)
+                                         + (1 if control_differs and arm == CONTROL else 0))
+                           for rnd in range(rounds) for cl in res.clusters for arm in cl.arms
+                           if arms is None or arm in arms]
     return res
 
 
@@ -177,14 +180,36 @@ def test_an_acceptance_check_that_replays_cannot_change_ends_the_attempts():
 
 def test_replays_that_differ_or_were_not_recorded_keep_the_attempts_going():
     gate = GateConfig(max_attempts=2)
-    for res in (replayed(bench(al=NEAR_MARGIN), vary=True), bench(al=NEAR_MARGIN),
-                replayed(bench(al=NEAR_MARGIN), rounds=1)):  # sampled, no records, nothing replayed yet
+    for res in (replayed(bench(al=NEAR_MARGIN), vary=True), bench(al=NEAR_MARGIN),  # sampled, no records
+                replayed(bench(al=NEAR_MARGIN), rounds=1, arms=(CANDIDATE, LIVE)),  # nothing replayed yet
+                replayed(bench(al=NEAR_MARGIN), rounds=1, control_differs=True)):  # the A/A replay differs
         assert not acceptance_repeats([res])
         assert not decide([res], gate, more_prompts=False).final
     # an acceptance check that passes leaves throughput, which replays do change, to more attempts
     noisy_tps = replayed(bench(gain=(3.5, -1.5, 4.0, -0.5, 2.5, -1.0, 4.0, 1.0)))
     v = decide([noisy_tps], gate, more_prompts=False)
     assert v.status == INCONCLUSIVE and not v.final
+
+
+def test_an_attempt_stops_after_a_round_when_its_acceptance_cannot_pass():
+    """One round shows acceptance repeating (the A/A control replays the live head's prompts); an acceptance check
+    that cannot pass then stays so through the rounds left, which the bench does not run."""
+    gate = GateConfig(max_attempts=2)
+    partial = replayed(bench(al=NEAR_MARGIN), rounds=1)
+    why = round_futility([partial], gate)
+    assert why and "cannot tell yet" in why and "cannot move it" in why
+    # the interval it read is the one the whole attempt's look would have read: the same check
+    full = decide([replayed(bench(al=NEAR_MARGIN))], gate)
+    acc = next(c for c in full.checks if c.name == "mean_acceptance_length")
+    assert acc.status == INCONCLUSIVE and f"[{acc.ci[0]:.4g}, {acc.ci[1]:.4g}]" in why
+    worse = replayed(bench(al=tuple(-0.2 for _ in NEAR_MARGIN)), rounds=1)
+    assert "not better by the margin" in round_futility([worse], gate)
+    # acceptance that passes leaves the rounds to throughput; replays that differ prove nothing
+    assert round_futility([replayed(bench(), rounds=1)], gate) is None
+    assert round_futility([replayed(bench(al=NEAR_MARGIN), rounds=1, control_differs=True)], gate) is None
+    assert round_futility([bench(al=NEAR_MARGIN)], gate) is None  # no request records
+    # pooled with an earlier attempt, as the look will be: a strong first attempt carries a weak second
+    assert round_futility([replayed(bench()), replayed(bench(al=NEAR_MARGIN), rounds=1)], gate) is None
 
 
 def test_a_candidate_that_fails_requests_is_rejected():
