@@ -250,7 +250,7 @@ def _store_pick(store: Path, key: tuple, pick: Pick) -> None:
 def pick_backend(names: Sequence[str], run: Callable[[str, int], None], sync: Callable[[], None],
                  key: tuple | None = None, reps: int = 3, warmups: int = 1, store: Path | None = None) -> Pick:
     """Time ``run(name, i)`` (one forward + backward on the run's ``i``-th batch) for each backend; the
-    fastest median wins.
+    one fastest batch by batch wins (the median of its time over the fastest's on each batch).
 
     Each backend first runs ``warmups`` batches untimed (kernel selection, compilation:
     a compiled kernel compiles again once shapes vary, so a CUDA pick warms up on
@@ -292,7 +292,16 @@ def pick_backend(names: Sequence[str], run: Callable[[str, int], None], sync: Ca
             best = min(statistics.median(t) for t in times.values() if t)
             if times[n][-1] > 2 * best and len(live) > 1:
                 skipped[n] = f"over twice the fastest ({times[n][-1]:.1f} ms against {best:.1f} ms)"
-    ranked = sorted((statistics.median(t), names.index(n), n) for n, t in times.items() if t)
+    # Batch by batch: each backend's time over the fastest's on the same batch, its median the score. The
+    # batches differ in shape (and a busy machine in load): medians of unpaired times can favour the backend
+    # that drew the cheap batch, where the one faster on most batches is the one training wants.
+    timed = [n for n, t in times.items() if len(t) == reps]  # the others stopped early: over twice the best
+    if timed:
+        fastest = [min(times[n][r] for n in timed) for r in range(reps)]
+        ranked = sorted((statistics.median(times[n][r] / fastest[r] for r in range(reps)), names.index(n), n)
+                        for n in timed)
+    else:
+        ranked = sorted((statistics.median(t), names.index(n), n) for n, t in times.items() if t)
     pick = Pick(ranked[0][2], {n: [round(x, 3) for x in t] for n, t in times.items() if t}, skipped)
     if key is not None:
         _picks[key] = pick

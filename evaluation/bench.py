@@ -365,7 +365,7 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
     ``progress(msg)`` hears about each round. ``token``: the bench
     replica's admin token (heads go in through its agent's ``/agent/*`` routes, never dev routes).
     ``stop_after_round(result so far)``, asked after every round but the last, gives a reason to
-    run no more rounds (the gate's :func:`loop.gate.round_futility`), recorded as ``stopped``.
+    run no more rounds (the gate's :func:`loop.gate.round_look`), recorded as ``stopped``.
     """
     admin = AgentAdmin(url, token, local=True)
     blocks: list[dict] = []
@@ -405,7 +405,9 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                                      if any(b["role"] == a for b in done))
                          + f" tok/s ({time.perf_counter() - t_run:.0f}s so far)")
             if stop_after_round and i + 1 < len(slots) and slots[i + 1].round != slot.round:
-                stopped = stop_after_round(analyze(blocks, arms, concurrencies, confidence))
+                partial = analyze(blocks, arms, concurrencies, confidence)
+                partial.planned_rounds = rounds
+                stopped = stop_after_round(partial)
                 if stopped:
                     if progress:
                         progress(f"no more rounds after round {slot.round + 1}: {stopped}")
@@ -420,7 +422,7 @@ async def run_bench(url: str, heads: dict[str, dict[str, Any]], reqs: list[Bench
                     await asyncio.to_thread(restart, original["path"])
     result = analyze(blocks, arms, concurrencies, confidence)
     result.seed, result.group_size, result.slots, result.swaps = seed, group_size, len(slots), swaps
-    result.stopped = stopped
+    result.stopped, result.planned_rounds = stopped, rounds
     result.first_prompt = first_prompt
     result.prompts_at = {c: sum(len(s.prompts) for s in slots if s.concurrency == c and s.round == 0)
                          for c in concurrencies}

@@ -233,8 +233,9 @@ class BenchResult:
     heldout_overlap: dict[str, Any] | None = None
     slots: int = 0
     order: list[list[str]] = field(default_factory=list)
-    # Why the bench ran fewer rounds than planned (``rounds`` is what it ran), or None.
+    # Why the bench ran fewer rounds than planned (``rounds`` is what it ran, ``planned_rounds`` the plan), or None.
     stopped: str | None = None
+    planned_rounds: int = 0  # 0: as many as it ran
     # How each arm's head went in before its turn (in place or by restart), and every block and request:
     # written for people and tools to audit a run; no decision reads them.
     swaps: list[dict[str, Any]] = field(default_factory=list)
@@ -244,6 +245,11 @@ class BenchResult:
     plot_path: str | None = None
 
     # -- readers ----------------------------------------------------------------------------
+
+    @property
+    def after_first_round(self) -> bool:
+        """Whether this is a first round of an attempt that planned more (a look after its first round)."""
+        return self.rounds == 1 and self.planned_rounds > 1
 
     @property
     def roles(self) -> list[str]:
@@ -337,7 +343,8 @@ class BenchResult:
             "speedup_vs_nospec": {str(c): {r: iv.to_json() for r, iv in v.items()}
                                   for c, v in self.speedup_vs_nospec.items()},
             "clusters": [c.to_json() for c in self.clusters],
-            "slots": self.slots, "order": self.order, "stopped": self.stopped, "swaps": self.swaps,
+            "slots": self.slots, "order": self.order, "stopped": self.stopped,
+            "planned_rounds": self.planned_rounds or self.rounds, "swaps": self.swaps,
             "blocks": self.blocks,
             "request_records": [r.to_json() for r in self.request_records],
             "json_path": self.json_path, "plot_path": self.plot_path,
@@ -395,6 +402,7 @@ class BenchResult:
             schema_version=version, created_at=d.get("created_at"), environment=d.get("environment") or {},
             bench_url=d.get("bench_url"), nospec_url=d.get("nospec_url"), heldout_overlap=d.get("heldout_overlap"),
             slots=int(d.get("slots") or 0), order=d.get("order") or [], stopped=d.get("stopped"),
+            planned_rounds=int(d.get("planned_rounds") or rounds),
             swaps=d.get("swaps") or [],
             blocks=d.get("blocks") or [], request_records=records, json_path=d.get("json_path"),
             plot_path=d.get("plot_path"))

@@ -420,8 +420,8 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
     The no-speculation reference arm (with ``opts.nospec_url``) runs in the first attempt
     only (and in its first round): the gate does not read it, so a repeat, which exists to
     narrow the gate's intervals, would spend a quarter of its slots on a figure already measured.
-    An attempt runs no more rounds once acceptance cannot pass at its look
-    (:func:`loop.gate.round_futility`).
+    An attempt runs no more rounds once the candidate passed the look after its first round
+    (``[gate] first_round_share``) or acceptance cannot pass (:func:`loop.gate.round_look`).
     """
     from evaluation.bench import BenchPlan, bench_heads, heldout_batches
     from evaluation.result import BenchResult
@@ -452,7 +452,7 @@ def step_bench(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
                 seed=cfg.bench.seed + n - 1, cycle=state["cycle_id"], prompt_batch=n - 1,
                 max_prompts=size.prompts, rounds=size.rounds, group_size=size.group_size,
                 prompts_at=size.prompts_at or None, heldout_overlap=snap.get("heldout_overlap"),
-                stop_after_round=lambda partial: gate_mod.round_futility(results + [partial], cfg.gate)),
+                stop_after_round=lambda partial: gate_mod.round_look(results + [partial], cfg.gate)),
                 progress=opts.progress)
         results.append(res)
         # attempt n + 1 replays batch n: new prompt groups only while the held-out set has more batches

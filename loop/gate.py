@@ -33,7 +33,9 @@ rate at or below ``α`` however the looks correlate. Rejection is non-binding (s
 early for it never adds promotions), and so is stopping when no later look can pass:
 when the held-out set has no new prompt groups for another attempt and acceptance, which
 greedy replays repeat exactly, cannot tell yet, the same groups replayed again give the
-same acceptance interval at every later look. :func:`size_attempts` sizes a cycle's
+same acceptance interval at every later look. Within an attempt, ``first_round_share`` of its
+level may go to a look after its first round (:func:`attempt_levels`, :func:`round_look`): a
+candidate clearly better there skips the rounds left. :func:`size_attempts` sizes a cycle's
 attempts from the noise of the last cycles' benches, within twice the default bench budget.
 
 **The A/A control is a diagnostic.** Control − live compares a head with itself: when its
@@ -196,6 +198,37 @@ def acceptance_check(clusters: list, c1: int, refs: list[str], gate: Any, level:
                  gate.min_clusters, aa.mean_acceptance_length if aa else None)
 
 
+def attempt_levels(gate: Any, looks: int, rounds: int) -> tuple[float, float]:
+    """The one-sided levels of an attempt's two looks: after its first round, and after its last.
+
+    Each of a cycle's ``looks`` attempts gets ``α / looks`` (:func:`evaluation.stats.look_level`);
+    an attempt of two or more ``rounds`` gives ``[gate] first_round_share`` of it to a look after
+    its first round and the rest to the look after its last, so all looks together stay at ``α``
+    (Bonferroni, whatever their correlation). Without that share (or with one round) the first
+    look is not taken (level 0).
+    """
+    a = look_level(gate.level, looks)
+    share = gate.first_round_share if rounds > 1 else 0.0
+    return a * share, a * (1.0 - share)
+
+
+def round_look(results: Sequence[BenchResult], gate: Any) -> str | None:
+    """Why the newest attempt runs no more rounds after the one just measured (None: it goes on).
+
+    After its first round, with ``[gate] first_round_share``, the candidate is promoted when every
+    check passes at that look's level (:func:`decide` reads the same result at the same level);
+    after any round, the rounds left are skipped when acceptance cannot pass (:func:`round_futility`).
+    """
+    results = list(results)
+    first = attempt_levels(gate, max(gate.max_attempts, len(results)), results[-1].planned_rounds)[0] \
+        if results and results[-1].after_first_round else 0.0
+    if first > 0:
+        v = _decide_at(results, gate, True, first, first)
+        if v.passed:
+            return f"every check passed at the look after the first round: {v.reason}"
+    return round_futility(results, gate)
+
+
 def round_futility(results: Sequence[BenchResult], gate: Any) -> str | None:
     """Why the newest attempt's remaining rounds cannot let the candidate pass at this look (None: they might).
 
@@ -210,7 +243,9 @@ def round_futility(results: Sequence[BenchResult], gate: Any) -> str | None:
     results = list(results)
     if not results or not results[-1].concurrencies:
         return None
-    level = look_level(gate.level, max(gate.max_attempts, len(results)))
+    last = results[-1]
+    # the rounds left end at the attempt's last look
+    level = attempt_levels(gate, max(gate.max_attempts, len(results)), last.planned_rounds or last.rounds)[1]
     earlier = [r for r in results[:-1] if aa_void(r, gate) is None]
     pooled = earlier + results[-1:]
     refs = _refs(set().union(*(r.arms for r in pooled)))
@@ -232,9 +267,21 @@ def decide(results: BenchResult | list[BenchResult], gate: Any, more_prompts: bo
     is final, and the attempts that could not change it are not spent.
     """
     results = [results] if isinstance(results, BenchResult) else list(results)
+    last = results[-1]
+    first, final = attempt_levels(gate, max(gate.max_attempts, len(results)), last.planned_rounds or last.rounds)
+    if last.after_first_round and first > 0:  # the newest attempt stopped at the look after its first round
+        v = _decide_at(results, gate, more_prompts, first, first)
+        if v.passed:
+            return v
+    return _decide_at(results, gate, more_prompts, final, first)
+
+
+def _decide_at(results: list[BenchResult], gate: Any, more_prompts: bool, level: float,
+               first_look: float = 0.0) -> Verdict:
+    """:func:`decide` with the newest look at one-sided ``level`` (``first_look``: the level of the look after
+    the newest attempt's first round, which an attempt stopped there may pass at)."""
     look = len(results)
     looks = max(gate.max_attempts, look)
-    level = look_level(gate.level, looks)
     last = results[-1]
     voids = {i + 1: why for i, r in enumerate(results) if (why := aa_void(r, gate)) is not None}
     kept = [r for i, r in enumerate(results) if i + 1 not in voids]
@@ -271,6 +318,11 @@ def decide(results: BenchResult | list[BenchResult], gate: Any, more_prompts: bo
     status = REJECTED if REJECTED in statuses else PASSED if statuses == {PASSED} else INCONCLUSIVE
     shown = [c for c in checks if c.status == status] if status != PASSED else checks
     reason = "; ".join(c.why for c in shown)
+    if status == PASSED and last.rounds < (last.planned_rounds or last.rounds) and level > first_look:
+        # an attempt stopped before its last round never reached the look this level belongs to
+        status = INCONCLUSIVE
+        reason = (f"the attempt stopped after {last.rounds} of {last.planned_rounds} rounds, before the look "
+                  f"at this level: {reason}")
     # Re-measuring replays the same prompt groups: it cannot add groups to a check that has too few.
     final = status != INCONCLUSIVE or look >= looks or any(
         c.status == INCONCLUSIVE and 0 < c.clusters < gate.min_clusters for c in checks)
@@ -326,13 +378,13 @@ def power_plan(result: BenchResult, gate: Any, tok_gain: float = 0.10, acceptanc
     """The gate's own power analysis from one bench's noise: per check, its power and the groups it needs.
 
     For a candidate ``tok_gain`` faster (a fraction of the reference's tok/s) and
-    ``acceptance_gain`` tokens better in acceptance, each check's power at the first look
-    (``α / max_attempts``) with the prompt groups this bench had,
+    ``acceptance_gain`` tokens better in acceptance, each check's power at the first attempt's last
+    look (``α / max_attempts``, less ``first_round_share``) with the prompt groups this bench had,
     and the number of groups that would give ``target`` power at the same rounds and group
     size, with the held-out prompts that takes (``prompts_for_target``). The per-group noise is the candidate − reference spread where a candidate was measured,
     else the A/A control's (control − live has 4/3 the variance of candidate − reference).
     """
-    level = look_level(gate.level, gate.max_attempts)
+    level = attempt_levels(gate, gate.max_attempts, result.rounds)[1]
     refs = _refs(set(result.arms))
     out: dict[str, dict[str, Any]] = {}
     c1 = min(result.concurrencies)
@@ -445,7 +497,6 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
         default.why = "no earlier bench with a candidate and an A/A control to size from: the default"
         return default
     attempts = max(1, gate.max_attempts)
-    level = look_level(gate.level, attempts)
     concs = sorted({c for _, _, c in noise.values()})
     base = bench.max_prompts * bench.rounds
     sizes = sorted({bench.group_size, 2}, reverse=True)
@@ -473,6 +524,7 @@ def size_attempts(recent: Sequence[BenchResult], gate: Any, bench: Any, availabl
     def predict(at: dict[int, int], rounds: int, m: int) -> tuple[float, dict[str, float], int]:
         batches = max(1, min(attempts, available // max(at.values())))  # new prompts per attempt while they last
         eff_rounds = rounds * attempts / batches
+        level = attempt_levels(gate, attempts, rounds)[1]  # the attempt's last look
         out, turns = {}, 0
         for name, (machine, prompt, c) in noise.items():
             groups = prompt_groups(at[c], c, m, GROUP_CYCLE, gate.min_clusters)

@@ -286,6 +286,10 @@ class GateConfig(_Section):
     aa_confidence: float = Field(0.99, gt=0, lt=1)
     # Benchmarks per cycle: an inconclusive one is measured again, pooled with the earlier ones.
     max_attempts: int = Field(2, ge=1)
+    # The share of each attempt's level spent on a look after its first round (attempts of two or more
+    # rounds; 0: none). A candidate that passes every check there is promoted without the rounds left;
+    # the attempt's last round keeps the rest of the level, so all looks together stay at the level.
+    first_round_share: float = Field(0.0, ge=0, lt=1)
     # Each cycle sizes its attempts (held-out prompts, rounds, group size; within most_budget) from the
     # last cycles' benches, for this chance of promoting a head 10% faster and 0.1 better in
     # acceptance. The default bench is kept when it is predicted to reach it.

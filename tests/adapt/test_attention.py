@@ -138,6 +138,19 @@ def test_auto_picks_the_fastest_by_measurement_and_caches_it():
     assert again.backend == "sdpa" and again.how == "cached" and len(runs) == before
 
 
+def test_auto_picks_the_backend_faster_on_most_batches_not_the_one_that_drew_a_cheap_batch():
+    """Timed batches differ (and load comes and goes): sdpa's median time is the lower one here only because
+    it ran a cheap first batch, while segment is faster on two batches of three."""
+    ms = {"sdpa": {1: 18, 2: 30, 3: 22}, "segment": {1: 24, 2: 26, 3: 13}}
+
+    def run(name, i):
+        time.sleep(ms[name].get(i, 5) / 1000)
+
+    pick = pick_backend(["sdpa", "segment"], run, lambda: None, reps=3)
+    med = pick.to_json()["median_ms"]
+    assert med["sdpa"] < med["segment"] and pick.backend == "segment"
+
+
 def test_a_stored_pick_spares_a_later_process_the_timing(tmp_path, monkeypatch):
     """Each cycle trains in a process of its own: the pick is kept in a JSON file by its key, and a process
     that finds it there times nothing; another key, or a damaged file, is timed again."""

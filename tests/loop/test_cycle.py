@@ -145,14 +145,14 @@ def test_the_gate_is_told_whether_another_attempt_brings_new_prompt_groups(cfg, 
 
 
 def test_each_attempt_asks_the_gate_after_every_round_whether_the_rounds_left_can_change_its_look(cfg, monkeypatch):
-    """The bench's ``stop_after_round`` is the gate's :func:`loop.gate.round_futility` on the cycle's attempts so
+    """The bench's ``stop_after_round`` is the gate's :func:`loop.gate.round_look` on the cycle's attempts so
     far and the newest one's result up to that round."""
     import evaluation.bench
 
     from loop import gate as gate_mod
 
     seen: list = []
-    monkeypatch.setattr(gate_mod, "round_futility", lambda rs, g: seen.append([r.seed for r in rs]) or None)
+    monkeypatch.setattr(gate_mod, "round_look", lambda rs, g: seen.append([r.seed for r in rs]) or None)
     sim = simulated_bench([(0.4, 1.0), (0.4, 1.0)], [])
 
     def bench(c, bp, progress=None):

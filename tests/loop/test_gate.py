@@ -13,8 +13,9 @@ import pytest
 
 from evaluation.result import Arm, ArmFigures, BenchResult, RequestRecord, compare_all
 from evaluation.stats import CANDIDATE, CONTROL, LIVE, Cluster, ClusterSums, look_level
-from loop.gate import (INCONCLUSIVE, PASSED, REJECTED, Verdict, acceptance_repeats, bootstrap_verdict, decide,
-                       offline_check, power_plan, prescreen, round_futility, size_attempts)
+from loop.gate import (INCONCLUSIVE, PASSED, REJECTED, Verdict, acceptance_repeats, attempt_levels,
+                       bootstrap_verdict, decide, offline_check, power_plan, prescreen, round_futility, round_look,
+                       size_attempts)
 from settings.config import GateConfig
 
 BASE = [30.0, 28.0, 33.0, 31.0, 29.0, 35.0, 27.0, 32.0]  # the live head's tok/s per prompt group
@@ -210,6 +211,46 @@ def test_an_attempt_stops_after_a_round_when_its_acceptance_cannot_pass():
     assert round_futility([bench(al=NEAR_MARGIN)], gate) is None  # no request records
     # pooled with an earlier attempt, as the look will be: a strong first attempt carries a weak second
     assert round_futility([replayed(bench()), replayed(bench(al=NEAR_MARGIN), rounds=1)], gate) is None
+
+
+def first_round(res: BenchResult, planned: int = 2) -> BenchResult:
+    """``res`` as the first round of an attempt that planned ``planned`` rounds."""
+    res.rounds, res.planned_rounds = 1, planned
+    return res
+
+
+def test_the_looks_of_an_attempt_share_its_level():
+    for share, rounds, want in ((0.0, 2, (0.0, 0.025)), (0.25, 2, (0.00625, 0.01875)), (0.25, 1, (0.0, 0.025))):
+        gate = GateConfig(max_attempts=2, first_round_share=share)
+        first, last = attempt_levels(gate, 2, rounds)
+        assert (first, last) == pytest.approx(want)
+        assert 2 * (first + last) == pytest.approx(gate.level)  # every look of the cycle: at most alpha
+
+
+def test_a_clearly_better_candidate_is_promoted_at_the_look_after_the_first_round():
+    gate = GateConfig(max_attempts=2, first_round_share=0.25)
+    first, last = attempt_levels(gate, 2, 2)
+    why = round_look([first_round(replayed(bench(), rounds=1))], gate)
+    assert why and why.startswith("every check passed at the look after the first round")
+    v = decide([first_round(replayed(bench(), rounds=1))], gate)  # what the cycle then reads: the same look
+    assert v.passed and v.level == pytest.approx(first) and all(c.level == pytest.approx(first) for c in v.checks)
+    # a whole attempt is read at its last look's level, never at the first one's
+    whole = decide([bench()], gate)
+    assert whole.passed and whole.level == pytest.approx(last)
+    # without the share there is no such look: the rounds go on
+    assert round_look([first_round(replayed(bench(), rounds=1))], GateConfig(max_attempts=2)) is None
+
+
+def test_a_candidate_better_only_within_the_last_looks_level_runs_its_rounds():
+    """At the first round's smaller level a modest gain cannot show: no stop, and the same data read at the last
+    look's level would pass (the rounds left then decide)."""
+    gate = GateConfig(max_attempts=2, first_round_share=0.25)
+    modest = dict(gain=(1.0, -0.2, 2.0, 0.4, 1.6, 0.0, 1.8, 0.5))
+    assert round_look([first_round(replayed(bench(**modest), rounds=1))], gate) is None
+    assert decide([bench(**modest)], gate).passed
+    v = decide([first_round(bench(**modest))], gate)  # such a round alone, read as the cycle would read it
+    assert not v.passed and v.level == pytest.approx(attempt_levels(gate, 2, 2)[1])
+    assert v.status == INCONCLUSIVE and "stopped after 1 of 2 rounds" in v.reason
 
 
 def test_a_candidate_that_fails_requests_is_rejected():
