@@ -212,6 +212,18 @@ def attempt_levels(gate: Any, looks: int, rounds: int) -> tuple[float, float]:
     return a * share, a * (1.0 - share)
 
 
+def acceptance_level(kept: Sequence[BenchResult], gate: Any, looks: int, level: float) -> float:
+    """The level of the acceptance check at a look of ``level``: the whole attempt's where replays repeat.
+
+    Greedy replays repeat acceptance exactly (:func:`acceptance_repeats`), so an attempt's looks
+    after its first and its last round read the same acceptance interval: one test, not two, and
+    it keeps the attempt's whole level (``α / looks``); only throughput, which a round does move,
+    splits it between the looks. Where replays differ, acceptance takes the look's level too.
+    """
+    return look_level(gate.level, looks) if level < look_level(gate.level, looks) and acceptance_repeats(kept) \
+        else level
+
+
 def round_look(results: Sequence[BenchResult], gate: Any) -> str | None:
     """Why the newest attempt runs no more rounds after the one just measured (None: it goes on).
 
@@ -244,10 +256,11 @@ def round_futility(results: Sequence[BenchResult], gate: Any) -> str | None:
     if not results or not results[-1].concurrencies:
         return None
     last = results[-1]
-    # the rounds left end at the attempt's last look
-    level = attempt_levels(gate, max(gate.max_attempts, len(results)), last.planned_rounds or last.rounds)[1]
+    looks = max(gate.max_attempts, len(results))
     earlier = [r for r in results[:-1] if aa_void(r, gate) is None]
     pooled = earlier + results[-1:]
+    # the rounds left end at the attempt's last look
+    level = acceptance_level(pooled, gate, looks, attempt_levels(gate, looks, last.planned_rounds or last.rounds)[1])
     refs = _refs(set().union(*(r.arms for r in pooled)))
     c = acceptance_check(pool_clusters([r.clusters for r in pooled]), min(results[-1].concurrencies), refs, gate,
                          level)
@@ -300,7 +313,8 @@ def _decide_at(results: list[BenchResult], gate: Any, more_prompts: bool, level:
         conf = 1.0 - 2.0 * level  # each bound of this two-sided interval is a one-sided bound at `level`
         aa = last.aa_control
         if concs:
-            checks.append(acceptance_check(clusters, concs[0], refs, gate, level, aa))
+            checks.append(acceptance_check(clusters, concs[0], refs, gate, acceptance_level(kept, gate, looks, level),
+                                           aa))
         else:
             checks.append(Check("output_tok_per_s", INCONCLUSIVE, "benchmark has no throughput results"))
         if gate.throughput_test == "non_inferiority":

@@ -233,7 +233,10 @@ def test_a_clearly_better_candidate_is_promoted_at_the_look_after_the_first_roun
     why = round_look([first_round(replayed(bench(), rounds=1))], gate)
     assert why and why.startswith("every check passed at the look after the first round")
     v = decide([first_round(replayed(bench(), rounds=1))], gate)  # what the cycle then reads: the same look
-    assert v.passed and v.level == pytest.approx(first) and all(c.level == pytest.approx(first) for c in v.checks)
+    assert v.passed and v.level == pytest.approx(first)
+    # throughput at that look's level; acceptance, which the rounds repeat, at the attempt's (one test)
+    assert {c.name: c.level for c in v.checks} == pytest.approx({"mean_acceptance_length": 0.025,
+                                                                 "output_tok_per_s@c1": first})
     # a whole attempt is read at its last look's level, never at the first one's
     whole = decide([bench()], gate)
     assert whole.passed and whole.level == pytest.approx(last)
@@ -251,6 +254,24 @@ def test_a_candidate_better_only_within_the_last_looks_level_runs_its_rounds():
     v = decide([first_round(bench(**modest))], gate)  # such a round alone, read as the cycle would read it
     assert not v.passed and v.level == pytest.approx(attempt_levels(gate, 2, 2)[1])
     assert v.status == INCONCLUSIVE and "stopped after 1 of 2 rounds" in v.reason
+
+
+def test_acceptance_keeps_the_attempts_whole_level_when_replays_repeat_it():
+    """Repeating replays give both looks of an attempt the same acceptance interval: one test at the attempt's
+    level; throughput, which rounds move, has the look's. Where replays differ, acceptance has the look's too."""
+    gate = GateConfig(max_attempts=2, first_round_share=0.25)
+    first, last = attempt_levels(gate, 2, 2)
+    near = dict(al=(0.05, 0.0, 0.07, 0.01, 0.06, 0.0, 0.07, 0.03))  # a lower bound between the two levels' bounds
+    for replays, want in ((replayed(bench(**near)), 0.025), (replayed(bench(**near), vary=True), last),
+                          (bench(**near), last)):  # repeats, sampled, no records
+        acc = next(c for c in decide([replays], gate).checks if c.name == "mean_acceptance_length")
+        assert acc.level == pytest.approx(want)
+    strict = next(c for c in decide([replayed(bench(**near), vary=True)], gate).checks
+                  if c.name == "mean_acceptance_length")
+    whole = next(c for c in decide([replayed(bench(**near))], gate).checks if c.name == "mean_acceptance_length")
+    assert whole.ci[0] > strict.ci[0]
+    tps = next(c for c in decide([replayed(bench(**near))], gate).checks if c.name == "output_tok_per_s@c1")
+    assert tps.level == pytest.approx(last)
 
 
 def test_a_candidate_that_fails_requests_is_rejected():
