@@ -66,9 +66,8 @@ def demo_config(cfg: Config) -> Config:
         "bench": {"concurrencies": d.bench_concurrencies, "max_tokens": d.bench_max_tokens,
                   "max_prompts": d.bench_max_prompts,
                   "nospec_reference": True, "vllm_args": cfg.bench.vllm_args or ["--enforce-eager"]},
-        # Its minutes leave no room for a bench sized up for power on a busy machine: the default's replays;
-        # a clearly better head is promoted after the first round (a quarter of each attempt's level).
-        "gate": {"most_budget": 1.0, "first_round_share": cfg.gate.first_round_share or 0.25}})
+        # Its minutes leave no room for a bench sized up for power on a busy machine: the default's replays.
+        "gate": {"most_budget": 1.0}})
 
 
 # The KV cache the demo's engines need, in tokens: every sequence of its traffic at once (a user turn of at
