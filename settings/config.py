@@ -289,6 +289,7 @@ class GateConfig(_Section):
     # The share of each attempt's level spent on a look after its first round (attempts of two or more
     # rounds; 0: none). A candidate that passes every check there is promoted without the rounds left;
     # the attempt's last round keeps the rest of the level, so all looks together stay at the level.
+    # Acceptance, where greedy replays repeat it, reads one interval at both looks and keeps the whole.
     first_round_share: float = Field(0.0, ge=0, lt=1)
     # Each cycle sizes its attempts (held-out prompts, rounds, group size; within most_budget) from the
     # last cycles' benches, for this chance of promoting a head 10% faster and 0.1 better in
