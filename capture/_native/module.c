@@ -10,32 +10,80 @@
 
 static PyObject *bytes_of(const Buf *b) { return PyBytes_FromStringAndSize((const char *)b->data, (Py_ssize_t)b->len); }
 
+/* A decoded column's buffer handed to Python as it is: a read-only buffer object that owns the
+ * memory the decoder grew and frees it when pyarrow drops the last reference. A column is as
+ * large as the text it holds, and copying it into a bytes object (then faulting in and zeroing
+ * that copy's pages) cost a worker more CPU than the redaction gate. */
+typedef struct {
+    PyObject_HEAD
+    uint8_t *data;
+    Py_ssize_t len;
+} Owned;
+
+static int owned_getbuffer(PyObject *self, Py_buffer *view, int flags) {
+    static uint8_t empty[1];
+    Owned *o = (Owned *)self;
+    return PyBuffer_FillInfo(view, self, o->data ? o->data : empty, o->len, 1, flags);
+}
+
+static Py_ssize_t owned_length(PyObject *self) { return ((Owned *)self)->len; }
+
+static void owned_dealloc(PyObject *self) {
+    free(((Owned *)self)->data);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyBufferProcs owned_as_buffer = {.bf_getbuffer = owned_getbuffer};
+static PySequenceMethods owned_as_sequence = {.sq_length = owned_length};
+
+static PyTypeObject OwnedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_capture_native.Owned",
+    .tp_doc = "A read-only buffer of decoded bytes that the decoder handed over (no copy).",
+    .tp_basicsize = sizeof(Owned),
+    .tp_dealloc = owned_dealloc,
+    .tp_as_buffer = &owned_as_buffer,
+    .tp_as_sequence = &owned_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+};
+
+/* b's memory as an Owned object; b is left empty (its owner's free is then a no-op for it). */
+static PyObject *take_buf(Buf *b) {
+    Owned *o = PyObject_New(Owned, &OwnedType);
+    if (o == NULL)
+        return NULL;
+    o->data = b->data;
+    o->len = (Py_ssize_t)b->len;
+    b->data = NULL;
+    b->len = b->cap = 0;
+    return (PyObject *)o;
+}
+
 /* (offsets, data, validity or None, null count) of a utf8 column. */
-static PyObject *str_col_tuple(const StrCol *c) {
-    PyObject *validity = c->nulls ? bytes_of(&c->validity) : Py_NewRef(Py_None);
-    return Py_BuildValue("(NNNL)", bytes_of(&c->offsets), bytes_of(&c->data), validity, (long long)c->nulls);
+static PyObject *str_col_tuple(StrCol *c) {
+    PyObject *validity = c->nulls ? take_buf(&c->validity) : Py_NewRef(Py_None);
+    return Py_BuildValue("(NNNL)", take_buf(&c->offsets), take_buf(&c->data), validity, (long long)c->nulls);
 }
 
 /* (values, validity or None, null count) of a fixed-width column. */
-static PyObject *fixed_col_tuple(const FixedCol *c) {
-    PyObject *validity = c->nulls ? bytes_of(&c->validity) : Py_NewRef(Py_None);
-    return Py_BuildValue("(NNL)", bytes_of(&c->values), validity, (long long)c->nulls);
+static PyObject *fixed_col_tuple(FixedCol *c) {
+    PyObject *validity = c->nulls ? take_buf(&c->validity) : Py_NewRef(Py_None);
+    return Py_BuildValue("(NNL)", take_buf(&c->values), validity, (long long)c->nulls);
 }
 
 /* (offsets, values, validity or None, null count) of a list<int32> column. */
-static PyObject *ids_col_tuple(const IdsCol *c) {
-    PyObject *validity = c->nulls ? bytes_of(&c->validity) : Py_NewRef(Py_None);
-    return Py_BuildValue("(NNNL)", bytes_of(&c->offsets), bytes_of(&c->values), validity, (long long)c->nulls);
+static PyObject *ids_col_tuple(IdsCol *c) {
+    PyObject *validity = c->nulls ? take_buf(&c->validity) : Py_NewRef(Py_None);
+    return Py_BuildValue("(NNNL)", take_buf(&c->offsets), take_buf(&c->values), validity, (long long)c->nulls);
 }
 
-static PyObject *columns_dict(const Columns *c, PyObject *declined, long long skips) {
+static PyObject *columns_dict(Columns *c, PyObject *declined, long long skips) {
     PyObject *d = Py_BuildValue(
         "{s:L,s:L,s:L,s:O,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", (long long)c->rows, "turns",
-        (long long)c->turns, "skips", skips, "declined", declined, "index", bytes_of(&c->index), "conv_offsets",
-        bytes_of(&c->conv_offsets), "from", str_col_tuple(&c->from), "value", str_col_tuple(&c->value), "event_id",
+        (long long)c->turns, "skips", skips, "declined", declined, "index", take_buf(&c->index), "conv_offsets",
+        take_buf(&c->conv_offsets), "from", str_col_tuple(&c->from), "value", str_col_tuple(&c->value), "event_id",
         str_col_tuple(&c->event_id), "inference_id", str_col_tuple(&c->inference_id), "inference_time",
         str_col_tuple(&c->inference_time), "model", str_col_tuple(&c->model), "format", str_col_tuple(&c->format),
-        "finish_reason", str_col_tuple(&c->finish_reason), "raw", bytes_of(&c->raw), "temperature", fixed_col_tuple(&c->temperature), "top_p",
+        "finish_reason", str_col_tuple(&c->finish_reason), "raw", take_buf(&c->raw), "temperature", fixed_col_tuple(&c->temperature), "top_p",
         fixed_col_tuple(&c->top_p), "max_tokens", fixed_col_tuple(&c->max_tokens));
     if (d == NULL)
         return NULL;
@@ -123,12 +171,8 @@ static int decoder_is_copy(Decoder *d, const Row *row, const uint8_t digest[16])
      * quarantine (a canonical inferenceTime, or the layout hour to fall back on). */
     int64_t us;
     const Span *t = &row->inference_time;
-    if (row_exact(row)) {
-        /* Kept exactly, its dedupe key is more than the turns (capture.ingest._exact_hashes):
-         * it neither stands for nor is dropped as a copy of a row with the same turns. */
-        d->unchecked++;
-        return 0;
-    }
+    /* A row kept exactly is keyed by its turns and exchange (row_serialize), as ingest keys it:
+     * a copy of a plain row's turns is a different digest, so the one table serves both. */
     if (d->hour_known || (t->ptr != NULL && canonical_time(t->ptr, t->len, &us))) {
         /* Once `room` is used up, copies of the rows in the table are still dropped. */
         int added = d->inserted < d->room ? digests_add(d->table, d->slots, digest)
@@ -302,7 +346,7 @@ static PyObject *decode_block(PyObject *self, PyObject *args) {
         goto done;
     result = columns_dict(&d.cols, d.declined, d.skips);
     if (result != NULL) {
-        PyObject *lines = PyLong_FromSsize_t(i), *end_at = PyLong_FromSsize_t(p - base), *st = bytes_of(&starts);
+        PyObject *lines = PyLong_FromSsize_t(i), *end_at = PyLong_FromSsize_t(p - base), *st = take_buf(&starts);
         if (lines == NULL || end_at == NULL || st == NULL || PyDict_SetItemString(result, "lines", lines) < 0 ||
             PyDict_SetItemString(result, "end", end_at) < 0 || PyDict_SetItemString(result, "starts", st) < 0)
             Py_CLEAR(result);
@@ -311,7 +355,7 @@ static PyObject *decode_block(PyObject *self, PyObject *args) {
         Py_XDECREF(st);
     }
     if (result != NULL && have_table) {
-        PyObject *hashes = bytes_of(&d.hashes), *dups = PyLong_FromLongLong(d.duplicates),
+        PyObject *hashes = take_buf(&d.hashes), *dups = PyLong_FromLongLong(d.duplicates),
                  *ins = PyLong_FromSize_t(d.inserted), *unchecked = PyLong_FromSize_t(d.unchecked);
         if (hashes == NULL || dups == NULL || ins == NULL || unchecked == NULL ||
             PyDict_SetItemString(result, "hashes", hashes) < 0 || PyDict_SetItemString(result, "duplicates", dups) < 0 ||
@@ -1204,4 +1248,8 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__capture_native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__capture_native(void) {
+    if (PyType_Ready(&OwnedType) < 0)
+        return NULL;
+    return PyModule_Create(&module);
+}

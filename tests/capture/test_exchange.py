@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from capture import batchpath, ingest as ingest_mod
+from capture import batchpath, dedupe, ingest as ingest_mod
 from capture.formats import to_conversation
 from capture.ingest import IDS_DROPPED, ingest, process_file
 from capture.records import Reject, decode_line, make_capture_record
@@ -225,6 +225,27 @@ def test_requests_alike_in_text_but_not_in_exchange_are_not_duplicates(tmp_path)
     ids = {"request": q, "response": response(vllm_message("A"), prompt_ids=[1], ids=[2])}
     rows, res = row_of(tmp_path, [plain, thinking, ids, plain, thinking])
     assert len(rows) == 3 and res.file_duplicates == 2
+
+
+def test_the_decoder_drops_replays_of_exact_rows_itself_as_the_reference_does(tmp_path):
+    """A replayed request kept whole is dropped in the decoder (nothing left for the file's own
+    dedupe to copy), keyed by turns and exchange: a plain row with the same turns stays."""
+    q = {"messages": [{"role": "user", "content": "Q"}]}
+    kinds = [{"request": q, "response": response(vllm_message("A"))},
+             {"request": q, "response": response(vllm_message("A", reasoning="r"))},
+             {"request": q, "response": response(vllm_message("A"), prompt_ids=[1], ids=[2])},
+             {"request": q, "response": response(vllm_message("A"), prompt_ids=[1], ids=[3])}]
+    order = [0, 1, 2, 3, 1, 2, 2, 0, 3, 1]
+    lines = [make_capture_record(**kinds[k], event_id=f"e{i}", inference_time=T0 + timedelta(seconds=i))
+             for i, k in enumerate(order)]
+    block = ("\n".join(lines) + "\n").encode()
+    got = batchpath.decode_block(block, 0, 1, 8192, 1 << 26, None, dedupe.HashSet())
+    assert (got.batch.num_rows, got.duplicates, got.unchecked) == (4, 6, 0)
+    assert got.batch.column("line_no").to_pylist() == [1, 2, 3, 4]
+    p = write(tmp_path / "cap.jsonl", lines)
+    fast = process_file(obj_of(p), ingest_mod.FileOptions(), batch=True)
+    slow = process_file(obj_of(p), ingest_mod.FileOptions(), batch=False)
+    assert fast.table.equals(slow.table) and fast.file_duplicates == slow.file_duplicates == 6
 
 
 def test_stitching_never_merges_an_exact_row_into_one_that_loses_it(tmp_path):
