@@ -426,6 +426,10 @@ class DemoConfig(_Section):
     # Held-out prompts each benchmark attempt replays ([bench] max_prompts for the demo): a turn of
     # every held-out request would be 32 prompts in the bootstrap, over half of the demo's minutes.
     bench_max_prompts: int = Field(16, ge=1)
+    # Prompts per slot of the demo's bench ([bench] group_size): one prompt a slot makes each prompt
+    # its own cluster, replayed by every arm back to back; at 2 cores' noise that narrows the
+    # throughput interval far more than the extra swaps (a fifth of a second each) cost.
+    bench_group_size: int = Field(1, ge=1)
     # The bench replica and the no-speculation reference stop while a cycle trains (their memory and
     # cores go to the trainer) and start again for each benchmark. True keeps them up from setup to
     # the end: one start each instead of one per benchmark, on a machine with room for two more engines.

@@ -27,6 +27,8 @@ def test_demo_has_its_own_state_and_an_admin_token(tmp_path, monkeypatch):
     assert cfg.gate.most_budget == 1.0 and base.gate.most_budget == 2.0
     # ... and replay at most [demo] bench_max_prompts held-out prompts per attempt.
     assert cfg.bench.max_prompts == base.demo.bench_max_prompts == 16 and base.bench.max_prompts == 32
+    # ... one prompt a slot, so each prompt is a cluster of its own.
+    assert cfg.bench.group_size == base.demo.bench_group_size == 1 and base.bench.group_size == 4
 
 
 def test_with_overrides_validates(tmp_path, monkeypatch):
