@@ -64,7 +64,7 @@ def demo_config(cfg: Config) -> Config:
         # The bench engines start for every cycle's bench (they hold no memory while training runs):
         # eager, they start in a third of the compiled time; both arms share each engine.
         "bench": {"concurrencies": d.bench_concurrencies, "max_tokens": d.bench_max_tokens,
-                  "max_prompts": d.bench_max_prompts, "group_size": d.bench_group_size,
+                  "max_prompts": d.bench_max_prompts, "group_size": d.bench_group_size, "rounds": d.bench_rounds,
                   "nospec_reference": True, "vllm_args": cfg.bench.vllm_args or ["--enforce-eager"]},
         # Its minutes leave no room for a bench sized up for power on a busy machine: the default's replays.
         "gate": {"most_budget": 1.0}})

@@ -430,6 +430,9 @@ class DemoConfig(_Section):
     # its own cluster, replayed by every arm back to back; at 2 cores' noise that narrows the
     # throughput interval far more than the extra swaps (a fifth of a second each) cost.
     bench_group_size: int = Field(1, ge=1)
+    # Rounds of each attempt ([bench] rounds): one, with a second attempt (the same prompts again,
+    # pooled) only where the first cannot tell; on that many clusters one round usually can.
+    bench_rounds: int = Field(1, ge=1)
     # The bench replica and the no-speculation reference stop while a cycle trains (their memory and
     # cores go to the trainer) and start again for each benchmark. True keeps them up from setup to
     # the end: one start each instead of one per benchmark, on a machine with room for two more engines.

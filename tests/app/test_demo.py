@@ -29,6 +29,8 @@ def test_demo_has_its_own_state_and_an_admin_token(tmp_path, monkeypatch):
     assert cfg.bench.max_prompts == base.demo.bench_max_prompts == 16 and base.bench.max_prompts == 32
     # ... one prompt a slot, so each prompt is a cluster of its own.
     assert cfg.bench.group_size == base.demo.bench_group_size == 1 and base.bench.group_size == 4
+    # ... in one round an attempt: the second attempt, where one runs, is the second replay.
+    assert cfg.bench.rounds == base.demo.bench_rounds == 1 and base.bench.rounds == 2
 
 
 def test_with_overrides_validates(tmp_path, monkeypatch):
