@@ -80,8 +80,12 @@ class LoopService:
             try:
                 return fut.result(1.0 if left is None else max(0.0, min(1.0, left)))
             except concurrent.futures.TimeoutError:
-                if fut.done() or (left is not None and left <= 1.0):
-                    raise  # the coroutine's own TimeoutError (the same class since 3.11), or ours
+                if fut.done():
+                    # Done between the wait's end and this check (a busy loop), or the coroutine's own
+                    # TimeoutError (the same class since 3.11): its result or its exception, not ours.
+                    return fut.result()
+                if left is not None and left <= 1.0:
+                    raise  # ours: the caller's timeout
                 if self._thread is not None and not self._thread.is_alive():
                     fut.cancel()
                     raise RuntimeError(f"{type(self).__name__}'s event loop stopped before the call finished "
