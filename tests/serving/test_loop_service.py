@@ -110,4 +110,7 @@ def test_a_call_that_finishes_as_its_wait_slice_runs_out_returns_its_result(monk
     async def status() -> dict:
         return {"replicas": []}
 
-    assert svc.run_coro(status(), timeout) == {"replicas": []} and fut.waits == 2
+    try:
+        assert svc.run_coro(status(), timeout) == {"replicas": []} and fut.waits == 2
+    finally:
+        svc.loop.close()  # never started: nothing runs on it
