@@ -141,10 +141,14 @@ _TABLES = {
 # (the codec is per column chunk), so parts written with zstd before stay readable.
 # Dictionary encoding only where values repeat (ids, hashes and the text are unique, and
 # building a dictionary for them only to abandon it costs time).
+# Min/max statistics only for the columns a reader filters on: those of the text, ids and hashes
+# prune nothing (every file spans their range) and cost a tenth of the writer's CPU.
 PARQUET_OPTIONS: dict[str, Any] = {
     "compression": "snappy",
     "use_dictionary": ["conversations.list.element.from", "endpoint", "variant", "source_uri", "format", "raw",
                        "model", "temperature", "top_p", "max_tokens", "run_id", "dt"],
+    "write_statistics": ["inference_time", "endpoint", "variant", "source_uri", "line_no", "format", "raw", "model",
+                         "temperature", "top_p", "max_tokens", "finish_reason", "run_id", "dt"],
 }
 
 RUN_COUNTS = ("objects", "missing_objects", "read", "normalized", "duplicates", "stitched", "quarantined", "skipped",
