@@ -44,6 +44,8 @@ from capture.stitch import Known, Prefixes, stitch_file
 from capture.warehouse import COMPACT_FILES, RUN_COUNTS, SCHEMA, TURN, Checkpoint, Committed, Warehouse
 
 if TYPE_CHECKING:
+    from multiprocessing.pool import Pool
+
     from settings.config import CaptureConfig, Config, S3Config
 
 log = logging.getLogger("capture.ingest")
@@ -1031,26 +1033,36 @@ def ingest(
         listed = list(list_objects(source, endpoint=endpoint, variant=cfg.capture.variant if endpoint else "",
                                    since=t_since, until=t_until, client=client))
         known = Known()
-        with wh.session():  # one attach of a local catalog for the whole start
-            orphans = wh.clean_orphans()
-            if orphans:
-                log.warning("removed %d Parquet parts that no catalog will name (of runs that failed or died)",
-                            len(orphans))
-            objs = wh.begin_run(run_id, source, t_since, t_until, listed)
-            begun = True
-            known_seq = wh.read_known(known.load)
-        with _Lease(wh, run_id):
-            sink = _Sink()
-            run = _Run(wh, run_id, known, known_seq, result, sink)
-            try:
-                opts = FileOptions.of(cfg.capture, cfg.s3, client)
-                n = workers if workers is not None else _workers(cfg.capture, objs)
-                _run_files(opts, run, objs, n, on_worker_start)
-            except BaseException:
-                sink.abort()
-                raise
-            sink.close()
-            run.finish()
+        opts = FileOptions.of(cfg.capture, cfg.s3, client)
+        # A worker takes about half a second to start (an interpreter and its imports): the pool
+        # starts now, as the catalog is read, if what is listed would need one.
+        pool = _start_pool(opts, workers if workers is not None else _workers(cfg.capture, listed), on_worker_start)
+        try:
+            with wh.session():  # one attach of a local catalog for the whole start
+                orphans = wh.clean_orphans()
+                if orphans:
+                    log.warning("removed %d Parquet parts that no catalog will name (of runs that failed or died)",
+                                len(orphans))
+                objs = wh.begin_run(run_id, source, t_since, t_until, listed)
+                begun = True
+                known_seq = wh.read_known(known.load)
+            if pool is not None and workers is None and _workers(cfg.capture, objs) <= 1:
+                pool.terminate()  # what is new is too little for a pool
+                pool = None
+            with _Lease(wh, run_id):
+                sink = _Sink()
+                run = _Run(wh, run_id, known, known_seq, result, sink)
+                try:
+                    _run_files(opts, run, objs, pool)
+                except BaseException:
+                    sink.abort()
+                    raise
+                sink.close()
+                run.finish()
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
         if run.catalog_files >= COMPACT_FILES:
             try:
                 wh.compact()
@@ -1119,25 +1131,31 @@ def _spawn_env(**env: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _run_files(opts: FileOptions, run: _Run, objs: list[SourceObject], n: int,
-               on_worker_start: Callable[[], None] | None) -> None:
+def _start_pool(opts: FileOptions, n: int, on_worker_start: Callable[[], None] | None) -> Pool | None:
+    """``n`` worker processes for :func:`_process_in_pool`, or ``None`` for ``n`` <= 1 (files decoded in-process)."""
     if n <= 1:
+        return None
+    # spawn, not fork: the parent has pyarrow/duckdb threads that fork would copy mid-state.
+    with _spawn_env(**WORKER_ENV):
+        # The parent's S3 client stays with the parent: each worker makes its own.
+        init = (replace(opts, client=None), on_worker_start)
+        return mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init)
+
+
+def _run_files(opts: FileOptions, run: _Run, objs: list[SourceObject], pool: Pool | None) -> None:
+    if pool is None:
         for o in objs:
             run.add(process_file(o, opts))
             if run.pending_bytes >= CHECKPOINT_BYTES:
                 run.checkpoint(final=False)
     else:
-        # spawn, not fork: the parent has pyarrow/duckdb threads that fork would copy mid-state.
         try:
-            with _spawn_env(**WORKER_ENV):
-                # The parent's S3 client stays with the parent: each worker makes its own.
-                init = (replace(opts, client=None), on_worker_start)
-                pool = mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=init)
-            with pool:
-                for fr in pool.imap(_process_in_pool, objs, chunksize=1):
-                    run.add(fr)
-                    if run.pending_bytes >= CHECKPOINT_BYTES:
-                        run.checkpoint(final=False)
+            for fr in pool.imap(_process_in_pool, objs, chunksize=1):
+                run.add(fr)
+                if run.pending_bytes >= CHECKPOINT_BYTES:
+                    run.checkpoint(final=False)
         finally:
+            pool.terminate()  # before the handoff files go: no worker is left to write one
+            pool.join()
             _drop_handoffs()
     run.checkpoint(final=True)

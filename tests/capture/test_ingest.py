@@ -313,6 +313,26 @@ def test_worker_pool_matches_inline(tmp_path):
     assert not glob.glob(os.path.join(ingest_mod.handoff_dir(), ingest_mod.handoff_prefix(os.getpid()) + "*"))
 
 
+def test_the_pool_starts_for_what_is_listed_and_ends_when_nothing_of_it_is_new(tmp_path, monkeypatch):
+    # The pool starts before the catalog says which listed files are new (its workers import
+    # meanwhile); a re-run that finds none new ends it and runs nothing in it.
+    monkeypatch.setattr(ingest_mod, "POOL_MIN_BYTES", 0)
+    pools = []
+    start = ingest_mod._start_pool
+    monkeypatch.setattr(ingest_mod, "_start_pool", lambda *a: pools.append(start(*a)) or pools[-1])
+    src = tmp_path / "cap"
+    write_layout(src, 200, per_file=50, seed=3)
+    cfg = make_cfg(tmp_path)
+    first = ingest(cfg, source=str(src))
+    assert reconciles(first) and first.read == 200 and first.normalized > 100
+    again = ingest(cfg, source=str(src))
+    assert reconciles(again) and (again.objects, again.read, again.normalized) == (0, 0, 0)
+    assert len(pools) == 2 and all(p is not None for p in pools)
+    for p in pools:  # both ended, their workers gone
+        assert not any(w.is_alive() for w in p._pool)
+    assert not glob.glob(os.path.join(ingest_mod.handoff_dir(), ingest_mod.handoff_prefix(os.getpid()) + "*"))
+
+
 def test_cli_ingest_stats_export(tmp_path):
     from app.cli import app
 
@@ -460,6 +480,11 @@ def test_parquet_parts_are_snappy(tmp_path):
     parts = glob.glob(str(Path(cfg.warehouse.uri) / "**" / "*.parquet"), recursive=True)
     meta = pq.ParquetFile(parts[0]).metadata
     assert parts and {meta.row_group(0).column(i).compression for i in range(meta.num_columns)} == {"SNAPPY"}
+    # Min/max statistics where a reader filters (time, endpoint...), none on the text.
+    with_stats = {meta.row_group(0).column(i).path_in_schema for i in range(meta.num_columns)
+                  if meta.row_group(0).column(i).is_stats_set}
+    assert {"inference_time", "endpoint", "dt", "run_id"} <= with_stats
+    assert not with_stats & {"conversations.list.element.value", "messages", "content_hash", "id"}
 
 
 def test_pool_workers_start_with_their_environment_and_the_parent_env_is_restored(tmp_path, monkeypatch):
