@@ -19,10 +19,12 @@ import os
 import platform
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,6 +326,9 @@ def cpu_reserved_cores(env: dict[str, str], reserved: int | None = None,
     return out
 
 
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+
+
 def build_env(spec: ReplicaSpec, base: dict[str, str] | None = None) -> dict[str, str]:
     env = intel_openmp_preload({**(os.environ if base is None else base), **spec.env})
     env = cpu_reserved_cores(env, spec.cpu_reserved_cores)
@@ -348,6 +353,10 @@ class ReplicaProcess:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        # vLLM's engine processes talk over ZMQ sockets in VLLM_RPC_BASE_PATH (default: the
+        # shared temp dir), where an engine that is killed leaves them: each start gets a
+        # directory of its own, removed once its processes are gone.
+        self.rpc_dir: str | None = None
 
     @property
     def url(self) -> str:
@@ -363,14 +372,29 @@ class ReplicaProcess:
             self.spec.head_dir = str(head_dir)
         if self.alive():
             raise RuntimeError(f"replica {self.url} is already running")
+        if self.proc is not None and not group_alive(self.proc.pid):
+            self._drop_rpc_dir()  # a start after an exit that no stop saw
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log.write(f"\n=== start {time.strftime('%FT%T')} head={self.spec.head_dir}\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(build_command(self.spec), env=build_env(self.spec), stdout=log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        env = build_env(self.spec)
+        if RPC_DIR_ENV not in env:  # one set by the user is theirs to keep
+            self.rpc_dir = env[RPC_DIR_ENV] = tempfile.mkdtemp(prefix="drafter-vllm-")
+        try:
+            self.proc = subprocess.Popen(build_command(self.spec), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            self._drop_rpc_dir()
+            raise
+        finally:
+            log.close()
         self.starts += 1
+
+    def _drop_rpc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -411,6 +435,8 @@ class ReplicaProcess:
                                f"{grace + kill_wait:.0f}s of SIGTERM/SIGKILL") from None
         while time.monotonic() < deadline and group_alive(self.proc.pid):
             time.sleep(0.2)
+        if not group_alive(self.proc.pid):
+            self._drop_rpc_dir()
 
     def metrics(self, timeout: float = 30.0) -> str:
         """The replica's Prometheus exposition (``/metrics``)."""

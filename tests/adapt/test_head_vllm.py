@@ -11,7 +11,9 @@ d2t at start: tests/targets/test_architectures.py.
 
 from __future__ import annotations
 
+import os
 import random
+import stat
 
 import httpx
 import pytest
@@ -128,3 +130,6 @@ def test_vllm_server_serves_tiny_model_with_peagle_head(vllm_server):
     metrics = vllm_server.metrics()
     drafts = [l for l in metrics.splitlines() if l.startswith("vllm:spec_decode_num_drafts")]
     assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0, "the P-EAGLE head did not draft"
+    # The engine's ZMQ sockets are in the replica's own directory (serving.replica), not the shared temp dir.
+    socks = [e for e in os.scandir(vllm_server.rpc_dir) if stat.S_ISSOCK(e.stat().st_mode)]
+    assert socks, os.listdir(vllm_server.rpc_dir)

@@ -1,7 +1,9 @@
-"""Stopping a replica's process group: nothing of it is left when ``start`` runs again."""
+"""A replica's process group and what it leaves: nothing of either is left when ``start`` runs again."""
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from serving import replica
 from serving.replica import ReplicaProcess, ReplicaSpec, group_alive, stat_fields
 
 # A leader that ignores SIGTERM and a child (same process group) that ignores it too,
@@ -56,3 +59,52 @@ def test_stop_raises_when_the_leader_outlives_the_wait(tmp_path, monkeypatch):
     finally:
         rp.proc.kill()
         rp.proc.wait()
+
+
+# Stands in for `vllm serve`: makes a socket where vLLM's engine would (VLLM_RPC_BASE_PATH), says
+# where, and waits to be killed without removing it.
+ENGINE = """
+import os, socket, sys, time, uuid
+path = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], str(uuid.uuid4()))
+socket.socket(socket.AF_UNIX).bind(path)
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_each_start_keeps_the_engine_sockets_in_a_private_directory_that_stop_removes(tmp_path, monkeypatch):
+    monkeypatch.delenv(replica.RPC_DIR_ENV, raising=False)
+    monkeypatch.setattr(replica, "build_command", lambda spec: [sys.executable, "-c", ENGINE])
+    rp = ReplicaProcess(SPEC, tmp_path / "log")
+    dirs = []
+    for _ in range(2):  # a start after a stop gets a fresh one
+        rp.start()
+        for _ in range(100):
+            if os.listdir(rp.rpc_dir):
+                break
+            time.sleep(0.1)
+        (sock,) = os.listdir(rp.rpc_dir)
+        assert stat.S_ISSOCK(os.stat(os.path.join(rp.rpc_dir, sock)).st_mode)
+        assert stat.S_IMODE(os.stat(rp.rpc_dir).st_mode) == 0o700
+        dirs.append(rp.rpc_dir)
+        rp.stop(grace=0.5)
+        assert rp.rpc_dir is None and not os.path.exists(dirs[-1])
+    assert dirs[0] != dirs[1]
+
+
+def test_a_rpc_directory_the_user_set_is_kept(tmp_path, monkeypatch):
+    mine = tmp_path / "rpc"
+    mine.mkdir()
+    monkeypatch.setenv(replica.RPC_DIR_ENV, str(mine))
+    monkeypatch.setattr(replica, "build_command", lambda spec: [sys.executable, "-c", ENGINE])
+    rp = ReplicaProcess(SPEC, tmp_path / "log")
+    rp.start()
+    try:
+        for _ in range(100):
+            if list(mine.iterdir()):
+                break
+            time.sleep(0.1)
+        assert rp.rpc_dir is None and len(list(mine.iterdir())) == 1
+    finally:
+        rp.stop(grace=0.5)
+    assert mine.is_dir()
