@@ -1063,6 +1063,7 @@ def ingest(
             if pool is not None:
                 pool.terminate()
                 pool.join()
+                _drop_handoffs()  # after the workers: none is left to write one
         if run.catalog_files >= COMPACT_FILES:
             try:
                 wh.compact()
@@ -1143,19 +1144,10 @@ def _start_pool(opts: FileOptions, n: int, on_worker_start: Callable[[], None] |
 
 
 def _run_files(opts: FileOptions, run: _Run, objs: list[SourceObject], pool: Pool | None) -> None:
-    if pool is None:
-        for o in objs:
-            run.add(process_file(o, opts))
-            if run.pending_bytes >= CHECKPOINT_BYTES:
-                run.checkpoint(final=False)
-    else:
-        try:
-            for fr in pool.imap(_process_in_pool, objs, chunksize=1):
-                run.add(fr)
-                if run.pending_bytes >= CHECKPOINT_BYTES:
-                    run.checkpoint(final=False)
-        finally:
-            pool.terminate()  # before the handoff files go: no worker is left to write one
-            pool.join()
-            _drop_handoffs()
+    """Every file of ``objs`` into ``run``, in ``pool`` (which the caller ends) or in this process."""
+    done = (process_file(o, opts) for o in objs) if pool is None else pool.imap(_process_in_pool, objs, chunksize=1)
+    for fr in done:
+        run.add(fr)
+        if run.pending_bytes >= CHECKPOINT_BYTES:
+            run.checkpoint(final=False)
     run.checkpoint(final=True)
