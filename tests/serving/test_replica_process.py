@@ -72,6 +72,14 @@ time.sleep(600)
 """
 
 
+def _sockets_made_in(d: Path, wait: float = 10.0) -> list[str]:
+    """The names in ``d`` once the stand-in engine has bound its socket there."""
+    deadline = time.monotonic() + wait
+    while not os.listdir(d) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return os.listdir(d)
+
+
 def test_each_start_keeps_the_engine_sockets_in_a_private_directory_that_stop_removes(tmp_path, monkeypatch):
     monkeypatch.delenv(replica.RPC_DIR_ENV, raising=False)
     monkeypatch.setattr(replica, "build_command", lambda spec: [sys.executable, "-c", ENGINE])
@@ -79,11 +87,7 @@ def test_each_start_keeps_the_engine_sockets_in_a_private_directory_that_stop_re
     dirs = []
     for _ in range(2):  # a start after a stop gets a fresh one
         rp.start()
-        for _ in range(100):
-            if os.listdir(rp.rpc_dir):
-                break
-            time.sleep(0.1)
-        (sock,) = os.listdir(rp.rpc_dir)
+        (sock,) = _sockets_made_in(Path(rp.rpc_dir))
         assert stat.S_ISSOCK(os.stat(os.path.join(rp.rpc_dir, sock)).st_mode)
         assert stat.S_IMODE(os.stat(rp.rpc_dir).st_mode) == 0o700
         dirs.append(rp.rpc_dir)
@@ -100,11 +104,7 @@ def test_a_rpc_directory_the_user_set_is_kept(tmp_path, monkeypatch):
     rp = ReplicaProcess(SPEC, tmp_path / "log")
     rp.start()
     try:
-        for _ in range(100):
-            if list(mine.iterdir()):
-                break
-            time.sleep(0.1)
-        assert rp.rpc_dir is None and len(list(mine.iterdir())) == 1
+        assert rp.rpc_dir is None and len(_sockets_made_in(mine)) == 1
     finally:
         rp.stop(grace=0.5)
     assert mine.is_dir()
