@@ -155,9 +155,19 @@ def demo_traffic(cache_dir: str, d) -> dict[str, list[dict]]:
             "drifted": drift}
 
 
-def split_heldout(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
-    """The part replayed before the quiet gap (trained on) and the part after it (held out)."""
+def split_heldout(rows: list[dict], fraction: float, min_turns: int = 0,
+                  max_turns: int | None = None) -> tuple[list[dict], list[dict]]:
+    """The part replayed before the quiet gap (trained on) and the part after it (held out): the last
+    ``fraction`` of the conversations, or more of them where those hold fewer than ``min_turns`` user
+    turns (at most ``max_turns`` each, as they are replayed). Each turn is one captured request, so one
+    prompt the bench can replay; at least one conversation stays on each side."""
+    from capture.sharegpt import to_messages
+
     n_hold = max(1, round(len(rows) * fraction))
+    turns = [min(sum(m["role"] == "user" for m in to_messages(r)), max_turns or 10**9)
+             for r in rows] if min_turns else []
+    while n_hold < len(rows) - 1 and sum(turns[-n_hold:]) < min_turns:
+        n_hold += 1
     return rows[:-n_hold], rows[-n_hold:]
 
 
@@ -393,7 +403,9 @@ class Demo:
     def phase(self, rows: list[dict], label: str, after: dict[str, Any] | None = None) -> tuple[dt.datetime, list]:
         """One traffic phase: its first part (with the ``after`` cycle's version swapped in meanwhile when it
         was promoted), a quiet gap, then the held-out part. Returns the gap's midpoint and the held-out rows."""
-        train, held = split_heldout(rows, self.d.heldout_fraction)
+        # Every phase holds out at least the bench's prompts: a phase of single-turn conversations (the
+        # drift's tool calls) held out by fraction alone would leave its gate fewer prompt groups.
+        train, held = split_heldout(rows, self.d.heldout_fraction, self.d.bench_max_prompts, self.d.max_turns)
         if after is None:
             self.traffic.send(train, label)
         else:

@@ -399,7 +399,8 @@ class DemoConfig(_Section):
     drifted_conversations: int = Field(24, ge=2)
     tool_prompts: int = Field(12, ge=0)
     # The last fraction of each phase is sent after a quiet gap and held out by time: the bench's
-    # prompts (one per conversation), so at least [gate] min_clusters per concurrency wave.
+    # prompts (one per turn), with more conversations where that fraction holds fewer turns than
+    # bench_max_prompts (so at least [gate] min_clusters per concurrency wave).
     heldout_fraction: float = Field(1 / 3, gt=0, lt=1)
     max_turns: int = Field(3, ge=1)
     # Conversations whose first user turn is longer are skipped (they would not fit the served context).

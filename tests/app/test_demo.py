@@ -171,6 +171,27 @@ def test_demo_traffic_is_real_conversations_general_then_code_and_tools(tmp_path
     assert t == demo_traffic(str(tmp_path_factory.getbasetemp() / "prompt-wheels"), d)  # the same every run
 
 
+def test_each_phase_holds_out_at_least_the_benchs_prompts():
+    from app.demo import split_heldout
+
+    def conv(i: int, users: int) -> dict:
+        turns = [t for u in range(users) for t in ({"from": "human", "value": f"q{i}.{u}"},
+                                                    {"from": "gpt", "value": f"a{i}.{u}"})]
+        return {"id": str(i), "conversations": [{"from": "system", "value": "tools"}, *turns]}
+
+    multi = [conv(i, 3) for i in range(12)]
+    single = [conv(i, 1) for i in range(12)]
+    # Multi-turn: the last third already holds 4 x 3 = 12 turns, more than the 8 asked for.
+    assert split_heldout(multi, 1 / 3, 8, 3) == (multi[:8], multi[8:])
+    # Single-turn (tool calls): the last third holds 4 turns, so 8 conversations are held out for 8 prompts.
+    assert split_heldout(single, 1 / 3, 8, 3) == (single[:4], single[4:])
+    assert split_heldout(single, 1 / 3) == (single[:8], single[8:])  # by fraction alone
+    # Turns count as replayed: at most max_turns of each conversation.
+    assert split_heldout(multi, 1 / 12, 6, 1) == (multi[:6], multi[6:])
+    # Never everything: one conversation stays to train on.
+    assert split_heldout(single, 1 / 3, 100, 3) == (single[:1], single[1:])
+
+
 def _cycle_summary(tmp_path, name, speed, al, verdict, promoted, version):
     """A cycle summary whose bench JSON comes from the real analysis of simulated measurements."""
     from evaluation.bench import CANDIDATE, CONTROL, LIVE, NOSPEC, HeadRef, analyze
