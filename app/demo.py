@@ -403,9 +403,7 @@ class Demo:
     def phase(self, rows: list[dict], label: str, after: dict[str, Any] | None = None) -> tuple[dt.datetime, list]:
         """One traffic phase: its first part (with the ``after`` cycle's version swapped in meanwhile when it
         was promoted), a quiet gap, then the held-out part. Returns the gap's midpoint and the held-out rows."""
-        # Every phase holds out at least the bench's prompts: a phase of single-turn conversations (the
-        # drift's tool calls) held out by fraction alone would leave its gate fewer prompt groups.
-        train, held = split_heldout(rows, self.d.heldout_fraction, self.d.bench_max_prompts, self.d.max_turns)
+        train, held = split_heldout(rows, self.d.heldout_fraction, self.d.heldout_min_turns, self.d.max_turns)
         if after is None:
             self.traffic.send(train, label)
         else:

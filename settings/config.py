@@ -396,12 +396,13 @@ class DemoConfig(_Section):
     # (BFCL) as the drift.
     general_conversations: int = Field(36, ge=4)
     nightly_conversations: int = Field(24, ge=2)
-    drifted_conversations: int = Field(24, ge=2)
+    drifted_conversations: int = Field(36, ge=2)
     tool_prompts: int = Field(12, ge=0)
     # The last fraction of each phase is sent after a quiet gap and held out by time: the bench's
-    # prompts (one per turn), with more conversations where that fraction holds fewer turns than
-    # bench_max_prompts (so at least [gate] min_clusters per concurrency wave).
+    # prompts (one per turn), so at least [gate] min_clusters per concurrency wave; more of the phase's
+    # conversations where that fraction holds fewer than heldout_min_turns turns (0: the fraction alone).
     heldout_fraction: float = Field(1 / 3, gt=0, lt=1)
+    heldout_min_turns: int = Field(0, ge=0)
     max_turns: int = Field(3, ge=1)
     # Conversations whose first user turn is longer are skipped (they would not fit the served context).
     max_turn_chars: int = Field(2000, ge=16)

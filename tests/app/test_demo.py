@@ -104,7 +104,8 @@ def test_demo_shows_promotion_refusal_and_rollback_on_the_tiny_target(model_cach
         "controller": {"rollback_fraction": 0.0, "drift_fraction": 0.0},
         # The nightly phase holds out 12 conversations: the pre-screen needs 6 prompts after dedupe.
         "demo": {"general_conversations": 9, "nightly_conversations": 36, "drifted_conversations": 6,
-                 "tool_prompts": 3, "heldout_fraction": 1 / 3, "max_turns": 1, "max_turn_chars": 400,
+                 "tool_prompts": 3, "heldout_fraction": 1 / 3, "heldout_min_turns": 0, "max_turns": 1,
+                 "max_turn_chars": 400,
                  "max_tokens": 24, "concurrency": 4, "gap_seconds": 2, "bootstrap_steps": 20, "nightly_steps": 1,
                  "adapt_steps": 20, "train_minutes": 1, "nightly_minutes": 1, "bench_concurrencies": [1],
                  "bench_max_tokens": 16,
