@@ -9,7 +9,8 @@
   ``max_seq_len`` tokens and rows into batches of at most ``batch_tokens``;
   :class:`StepBatches` gives each step, on each rank, its batch.
 * :func:`build_draft_vocab` picks the draft vocabulary from token frequencies.
-* :func:`mix_replay` mixes new conversations with a seeded replay sample of older ones.
+* :func:`split_new` tells the rows a fine-tune's parent came after from those of its era, and
+  :func:`mix_replay` mixes the new ones with a seeded replay sample of the older ones.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +243,44 @@ def mix_replay(new: Sequence[Any], old: Sequence[Any], ratio: float, seed: int =
         n = min(len(pool), round(len(new) * ratio / (1.0 - ratio)))
     sample = random.Random(seed).sample(pool, n) if n else []
     return list(new) + sample
+
+
+def _utc(value: Any) -> str | None:
+    """A row's ``inference_time`` (datetime or ISO text) as comparable ISO text in UTC, or None."""
+    if value is None or value == "":
+        return None
+    when = value if isinstance(value, datetime) else datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.astimezone(timezone.utc).isoformat()
+
+
+def newest_time(rows: Iterable[Mapping[str, Any]]) -> str | None:
+    """The latest ``inference_time`` among ``rows`` (ISO, UTC), or None when none carries one."""
+    times = [t for t in (_utc(r.get("inference_time")) for r in rows) if t]
+    return max(times) if times else None
+
+
+def split_new(rows: Sequence[Any], parent_data: Mapping[str, Any] | None,
+              key=row_hash) -> tuple[list[Any], list[Any]]:
+    """(rows the parent head came after, rows of its era): what a fine-tune trains on as new, and what
+    it replays a share of (:func:`mix_replay`).
+
+    ``parent_data`` is the parent's manifest ``data_snapshot``. Rows captured up to its ``data_until``
+    (the newest row it trained on) are its era whether or not its own replay sample held them, so
+    history is not trained as new again every night; a row without a capture time, or a parent that
+    did not record one (an imported head, one trained before it was recorded), goes by the
+    ``content_hashes`` it lists. Without a parent's data everything is new.
+    """
+    if not parent_data:
+        return list(rows), []
+    until = _utc(parent_data.get("data_until"))
+    seen = set(parent_data.get("content_hashes") or ())
+    new, old = [], []
+    for r in rows:
+        when = _utc(r.get("inference_time")) if until else None
+        (old if (when <= until if when else key(r) in seen) else new).append(r)
+    return new, old
 
 
 # --- draft vocabulary -------------------------------------------------------------

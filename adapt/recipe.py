@@ -38,7 +38,7 @@ import torch
 
 from adapt.attention import SHAPES, Pick, candidates, pick_backend, unavailable_reason
 from adapt.checkpoint import save_head
-from adapt.data import StepBatches, TokenizeReport, mix_replay, snapshot_id, tokenize_rows
+from adapt.data import StepBatches, TokenizeReport, mix_replay, newest_time, snapshot_id, tokenize_rows
 from adapt.device import cpu_model, pick_device, target_device_map, use_bf16_autocast
 from adapt.distributed import (barrier, broadcast_from_main, init_distributed, max_over_ranks, teardown_distributed,
                                wrap_data_parallel)
@@ -99,6 +99,7 @@ class TrainRecipe:
         self.features: TargetFeatures | None = None
         self.acceptance: dict[str, Any] | None = None
         self.tokenize_report = TokenizeReport()
+        self.data_until: str | None = None  # the newest capture time among the rows trained on
         self.tokens_run, self.seconds = 0, 0.0  # this session's, not the resumed run's
         self._finished = False
         self.attention: Pick | None = None
@@ -154,6 +155,7 @@ class TrainRecipe:
         rows = mix_replay(list(conversations), list(replay or []), tc.replay_ratio, tc.seed)
         # A row that cannot be rendered as the target processed it is skipped and counted, never fatal.
         self.tokenize_report = TokenizeReport()
+        self.data_until = newest_time(rows)  # a fine-tune of this head trains on what came after as new
         self.examples = tokenize_rows(tok, rows, tc.max_seq_len, self.tokenize_report)
         if not self.examples:
             raise ValueError(f"no conversation has assistant tokens to train on ({self.tokenize_report.to_dict()})")
@@ -331,6 +333,7 @@ class TrainRecipe:
         return {
             "parent": self.parent_sha,
             "data_snapshot": {"id": self.snapshot, "num_conversations": len(self.examples),
+                              "data_until": self.data_until,
                               "content_hashes": sorted(e.content_hash for e in self.examples)},
             "config": {"training": self.tc.model_dump(mode="json"), "head": self.cfg.head.model_dump(mode="json")},
             "target": target_identity(self.target_dir),

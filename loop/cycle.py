@@ -270,8 +270,10 @@ def step_train(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str
 
 
 def train_here(cx: Cycle, state: dict[str, Any]) -> dict[str, Any]:
+    from adapt.data import split_new
     from adapt.launch import launched_rank
     from adapt.train import train
+    from headspec.files import read_manifest
     from headspec.validate import validate_head
 
     cfg = cx.cfg
@@ -279,8 +281,11 @@ def train_here(cx: Cycle, state: dict[str, Any]) -> dict[str, Any]:
     snap, base = _out(state, "snapshot"), _out(state, "base")
     rows = _read_rows(cx.local(state, snap["train"]["path"]))
     parent = cx.local(state, base["parent_path"])
+    # A fine-tune trains on the traffic since its parent's data, plus a [training] replay_ratio share
+    # of what came before: the whole history every night would dilute a drift more every night.
+    new, old = split_new(rows, read_manifest(parent).get("data_snapshot") if parent else None)
     # The checkpoint in head.run makes an interrupted training resume where it stopped (on this worker).
-    res = train(cfg, rows, str(parent) if parent else None, d / "head", run_dir=d / "head.run",
+    res = train(cfg, new, str(parent) if parent else None, d / "head", old, run_dir=d / "head.run",
                 target_dir=_target(cfg), progress=False)
     if launched_rank():  # under torchrun every rank trains; rank 0 writes what the step answers
         return {}
@@ -289,7 +294,8 @@ def train_here(cx: Cycle, state: dict[str, Any]) -> dict[str, Any]:
     return {"head_path": "head", "head_sha256": info.sha256, "num_speculative_tokens": info.num_speculative_tokens,
             "steps": res.steps, "tokens": res.tokens, "tokens_per_s": res.tokens_per_s,
             "final_depth_loss": res.final_depth_loss, "final_depth_acc": res.final_depth_acc,
-            "data_snapshot": res.data_snapshot, "train_json": "train.json"}
+            "data_snapshot": res.data_snapshot, "train_json": "train.json", "new_rows": len(new),
+            "older_rows": len(old), "examples": res.num_examples}
 
 
 def step_evaluate(cx: Cycle, state: dict[str, Any], opts: CycleOptions) -> dict[str, Any]:

@@ -226,6 +226,35 @@ def test_mix_replay_is_seeded_sized_and_deduplicated():
     assert sum(r is new[0] for r in mix_replay(new, old, 1.0)) == 1
 
 
+def test_a_fine_tune_trains_on_what_came_after_its_parents_data_and_replays_the_rest():
+    from datetime import datetime, timezone
+
+    from adapt.data import newest_time, split_new
+
+    def row(h: str, minute: int | None) -> dict:
+        when = None if minute is None else datetime(2026, 11, 29, 12, minute, tzinfo=timezone.utc)
+        return {"content_hash": h, "inference_time": when, "conversations": []}
+
+    rows = [row("a", 0), row("b", 10), row("c", 20), row("d", 30), row("e", None)]
+    assert newest_time(rows) == "2026-11-29T12:30:00+00:00" and newest_time([row("x", None)]) is None
+    # ISO text (JSONL rows), naive times (UTC) and other zones compare as the same instants.
+    assert newest_time([{"inference_time": "2026-11-29T13:05:00+01:00"}, {"inference_time": "2026-11-29T12:01:00"}]) \
+        == "2026-11-29T12:05:00+00:00"
+    # The parent's era is everything up to the newest row it trained on, sampled into its replay or not;
+    # a row without a time goes by the hashes the parent lists.
+    parent = {"data_until": "2026-11-29T12:10:00+00:00", "content_hashes": ["a", "e"]}
+    new, old = split_new(rows, parent)
+    assert [r["content_hash"] for r in new] == ["c", "d"] and [r["content_hash"] for r in old] == ["a", "b", "e"]
+    # A parent that recorded no time (imported, or trained before it was recorded): its hashes alone.
+    new, old = split_new(rows, {"content_hashes": ["a", "b"]})
+    assert [r["content_hash"] for r in new] == ["c", "d", "e"] and [r["content_hash"] for r in old] == ["a", "b"]
+    assert split_new(rows, None) == (rows, []) and split_new(rows, {}) == (rows, [])
+    # What the cycle then trains on: the new rows and a replay_ratio share of the older ones.
+    new, old = split_new(rows, parent)
+    mixed = mix_replay(new, old, 0.5, seed=0)
+    assert mixed[:2] == new and len(mixed) == 4 and all(r in old for r in mixed[2:])
+
+
 def test_packing_respects_budgets_and_is_seeded():
     lengths = [100, 300, 50, 250, 500, 80, 20]
     rows = pack_rows(lengths, 512)

@@ -38,7 +38,7 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10)))
         a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 40)))
-        rows.append({"content_hash": f"c{seed}-{i}",
+        rows.append({"content_hash": f"c{seed}-{i}", "inference_time": f"2026-11-29T12:{i % 60:02d}:00+00:00",
                      "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
     return rows
 
@@ -62,6 +62,8 @@ def test_bootstrap_learns_and_exports_a_valid_head(bootstrapped, tiny_model):
     m = info.manifest
     assert m["parent"] is None and m["data_snapshot"]["id"] == res.data_snapshot
     assert len(m["data_snapshot"]["content_hashes"]) == 24
+    # Its children train on what was captured after this as new (adapt.data.split_new).
+    assert m["data_snapshot"]["data_until"] == "2026-11-29T12:23:00+00:00"
     assert m["config"]["training"]["max_steps"] == 30 and m["training"]["steps"] == 30
     # The draft vocabulary always holds the end-of-turn token the target emits.
     w = load_file(str(head / "model.safetensors"))

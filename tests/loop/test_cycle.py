@@ -278,3 +278,44 @@ def test_the_last_cycles_noise_sizes_this_cycles_attempts(cfg, monkeypatch):
     # both attempts take the sized shape, the prompts per concurrency too where they differ
     at = {int(c): n for c, n in busy["prompts_at"].items()} or None
     assert [a[1:] for a in asked if a[0] == "c5"] == [(*shape, at)] * 2
+
+
+def test_a_fine_tune_trains_on_the_traffic_since_its_parents_data(cfg, monkeypatch, tmp_path):
+    """The train step hands the trainer the rows after the parent's newest trained row as new, the rest as
+    replay (adapt.data.split_new: unit-tested in tests/adapt/test_layout.py); a bootstrap gets every row."""
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import adapt.train
+    import headspec.validate
+
+    cx = cycle.Cycle(cfg)
+    d = cx.dir("c1")
+    d.mkdir(parents=True, exist_ok=True)
+    times = [datetime(2026, 11, 29, 12, m, tzinfo=timezone.utc) for m in (0, 10, 20, 30)]
+    pq.write_table(pa.table({"content_hash": ["a", "b", "c", "d"], "inference_time": times}), d / "train.parquet")
+    (d / "parent").mkdir()
+    (d / "parent" / "manifest.json").write_text(
+        json.dumps({"data_snapshot": {"data_until": "2026-11-29T12:10:00+00:00", "content_hashes": ["a"]}}))
+    seen: dict = {}
+
+    def fake_train(cfg, rows, base, out_dir, replay=None, **kw):
+        seen.update(new=[r["content_hash"] for r in rows], old=[r["content_hash"] for r in replay or []], base=base)
+        return SimpleNamespace(out_dir=out_dir, steps=1, tokens=1, tokens_per_s=1.0, final_depth_loss=[],
+                               final_depth_acc=[], data_snapshot="s", num_examples=len(rows), to_json=lambda: {})
+
+    monkeypatch.setattr(adapt.train, "train", fake_train)
+    monkeypatch.setattr(headspec.validate, "validate_head",
+                        lambda *a, **k: SimpleNamespace(sha256="h", num_speculative_tokens=3))
+    monkeypatch.setattr(cycle, "_target", lambda cfg: tmp_path)
+    state = {"cycle_id": "c1", "steps": {"snapshot": {"train": {"path": "train.parquet"}},
+                                         "base": {"parent_path": "parent"}}}
+    out = cycle.train_here(cx, state)
+    assert seen == {"new": ["c", "d"], "old": ["a", "b"], "base": str(d / "parent")}
+    assert out["new_rows"] == 2 and out["older_rows"] == 2
+    state["steps"]["base"]["parent_path"] = None  # a bootstrap: everything is new
+    out = cycle.train_here(cx, state)
+    assert seen == {"new": ["a", "b", "c", "d"], "old": [], "base": None} and out["older_rows"] == 0
