@@ -419,7 +419,7 @@ class DemoConfig(_Section):
     bootstrap_steps: int = Field(100, ge=1)
     nightly_steps: int = Field(10, ge=1)
     adapt_steps: int = Field(150, ge=1)
-    train_minutes: float = Field(4.0, gt=0)
+    train_minutes: float = Field(5.0, gt=0)
     nightly_minutes: float = Field(1.0, gt=0)
     # The demo's replay benchmark (the rest of [bench] applies): concurrencies and answer length. Each
     # concurrency c needs [gate] min_clusters * c held-out prompts; every one adds minutes on 2 cores.
