@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from adapt.render import RenderError, request_examples
+from capture.records import parse_time
 from capture.sharegpt import to_exchange, to_messages
 
 
@@ -247,9 +248,9 @@ def mix_replay(new: Sequence[Any], old: Sequence[Any], ratio: float, seed: int =
 
 def _utc(value: Any) -> str | None:
     """A row's ``inference_time`` (datetime or ISO text) as comparable ISO text in UTC, or None."""
-    if value is None or value == "":
+    when = value if isinstance(value, datetime) else parse_time(value)
+    if when is None:
         return None
-    when = value if isinstance(value, datetime) else datetime.fromisoformat(str(value).replace("Z", "+00:00"))
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
     return when.astimezone(timezone.utc).isoformat()

@@ -161,11 +161,10 @@ def split_heldout(rows: list[dict], fraction: float, min_turns: int = 0,
     ``fraction`` of the conversations, or more of them where those hold fewer than ``min_turns`` user
     turns (at most ``max_turns`` each, as they are replayed). Each turn is one captured request, so one
     prompt the bench can replay; at least one conversation stays on each side."""
-    from capture.sharegpt import to_messages
+    from traffic.replay import replayed_turns
 
     n_hold = max(1, round(len(rows) * fraction))
-    turns = [min(sum(m["role"] == "user" for m in to_messages(r)), max_turns or 10**9)
-             for r in rows] if min_turns else []
+    turns = [replayed_turns(r, max_turns) for r in rows] if min_turns else []
     while n_hold < len(rows) - 1 and sum(turns[-n_hold:]) < min_turns:
         n_hold += 1
     return rows[:-n_hold], rows[-n_hold:]

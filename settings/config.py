@@ -402,7 +402,7 @@ class DemoConfig(_Section):
     # prompts (one per turn), so at least [gate] min_clusters per concurrency wave; more of the phase's
     # conversations where that fraction holds fewer than heldout_min_turns turns (0: the fraction alone).
     heldout_fraction: float = Field(1 / 3, gt=0, lt=1)
-    heldout_min_turns: int = Field(0, ge=0)
+    heldout_min_turns: int = Field(16, ge=0)
     max_turns: int = Field(3, ge=1)
     # Conversations whose first user turn is longer are skipped (they would not fit the served context).
     max_turn_chars: int = Field(2000, ge=16)

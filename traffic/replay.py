@@ -90,6 +90,11 @@ async def replay_conversation(client: httpx.AsyncClient, url: str, model: str, r
     return history
 
 
+def replayed_turns(row: dict[str, Any], max_turns: int | None = None) -> int:
+    """The user turns of ``row`` a replay sends (at most ``max_turns``): one request, one captured record each."""
+    return min(sum(m["role"] == "user" for m in to_messages(row)), max_turns or 10**9)
+
+
 async def _replay(url: str, model: str, rows: list[dict[str, Any]], *, max_tokens: int, max_turns: int | None,
                   concurrency: int, rate: float, seed: int, temperature: float, progress: bool,
                   headers: dict[str, str] | None, transcripts: list | None) -> ReplayStats:
@@ -100,7 +105,7 @@ async def _replay(url: str, model: str, rows: list[dict[str, Any]], *, max_token
     if progress:
         from tqdm import tqdm
 
-        total = sum(min(sum(m["role"] == "user" for m in to_messages(r)), max_turns or 10**9) for r in rows)
+        total = sum(replayed_turns(r, max_turns) for r in rows)
         bar = tqdm(total=total, desc="replay turns", unit="turn", file=sys.stderr, dynamic_ncols=True)
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
