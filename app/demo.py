@@ -340,8 +340,8 @@ def offline_figures(summary: dict[str, Any]) -> dict[str, Any]:
     check = ev.get("check") or {}
     return {"candidate": ev["candidate"].get("mean_acceptance_length"),
             "live": ev["live"].get("mean_acceptance_length"), "difference": check.get("estimate"),
-            "ci": check.get("ci"), "margin": check.get("margin"), "status": check.get("status"),
-            "prompts": check.get("clusters")}
+            "ci": check.get("ci"), "margin": check.get("margin"),
+            "status": "rejected" if ev.get("prescreen") else check.get("status"), "prompts": check.get("clusters")}
 
 
 # --- the steps of the demo --------------------------------------------------------------------

@@ -327,7 +327,8 @@ def evaluate_here(cx: Cycle, state: dict[str, Any]) -> dict[str, Any]:
                                         _target(cfg), rows, max_new_tokens=cfg.bench.max_tokens,
                                         device=cfg.training.device)
     verdict = gate_mod.prescreen(out, cfg.gate)
-    out["check"] = gate_mod.offline_check(out, cfg.gate).to_json()
+    # the check a rejection read (at a bench look's level where the futility rule refused), else the gate's
+    out["check"] = (verdict.checks[0] if verdict else gate_mod.offline_check(out, cfg.gate)).to_json()
     out["prescreen"] = verdict.to_json() if verdict else None
     if cfg.bench.step_times:
         out["k_proposal"] = k_proposal(cfg, cx.local(state, tr["head_path"]),

@@ -351,18 +351,20 @@ def _decide_at(results: list[BenchResult], gate: Any, more_prompts: bool, level:
     return Verdict(status, reason, checks, look, level, sorted(voids), final)
 
 
-def offline_check(offline: dict[str, Any], gate: Any) -> Check:
+def offline_check(offline: dict[str, Any], gate: Any, level: float | None = None) -> Check:
     """The candidate's offline acceptance against the live head's, paired by held-out prompt.
 
     ``offline`` is ``evaluation.offline.compare_heads``' output for roles candidate and live.
     Each prompt is a cluster (one held-out conversation each); the per-prompt difference in
-    mean acceptance length gets a t-interval at the gate's one-sided level per bound.
+    mean acceptance length gets a t-interval at one-sided ``level`` per bound (the gate's level
+    unless given).
     """
+    level = gate.level if level is None else level
     cand, live = offline.get(CANDIDATE) or {}, offline.get(LIVE) or {}
     pairs = [(1 + ca / cd) - (1 + la / ld) for (cd, ca), (ld, la)
              in zip(cand.get("per_prompt") or [], live.get("per_prompt") or []) if cd and ld]
-    iv = t_interval(pairs, 1.0 - 2.0 * gate.level)
-    return check("offline_acceptance_length", iv, max(gate.min_acceptance_gain, 0.0), "tokens", gate.level,
+    iv = t_interval(pairs, 1.0 - 2.0 * level)
+    return check("offline_acceptance_length", iv, max(gate.min_acceptance_gain, 0.0), "tokens", level,
                  gate.min_clusters)
 
 
@@ -373,13 +375,26 @@ def prescreen(offline: dict[str, Any], gate: Any) -> Verdict | None:
     it replays the same held-out prompts through the target's own greedy answers. When that
     estimate is confidently *not* better than the live head's by the margin, benchmarking
     cannot change the verdict's direction on that figure, so the cycle stops here and spends
-    no engine time. Only rejection is taken from offline figures: a promotion always needs
-    the replay benchmark, so the false-promotion rate stays the bench's.
+    no engine time. With ``[gate] offline_futility`` it also rejects a candidate whose offline
+    acceptance does not pass at the most lenient level any bench look of acceptance gets
+    (``α / max_attempts``): the bench measures acceptance on a subset of the same prompts with
+    the same greedy answers, so its estimate tracks the offline one and its interval, from no
+    more prompts than the offline check has, is no narrower; an attempt would spend engine time
+    on a refusal known in advance. Fewer prompts than ``min_clusters`` leave the bench to decide.
+    Only rejection is taken from offline figures: a promotion always needs the replay benchmark,
+    so the false-promotion rate stays the bench's.
     """
     c = offline_check(offline, gate)
-    if c.status != REJECTED:
+    if c.status == REJECTED:
+        return Verdict(REJECTED, f"offline, before benchmarking: {c.why}", [c], 0, gate.level, [], True)
+    if not gate.offline_futility:
         return None
-    return Verdict(REJECTED, f"offline, before benchmarking: {c.why}", [c], 0, gate.level, [], True)
+    level = look_level(gate.level, gate.max_attempts)
+    f = offline_check(offline, gate, level)
+    if f.status == PASSED or f.clusters < gate.min_clusters:
+        return None
+    return Verdict(REJECTED, f"offline, before benchmarking: the bench's acceptance check, at its level {level:.3g} "
+                   f"on the same prompts, could not pass: {f.why}", [f], 0, level, [], True)
 
 
 def bootstrap_verdict() -> Verdict:

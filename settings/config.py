@@ -301,6 +301,11 @@ class GateConfig(_Section):
     # Compare offline acceptance (candidate vs live, paired by held-out prompt) before benchmarking,
     # and reject a candidate confidently not better by min_acceptance_gain without spending engine time.
     offline_prescreen: bool = True
+    # With the pre-screen: also reject a candidate whose offline acceptance does not pass at the most
+    # lenient level a bench look of acceptance gets (level / max_attempts). The bench measures
+    # acceptance on a subset of the same held-out prompts with the same greedy answers, so it would
+    # refuse too; off, the bench runs unless the candidate is confidently not better.
+    offline_futility: bool = True
 
     @property
     def level(self) -> float:

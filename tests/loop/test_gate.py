@@ -319,9 +319,26 @@ def test_the_offline_prescreen_never_promotes_and_lets_the_bench_decide_otherwis
     better = offline([(50, a + 10) for _, a in live], live)  # +0.2 per prompt
     assert offline_check(better, GateConfig()).status == PASSED and prescreen(better, GateConfig()) is None
     noisy = offline([(50, a + (15 if i % 2 else -14)) for i, (_, a) in enumerate(live)], live)
-    assert offline_check(noisy, GateConfig()).status == INCONCLUSIVE and prescreen(noisy, GateConfig()) is None
+    lenient = GateConfig(offline_futility=False)
+    assert offline_check(noisy, lenient).status == INCONCLUSIVE and prescreen(noisy, lenient) is None
     few = offline([(50, 10)] * 3, [(50, 10)] * 3)  # fewer prompts than min_clusters: no decision
-    assert offline_check(few, GateConfig()).status == INCONCLUSIVE and prescreen(few, GateConfig()) is None
+    for gate in (GateConfig(), lenient):
+        assert offline_check(few, gate).status == INCONCLUSIVE and prescreen(few, gate) is None
+
+
+def test_the_offline_futility_rule_rejects_what_the_benchs_acceptance_check_could_not_pass():
+    """A candidate a little better offline, but not by the margin at the level a bench look of acceptance gets
+    (α / max_attempts), is refused before any engine time; one that passes at that level goes on to the bench."""
+    live = [(50, 10 + i) for i in range(12)]
+    slight = offline([(50, a + (3 if i % 2 else 0)) for i, (_, a) in enumerate(live)], live)  # +0.03 on average
+    gate = GateConfig()
+    assert offline_check(slight, gate).status == INCONCLUSIVE  # not confidently worse: the old rule benches it
+    v = prescreen(slight, gate)
+    assert v is not None and v.status == REJECTED and v.final and "could not pass" in v.reason
+    assert v.level == pytest.approx(gate.level / gate.max_attempts) and v.checks[0].ci[0] < gate.min_acceptance_gain
+    assert prescreen(slight, GateConfig(offline_futility=False)) is None
+    clear = offline([(50, a + (4 if i % 2 else 3)) for i, (_, a) in enumerate(live)], live)  # +0.07, tight
+    assert prescreen(clear, gate) is None
 
 
 def test_the_attempts_are_sized_from_the_last_cycles_noise_within_twice_the_default_budget():
