@@ -394,7 +394,7 @@ def prescreen(offline: dict[str, Any], gate: Any) -> Verdict | None:
     if f.status == PASSED or f.clusters < gate.min_clusters:
         return None
     return Verdict(REJECTED, f"offline, before benchmarking: the bench's acceptance check, at its level {level:.3g} "
-                   f"on the same prompts, could not pass: {f.why}", [f], 0, level, [], True)
+                   f"on the same prompts, would not pass: {f.why}", [f], 0, level, [], True)
 
 
 def bootstrap_verdict() -> Verdict:

@@ -334,7 +334,7 @@ def test_the_offline_futility_rule_rejects_what_the_benchs_acceptance_check_coul
     gate = GateConfig()
     assert offline_check(slight, gate).status == INCONCLUSIVE  # not confidently worse: the old rule benches it
     v = prescreen(slight, gate)
-    assert v is not None and v.status == REJECTED and v.final and "could not pass" in v.reason
+    assert v is not None and v.status == REJECTED and v.final and "would not pass" in v.reason
     assert v.level == pytest.approx(gate.level / gate.max_attempts) and v.checks[0].ci[0] < gate.min_acceptance_gain
     assert prescreen(slight, GateConfig(offline_futility=False)) is None
     clear = offline([(50, a + (4 if i % 2 else 3)) for i, (_, a) in enumerate(live)], live)  # +0.07, tight
