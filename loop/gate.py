@@ -380,7 +380,8 @@ def prescreen(offline: dict[str, Any], gate: Any) -> Verdict | None:
     (``α / max_attempts``): the bench measures acceptance on a subset of the same prompts with
     the same greedy answers, so its estimate tracks the offline one and its interval, from no
     more prompts than the offline check has, is no narrower; an attempt would spend engine time
-    on a refusal that is all but certain (a prediction: the served figure may differ a little). Fewer prompts than ``min_clusters`` leave the bench to decide.
+    on a refusal that is all but certain (a prediction: the served figure may differ a little).
+    Fewer prompts than ``min_clusters`` leave the bench to decide.
     Only rejection is taken from offline figures: a promotion always needs the replay benchmark,
     so the false-promotion rate stays the bench's.
     """
